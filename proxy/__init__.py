@@ -1,0 +1,1 @@
+"""The proxy layer: HTTP surface, forwarding, metering and recording (imports reports and pricing)."""

@@ -1,0 +1,92 @@
+"""The composition root: :func:`create_app` builds the whole proxy from a config.
+
+Everything the proxy uses is created here and injected; tests swap the upstream transport,
+the ledger path and the price catalog by argument. The upstream client and the ledger writer
+belong to the app's lifespan: the writer starts before the first request is served, and on
+shutdown the writer flushes every queued row before the upstream client closes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import httpx
+from litestar import Litestar
+from litestar.logging.config import LoggingConfig
+
+from tokenward.pricing.catalog import PriceCatalog, load_catalog
+from tokenward.proxy.config import Config
+from tokenward.proxy.errors import EXCEPTION_HANDLERS
+from tokenward.proxy.forward import Forwarder
+from tokenward.proxy.keys import Authenticator
+from tokenward.proxy.recorder import Recorder
+from tokenward.proxy.routes import build_routes
+from tokenward.proxy.routing import Router
+from tokenward.proxy.upstream import AiohttpUpstream, HttpxUpstream, UpstreamClient
+
+__all__ = ["create_app"]
+
+log = logging.getLogger("tokenward.proxy")
+
+
+def create_app(
+    config: Config,
+    *,
+    upstream_transport: httpx.AsyncBaseTransport | None = None,
+    upstream: UpstreamClient | None = None,
+    catalog: PriceCatalog | None = None,
+) -> Litestar:
+    """Build the proxy application.
+
+    Args:
+        config: validated configuration (:func:`tokenward.proxy.config.load_config`).
+        upstream_transport: send upstream through this httpx transport (tests: ``httpx.MockTransport``).
+        upstream: replaces the upstream client altogether.
+        catalog: replaces the built-in price catalog plus ``config.pricing.files``.
+
+    Returns:
+        A Litestar app; ``app.state.forwarder`` and ``app.state.recorder`` expose its parts.
+
+    Raises:
+        tokenward.pricing.catalog.CatalogError: a price file is invalid.
+    """
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per upstream call costs CPU
+    catalog = catalog if catalog is not None else load_catalog(config.pricing.files)
+    recorder = Recorder(catalog, config.ledger.path, config.ledger.flush_interval_s)
+    if upstream is not None:
+        client: UpstreamClient = upstream
+    elif upstream_transport is not None:
+        client = HttpxUpstream(upstream_transport)
+    else:
+        client = AiohttpUpstream()
+    forwarder = Forwarder(
+        client,
+        Router(config.upstreams),
+        Authenticator(config.auth.mode, config.virtual_keys),
+        recorder,
+    )
+
+    @asynccontextmanager
+    async def lifespan(_: Litestar) -> AsyncIterator[None]:
+        await recorder.start()
+        log.info("ledger %s, %d upstream(s), auth %s", config.ledger.path, len(config.upstreams), config.auth.mode)
+        try:
+            yield
+        finally:
+            await recorder.stop()
+            await client.aclose()
+
+    app = Litestar(
+        route_handlers=build_routes(forwarder),
+        exception_handlers=EXCEPTION_HANDLERS,  # type: ignore[arg-type]
+        lifespan=[lifespan],
+        openapi_config=None,
+        logging_config=LoggingConfig(configure_root_logger=False, log_exceptions="debug"),
+        request_max_body_size=None,
+    )
+    app.state.forwarder = forwarder
+    app.state.recorder = recorder
+    app.state.config = config
+    return app

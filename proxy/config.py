@@ -1,0 +1,191 @@
+"""tokenward's configuration: one YAML file read once at start, validated into typed sections.
+
+See ``config.example.yaml`` for every option with its default. Relative paths in the file
+(the ledger, extra price files) are resolved against the file's own directory.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+from pathlib import Path
+from typing import Literal
+from urllib.parse import urlsplit
+
+import msgspec
+import yaml
+
+__all__ = [
+    "AuthConfig",
+    "Config",
+    "ConfigError",
+    "LedgerConfig",
+    "PricingConfig",
+    "ServerConfig",
+    "UpstreamConfig",
+    "VirtualKeyConfig",
+    "config_from_args",
+    "load_config",
+]
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid; the message names the file and the offending field."""
+
+
+class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class ServerConfig(_Section):
+    """Where the proxy listens."""
+
+    host: str = "127.0.0.1"
+    port: int = 4000
+
+
+class LedgerConfig(_Section):
+    """The DuckDB ledger file and how often queued rows are written to it (seconds)."""
+
+    path: str = "tokenward.duckdb"
+    flush_interval_s: float = 1.0
+
+
+class AuthConfig(_Section):
+    """``virtual_keys``: clients present a tokenward key from ``virtual_keys``; ``passthrough``:
+    the client's own provider key goes upstream and usage is attributed to its fingerprint."""
+
+    mode: Literal["passthrough", "virtual_keys"] = "passthrough"
+
+
+class VirtualKeyConfig(_Section):
+    """A tokenward key: give ``key`` (the secret itself) or, better, ``key_sha256`` (its hex sha256)."""
+
+    name: str
+    key: str | None = None
+    key_sha256: str | None = None
+
+
+class PricingConfig(_Section):
+    """Extra price files loaded after the built-in catalog (later files win)."""
+
+    files: list[str] = []
+
+
+class UpstreamConfig(_Section):
+    """One provider endpoint.
+
+    ``base_url`` is the provider's OpenAI-style base (``https://api.openai.com/v1``); a client
+    request to ``/v1/<path>`` goes to ``<base_url>/<path>``. ``models`` are glob patterns of the
+    model names routed here; the ``default`` upstream takes everything else. The API key is read
+    from the environment variable ``api_key_env`` and sent as ``<api_key_header>:
+    <api_key_prefix><key>``. ``provider`` names the price catalog's provider (default: ``name``).
+    Timeouts are in seconds; ``read_timeout_s`` bounds each wait for reply bytes.
+    ``stream_usage``: ``ask`` (OpenAI's behaviour: streams carry usage only when
+    ``stream_options.include_usage`` is set, so tokenward sets it and hides what it added from
+    clients that had not asked) or ``always`` (the upstream reports stream usage unasked:
+    tokenward changes neither the request nor the stream).
+    """
+
+    name: str
+    base_url: str
+    api_key_env: str | None = None
+    api_key_header: str = "authorization"
+    api_key_prefix: str = "Bearer "
+    provider: str | None = None
+    models: list[str] = []
+    default: bool = False
+    connect_timeout_s: float = 10.0
+    read_timeout_s: float = 600.0
+    stream_usage: Literal["ask", "always"] = "ask"
+
+    @property
+    def catalog_provider(self) -> str:
+        """Provider name used for price lookups."""
+        return (self.provider or self.name).lower()
+
+    def api_key(self) -> str | None:
+        """The upstream API key from the environment, or ``None`` when unset."""
+        return os.environ.get(self.api_key_env) if self.api_key_env else None
+
+    def serves(self, model: str) -> bool:
+        """Whether ``model`` matches one of this upstream's ``models`` patterns."""
+        return any(fnmatch.fnmatchcase(model, pattern) for pattern in self.models)
+
+
+class Config(_Section):
+    """The whole configuration, one section per concern."""
+
+    upstreams: list[UpstreamConfig]
+    server: ServerConfig = msgspec.field(default_factory=ServerConfig)
+    ledger: LedgerConfig = msgspec.field(default_factory=LedgerConfig)
+    auth: AuthConfig = msgspec.field(default_factory=AuthConfig)
+    virtual_keys: list[VirtualKeyConfig] = []
+    pricing: PricingConfig = msgspec.field(default_factory=PricingConfig)
+
+    def __post_init__(self) -> None:
+        if not self.upstreams:
+            raise ValueError("at least one upstream is required - at `$.upstreams`")
+        names = [u.name for u in self.upstreams]
+        for i, upstream in enumerate(self.upstreams):
+            if names.count(upstream.name) > 1:
+                raise ValueError(f"duplicate upstream name {upstream.name!r} - at `$.upstreams[{i}].name`")
+            parts = urlsplit(upstream.base_url)
+            if parts.scheme not in ("http", "https") or not parts.netloc:
+                raise ValueError(f"base_url must be an http(s) URL - at `$.upstreams[{i}].base_url`")
+        if sum(u.default for u in self.upstreams) > 1:
+            raise ValueError("at most one upstream can be the default - at `$.upstreams`")
+        for i, key in enumerate(self.virtual_keys):
+            if (key.key is None) == (key.key_sha256 is None):
+                raise ValueError(f"give exactly one of key or key_sha256 - at `$.virtual_keys[{i}]`")
+        if self.auth.mode == "virtual_keys" and not self.virtual_keys:
+            raise ValueError("auth mode virtual_keys needs at least one key - at `$.virtual_keys`")
+
+
+def load_config(path: str | Path) -> Config:
+    """Read and validate a YAML config file, resolving relative paths against its directory.
+
+    Raises:
+        ConfigError: the file is missing, not YAML, or fails validation (message names the field).
+    """
+    path = Path(path)
+    try:
+        document = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{path}: cannot read config: {exc}") from exc
+    try:
+        config = msgspec.convert(document or {}, Config)
+    except (msgspec.ValidationError, ValueError) as exc:
+        raise ConfigError(f"{path}: {exc}") from exc
+    base = path.resolve().parent
+    config.ledger.path = str(base / config.ledger.path)
+    config.pricing.files = [str(base / f) for f in config.pricing.files]
+    return config
+
+
+def config_from_args(
+    upstream: str,
+    *,
+    auth: Literal["passthrough", "virtual_keys"] = "passthrough",
+    db: str = "tokenward.duckdb",
+    host: str = "127.0.0.1",
+    port: int = 4000,
+    provider: str | None = None,
+) -> Config:
+    """Build a one-upstream configuration for ``tokenward serve --upstream URL``.
+
+    Raises:
+        ConfigError: the URL is not http(s), or ``virtual_keys`` was asked for (it needs keys
+            from a config file).
+    """
+    if auth == "virtual_keys":
+        raise ConfigError("--auth virtual_keys needs keys from a config file: use --config FILE")
+    try:
+        return Config(
+            upstreams=[UpstreamConfig(name="default", base_url=upstream, default=True, provider=provider)],
+            server=ServerConfig(host=host, port=port),
+            ledger=LedgerConfig(path=db),
+            auth=AuthConfig(mode=auth),
+        )
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc

@@ -1,0 +1,104 @@
+"""One client request as it passes through tokenward, from arrival to its single ledger row.
+
+An :class:`Exchange` is created as soon as a request reaches a ``/v1`` route and ends exactly
+once, with one :class:`Outcome`; :meth:`Recorder.finish <tokenward.proxy.recorder.Recorder.finish>`
+turns it into exactly one ledger row. Everything here is plain data (no I/O).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+import uuid
+from dataclasses import dataclass, field
+from decimal import Decimal
+from typing import Any
+
+from tokenward.pricing.usage import Usage
+
+__all__ = ["Exchange", "Outcome"]
+
+
+class Outcome(enum.StrEnum):
+    """How an exchange ended (the ledger's ``outcome`` column)."""
+
+    OK = "ok"
+    """The upstream answered 2xx and the whole reply reached the client."""
+    UPSTREAM_ERROR = "upstream_error"
+    """The upstream answered 4xx/5xx (relayed as is), or reported an error inside a 2xx reply."""
+    UPSTREAM_FAILED = "upstream_failed"
+    """The upstream connection broke after the reply had started."""
+    UPSTREAM_UNREACHABLE = "upstream_unreachable"
+    """No reply: the upstream refused or dropped the connection (502)."""
+    UPSTREAM_TIMEOUT = "upstream_timeout"
+    """No reply in time (504)."""
+    CLIENT_ERROR = "client_error"
+    """tokenward refused malformed input (400)."""
+    UNAUTHORIZED = "unauthorized"
+    """Missing or unknown virtual key (401)."""
+    CLIENT_DISCONNECTED = "client_disconnected"
+    """The client went away before the whole reply reached it."""
+    PROXY_ERROR = "proxy_error"
+    """tokenward itself failed (500); a bug."""
+
+
+@dataclass(slots=True)
+class Exchange:
+    """Mutable record of one request; times are UTC epoch seconds and ``perf_counter`` seconds.
+
+    Fields left ``None`` are unknown at the time the exchange ended (no upstream chosen, no
+    reply received, ...). ``usage`` stays ``None`` until metering or estimation fills it;
+    ``usage_deferred`` marks a reply whose usage the provider reports later (a background
+    Responses API request).
+    """
+
+    endpoint: str
+    method: str
+    path: str
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    client_request_id: str | None = None
+    started_at: float = field(default_factory=time.time)
+    started_perf: float = field(default_factory=time.perf_counter)
+    principal: str = "anonymous"
+    upstream: str | None = None
+    provider: str | None = None
+    requested_model: str | None = None
+    served_model: str | None = None
+    stream: bool = False
+    http_status: int | None = None
+    outcome: Outcome | None = None
+    usage: Usage | None = None
+    raw_usage: dict[str, Any] | None = None
+    service_tier: str | None = None
+    provider_cost: Decimal | None = None
+    error: str | None = None
+    usage_deferred: bool = False
+    first_byte_perf: float | None = None
+    ended_perf: float | None = None
+    recorded: bool = False
+
+    def mark_first_byte(self) -> None:
+        """Note the moment the first reply byte was sent to the client (first call wins)."""
+        if self.first_byte_perf is None:
+            self.first_byte_perf = time.perf_counter()
+
+    def end(self, outcome: Outcome, status: int | None = None, error: str | None = None) -> None:
+        """Give the exchange its terminal outcome; later calls keep the first outcome."""
+        if self.outcome is not None:
+            return
+        self.outcome = outcome
+        if status is not None:
+            self.http_status = status
+        if error is not None:
+            self.error = error
+        self.ended_perf = time.perf_counter()
+
+    @property
+    def latency_ms(self) -> float | None:
+        """Milliseconds from arrival to the end of the exchange."""
+        return None if self.ended_perf is None else (self.ended_perf - self.started_perf) * 1000.0
+
+    @property
+    def ttfb_ms(self) -> float | None:
+        """Milliseconds from arrival to the first reply byte sent to the client."""
+        return None if self.first_byte_perf is None else (self.first_byte_perf - self.started_perf) * 1000.0

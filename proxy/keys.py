@@ -1,0 +1,75 @@
+"""Who is calling: virtual keys, or fingerprints of the client's own provider key.
+
+Clients present a key the way their SDK does: ``Authorization: Bearer <key>`` (OpenAI SDKs),
+``x-api-key`` (Anthropic SDKs) or ``api-key`` (Azure). In ``virtual_keys`` mode the key must
+be one of the configured tokenward keys, compared by sha256 so that config files may hold only
+hashes. In ``passthrough`` mode the key goes upstream untouched and usage is attributed to
+``fp-`` plus the first 12 hex digits of its sha256; the key itself is never stored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from tokenward.proxy.config import VirtualKeyConfig
+from tokenward.proxy.errors import ProxyError
+
+__all__ = ["AUTH_HEADERS", "Authenticator", "fingerprint"]
+
+AUTH_HEADERS = frozenset({b"authorization", b"x-api-key", b"api-key"})
+"""Request headers that can carry a client's key (lower-case, as in ASGI scopes)."""
+
+
+def fingerprint(key: str) -> str:
+    """Short, non-reversible identifier of a provider key: ``fp-`` + 12 hex digits of its sha256."""
+    return "fp-" + hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def presented_key(name: bytes, value: bytes) -> str | None:
+    """The key carried by one request header, or ``None`` if it is not an auth header with a key."""
+    text = value.decode("latin-1").strip()
+    if name == b"authorization":
+        scheme, _, token = text.partition(" ")
+        text = token.strip() if scheme.lower() == "bearer" else ""
+    return text or None
+
+
+class Authenticator:
+    """Turns a presented key into a principal name.
+
+    Args:
+        mode: ``virtual_keys`` or ``passthrough``.
+        keys: the configured virtual keys (used in ``virtual_keys`` mode).
+    """
+
+    def __init__(self, mode: str, keys: list[VirtualKeyConfig]) -> None:
+        self.mode = mode
+        self._names = {
+            (hashlib.sha256(k.key.encode()).hexdigest() if k.key is not None else (k.key_sha256 or "").lower()): k.name
+            for k in keys
+        }
+
+    @property
+    def passthrough(self) -> bool:
+        """Whether client keys go upstream unchanged."""
+        return self.mode == "passthrough"
+
+    def principal(self, key: str | None) -> str:
+        """Name the caller presenting ``key``.
+
+        Raises:
+            ProxyError: 401 in ``virtual_keys`` mode when the key is missing or unknown.
+        """
+        if self.passthrough:
+            return fingerprint(key) if key else "anonymous"
+        if key is None:
+            raise ProxyError(
+                401,
+                "You didn't provide an API key. Send your tokenward virtual key as 'Authorization: Bearer <key>'.",
+                "missing_api_key",
+            )
+        name = self._names.get(hashlib.sha256(key.encode()).hexdigest())
+        if name is None:
+            shown = key[:4] + "***" + key[-4:] if len(key) > 12 else "***"
+            raise ProxyError(401, f"Incorrect API key provided: {shown}. It is not a tokenward virtual key.", "invalid_api_key")
+        return name

@@ -1,0 +1,225 @@
+"""From a finished exchange to a ledger row, off the request path.
+
+:meth:`Recorder.finish` is called exactly once per exchange, on the event loop, and does only
+cheap work: price the usage (``tokenward.pricing.cost``), build the row dict, queue it. Token
+estimation (tokenizer work) is sent to a worker thread first. A writer task wakes every
+``flush_interval_s`` seconds and hands the queued rows to a worker thread, which spools them and
+bulk-inserts them into DuckDB (:class:`tokenward.reports.ledger.Spool`). :meth:`Recorder.stop`
+waits for estimates in flight and flushes everything on graceful shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from decimal import Decimal
+from typing import Any
+
+from tokenward.pricing.catalog import PriceCatalog
+from tokenward.pricing.cost import Cost, price
+from tokenward.pricing.usage import TOKEN_FIELDS, Usage, UsageSource
+from tokenward.proxy.exchange import Exchange
+from tokenward.reports.ledger import LedgerBusy, LedgerError, Spool
+
+__all__ = ["PriceStatus", "Recorder", "build_row"]
+
+log = logging.getLogger("tokenward.recorder")
+
+_NO_USAGE = Usage(source=UsageSource.NONE)
+
+
+class PriceStatus:
+    """Values of the ledger's ``price_status`` column."""
+
+    PRICED = "priced"
+    """``cost_usd`` is the exact cost of the usage under the catalog entry ``price_entry_id``."""
+    UNPRICED = "unpriced"
+    """Usage was metered but no price is known for the model: ``cost_usd`` is NULL, never 0."""
+    NOT_BILLED = "not_billed"
+    """Nothing billable happened (refused by tokenward, or no usage in an error reply): cost 0."""
+    NOT_METERED = "not_metered"
+    """A transparently forwarded endpoint tokenward does not meter: ``cost_usd`` is NULL."""
+    DEFERRED = "deferred"
+    """The provider reports this request's usage later (background Responses): ``cost_usd`` is NULL."""
+
+
+def build_row(ex: Exchange, catalog: PriceCatalog) -> dict[str, Any]:
+    """The ledger row for a finished exchange (keys as in ``reports.ledger.ROW_COLUMNS``).
+
+    Prices the usage with the entry resolved for the served model (the requested model when
+    the reply named none) at the upstream's catalog provider.
+    """
+    usage = ex.usage or _NO_USAGE
+    cost: Cost | None = None
+    if ex.endpoint == "passthrough":
+        status = PriceStatus.NOT_METERED
+    elif ex.usage is None and ex.usage_deferred:
+        status = PriceStatus.DEFERRED
+    elif ex.usage is None:
+        status = PriceStatus.NOT_BILLED
+    else:
+        resolution = catalog.resolve(ex.served_model or ex.requested_model, ex.provider)
+        if resolution is None:
+            status = PriceStatus.UNPRICED
+        else:
+            status = PriceStatus.PRICED
+            cost = price(usage, resolution)
+    cost_usd: Decimal | None = cost.total if cost is not None else (Decimal(0) if status == "not_billed" else None)
+    lines = None
+    if cost is not None:
+        lines = [
+            {"component": ln.component, "quantity": ln.quantity, "rate": ln.rate, "amount": ln.amount}
+            for ln in cost.lines
+        ]
+        if cost.unpriced_calls:
+            lines.append({"component": "web_search", "quantity": cost.unpriced_calls, "rate": None, "amount": None})
+    violations = usage.violations() if ex.usage is not None else []
+    if violations:
+        log.warning("request %s: usage breaks invariants: %s", ex.request_id, "; ".join(violations))
+    ended_perf = ex.ended_perf if ex.ended_perf is not None else ex.started_perf
+    row: dict[str, Any] = {
+        "request_id": ex.request_id,
+        "client_request_id": ex.client_request_id,
+        "started_at": ex.started_at,
+        "ended_at": ex.started_at + (ended_perf - ex.started_perf),
+        "principal": ex.principal,
+        "method": ex.method,
+        "path": ex.path,
+        "endpoint": ex.endpoint,
+        "upstream": ex.upstream,
+        "provider": ex.provider,
+        "requested_model": ex.requested_model,
+        "served_model": ex.served_model,
+        "http_status": ex.http_status,
+        "outcome": str(ex.outcome or "proxy_error"),
+        "stream": ex.stream,
+        "usage_source": str(usage.source),
+        "cost_usd": cost_usd,
+        "price_status": status,
+        "price_entry_id": cost.entry_id if cost else None,
+        "price_resolved_by": cost.resolved_by if cost else None,
+        "cost_lines": lines,
+        "provider_cost_usd": ex.provider_cost,
+        "service_tier": ex.service_tier,
+        "latency_ms": ex.latency_ms,
+        "ttfb_ms": ex.ttfb_ms,
+        "error": ex.error,
+        "violations": "; ".join(violations) or None,
+        "raw_usage": ex.raw_usage,
+    }
+    for name in TOKEN_FIELDS:
+        row[name] = getattr(usage, name)
+    return row
+
+
+class Recorder:
+    """Queues one row per finished exchange and writes them to the ledger in batches.
+
+    Args:
+        catalog: prices for :func:`build_row`.
+        ledger_path: the DuckDB file.
+        flush_interval_s: seconds between writes (rows wait in memory at most this long).
+    """
+
+    def __init__(self, catalog: PriceCatalog, ledger_path: str, flush_interval_s: float = 1.0) -> None:
+        self.catalog = catalog
+        self.spool = Spool(ledger_path)
+        self.flush_interval_s = flush_interval_s
+        self._rows: list[dict[str, Any]] = []
+        self._estimates: set[asyncio.Future[Any]] = set()
+        self._task: asyncio.Task[None] | None = None
+        self.rows_recorded = 0
+        self.invariant_violations = 0
+
+    def finish(self, ex: Exchange, estimate: Callable[[], Usage] | None = None) -> None:
+        """Record ``ex`` (once; later calls are ignored). Call on the event loop.
+
+        Args:
+            ex: the ended exchange.
+            estimate: when given, computes the usage in a worker thread before the row is queued
+                (the upstream reported none).
+        """
+        if ex.recorded:
+            return
+        ex.recorded = True
+        if estimate is None:
+            self._queue(ex)
+            return
+        future = asyncio.get_running_loop().run_in_executor(None, estimate)
+        self._estimates.add(future)
+        future.add_done_callback(lambda done: self._estimated(ex, done))
+
+    def _estimated(self, ex: Exchange, future: asyncio.Future[Usage]) -> None:
+        self._estimates.discard(future)
+        if future.cancelled() or future.exception() is not None:
+            log.error("token estimate failed for %s: %s", ex.request_id, future.exception() if not future.cancelled() else "cancelled")
+        else:
+            ex.usage = future.result()
+        self._queue(ex)
+
+    def _queue(self, ex: Exchange) -> None:
+        try:
+            row = build_row(ex, self.catalog)
+        except Exception:  # never lose the row over a pricing bug
+            log.exception("pricing failed for %s; recording it unpriced", ex.request_id)
+            row = build_row(ex, PriceCatalog())
+        if row["violations"]:
+            self.invariant_violations += 1
+        self._rows.append(row)
+        self.rows_recorded += 1
+
+    async def start(self) -> None:
+        """Ingest rows a previous run left spooled, then start the writer task."""
+        await asyncio.to_thread(self._ingest, True)
+        self._task = asyncio.create_task(self._run(), name="tokenward-ledger-writer")
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.flush_interval_s)
+            await self.flush()
+
+    async def flush(self) -> None:
+        """Write queued rows to the spool and try to move the spool into the ledger."""
+        rows, self._rows = self._rows, []
+        await asyncio.to_thread(self._write, rows)
+
+    def _write(self, rows: list[dict[str, Any]]) -> None:
+        if rows:
+            self.spool.write(rows)
+        self._ingest(False)
+
+    def _ingest(self, recover: bool) -> None:
+        try:
+            self.spool.ingest(recover=recover)
+        except LedgerBusy:
+            log.debug("ledger busy (a reader holds it); rows stay spooled until the next flush")
+        except LedgerError:
+            log.exception("cannot write the ledger; rows stay spooled in %s", self.spool.directory)
+
+    async def stop(self, wait_busy_s: float = 5.0) -> None:
+        """Stop the writer: await estimates, flush every row, retry a busy ledger for ``wait_busy_s``."""
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        if self._estimates:
+            await asyncio.gather(*self._estimates, return_exceptions=True)
+        rows, self._rows = self._rows, []
+        if rows:
+            await asyncio.to_thread(self.spool.write, rows)
+        deadline = asyncio.get_running_loop().time() + wait_busy_s
+        while True:
+            try:
+                await asyncio.to_thread(self.spool.ingest)
+                return
+            except LedgerBusy:
+                if asyncio.get_running_loop().time() >= deadline:
+                    log.warning("ledger still busy at shutdown; rows stay spooled in %s", self.spool.directory)
+                    return
+                await asyncio.sleep(0.1)
+            except LedgerError:
+                log.exception("cannot write the ledger at shutdown; rows stay spooled in %s", self.spool.directory)
+                return

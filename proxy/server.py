@@ -1,0 +1,62 @@
+"""Running the proxy app under uvicorn: in the foreground (``serve``) or in a thread (demo, tests)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import uvicorn
+from litestar import Litestar
+
+__all__ = ["run", "running_in_thread"]
+
+
+def _uvicorn_config(app: Litestar, host: str, port: int, log_level: str, access_log: bool) -> uvicorn.Config:
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=access_log,
+        server_header=False,  # the upstream's own Server and Date headers are relayed instead
+        date_header=False,
+        lifespan="on",
+        timeout_graceful_shutdown=30,
+    )
+
+
+def run(app: Litestar, host: str, port: int, *, log_level: str = "info", access_log: bool = False) -> None:
+    """Serve ``app`` until interrupted; on SIGINT/SIGTERM in-flight requests finish and the ledger is flushed."""
+    uvicorn.Server(_uvicorn_config(app, host, port, log_level, access_log)).run()
+
+
+@contextmanager
+def running_in_thread(app: Litestar, host: str = "127.0.0.1", *, log_level: str = "warning") -> Iterator[str]:
+    """Serve ``app`` on a free port in a background thread; yields its base URL (``http://host:port``).
+
+    On exit the server shuts down gracefully (lifespan shutdown included: the ledger is flushed).
+
+    Raises:
+        RuntimeError: the server did not start within 10 seconds.
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(_uvicorn_config(app, host, port, log_level, False))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="tokenward-proxy")
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("proxy server did not start")
+        time.sleep(0.005)
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()

@@ -1,0 +1,1 @@
+"""The reports layer: the DuckDB ledger, report queries and the report CLI (imports pricing)."""

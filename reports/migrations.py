@@ -1,0 +1,108 @@
+"""Versioned schema migrations for the DuckDB ledger.
+
+Each migration is a function ``mNNN_what(conn)`` registered with :func:`migration`, applied
+once in registration order; applied names are kept in ``_migrations``. Never edit a migration
+that has shipped: add a new one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import duckdb
+
+__all__ = ["MIGRATIONS", "migrate", "migration", "pending"]
+
+Migration = Callable[[duckdb.DuckDBPyConnection], None]
+MIGRATIONS: list[Migration] = []
+"""Registered migrations, in the order they are applied."""
+
+
+def migration(fn: Migration) -> Migration:
+    """Register ``fn`` as the next migration."""
+    MIGRATIONS.append(fn)
+    return fn
+
+
+def _applied(conn: duckdb.DuckDBPyConnection) -> set[str]:
+    exists = conn.execute(
+        "SELECT count(*) FROM information_schema.tables WHERE table_name = '_migrations'"
+    ).fetchone()
+    if not exists or not exists[0]:
+        return set()
+    return {row[0] for row in conn.execute("SELECT name FROM _migrations").fetchall()}
+
+
+def pending(conn: duckdb.DuckDBPyConnection) -> list[str]:
+    """Names of the migrations not yet applied to the database behind ``conn``."""
+    done = _applied(conn)
+    return [fn.__name__ for fn in MIGRATIONS if fn.__name__ not in done]
+
+
+def migrate(conn: duckdb.DuckDBPyConnection) -> list[str]:
+    """Apply every pending migration, each in its own transaction; returns the names applied."""
+    conn.execute("CREATE TABLE IF NOT EXISTS _migrations (name VARCHAR PRIMARY KEY, applied_at TIMESTAMPTZ)")
+    done = _applied(conn)
+    applied = []
+    for fn in MIGRATIONS:
+        if fn.__name__ in done:
+            continue
+        conn.execute("BEGIN TRANSACTION")
+        try:
+            fn(conn)
+            conn.execute("INSERT INTO _migrations VALUES (?, now())", [fn.__name__])
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        applied.append(fn.__name__)
+    return applied
+
+
+@migration
+def m001_requests(conn: duckdb.DuckDBPyConnection) -> None:
+    """The per-request ledger: one row per request that reached tokenward."""
+    conn.execute(
+        """
+        CREATE TABLE requests (
+            request_id            VARCHAR NOT NULL,
+            client_request_id     VARCHAR,
+            started_at            TIMESTAMPTZ NOT NULL,
+            ended_at              TIMESTAMPTZ NOT NULL,
+            principal             VARCHAR NOT NULL,
+            method                VARCHAR NOT NULL,
+            path                  VARCHAR NOT NULL,
+            endpoint              VARCHAR NOT NULL,
+            upstream              VARCHAR,
+            provider              VARCHAR,
+            requested_model       VARCHAR,
+            served_model          VARCHAR,
+            http_status           INTEGER,
+            outcome               VARCHAR NOT NULL,
+            stream                BOOLEAN NOT NULL,
+            input_tokens          BIGINT NOT NULL,
+            cached_input_tokens   BIGINT NOT NULL,
+            cache_write_tokens    BIGINT NOT NULL,
+            cache_write_1h_tokens BIGINT NOT NULL,
+            output_tokens         BIGINT NOT NULL,
+            reasoning_tokens      BIGINT NOT NULL,
+            audio_input_tokens    BIGINT NOT NULL,
+            audio_output_tokens   BIGINT NOT NULL,
+            image_input_tokens    BIGINT NOT NULL,
+            web_search_requests   BIGINT NOT NULL,
+            usage_source          VARCHAR NOT NULL,
+            cost_usd              DECIMAL(38, 12),
+            price_status          VARCHAR NOT NULL,
+            price_entry_id        VARCHAR,
+            price_resolved_by     VARCHAR,
+            cost_lines            JSON,
+            provider_cost_usd     DECIMAL(38, 12),
+            service_tier          VARCHAR,
+            latency_ms            DOUBLE,
+            ttfb_ms               DOUBLE,
+            error                 VARCHAR,
+            violations            VARCHAR,
+            raw_usage             JSON
+        )
+        """
+    )

@@ -1,0 +1,90 @@
+"""Price catalog: exact decimals, validation that names file/entry/field, explicit model resolution."""
+
+from __future__ import annotations
+
+import datetime as dt
+from decimal import Decimal
+
+import pytest
+
+from tokenward.pricing.catalog import CatalogError, default_catalog_path, load_catalog
+
+
+def write(tmp_path, text, name="prices.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+ENTRY = "{id: x/m, provider: x, model: m, input: 0.15, output: 0.6, source: 'https://example.com/p', checked: 2026-11-01}"
+
+
+def test_builtin_catalog_loads_and_every_entry_is_sourced():
+    catalog = load_catalog()
+    assert len(catalog.entries) >= 40
+    for entry in catalog.entries.values():
+        assert entry.source.startswith("http"), entry.id
+        assert isinstance(entry.checked, dt.date)
+        assert entry.input >= 0 and entry.output >= 0
+    gpt4o = catalog.entries["openai/gpt-4o"]
+    assert (gpt4o.input, gpt4o.cached_input, gpt4o.output) == (Decimal("2.50"), Decimal("1.25"), Decimal("10.00"))
+
+
+def test_yaml_floats_become_exact_decimals(tmp_path):
+    catalog = load_catalog([write(tmp_path, f"entries:\n  - {ENTRY}\n")])
+    entry = catalog.entries["x/m"]
+    assert entry.input == Decimal("0.15") and type(entry.input) is Decimal
+    # defaults: no cache discount unless given
+    assert entry.cached_input == entry.input and entry.cache_write == entry.input and entry.cache_write_1h == entry.input
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ("{id: x/m, provider: x, model: m, input: 0.15, source: 's', checked: 2026-11-01}", "'output': required"),
+        ("{id: x/m, provider: x, model: m, input: -1, output: 1, source: 's', checked: 2026-11-01}", "'input': must be a finite"),
+        ("{id: x/m, provider: x, model: m, input: 0.0000001, output: 1, source: 's', checked: 2026-11-01}", "decimal places"),
+        ("{id: x/m, provider: x, model: m, input: '1', output: 1, source: 's', checked: 2026-11-01}", "'input': must be a number"),
+        ("{id: x/m, provider: x, model: m, input: 1, output: 1, source: 's'}", "'checked': required"),
+        ("{id: x/m, provider: x, model: m, input: 1, output: 1, source: 's', checked: 2026-11-01, inptu: 3}", "'inptu': unknown"),
+    ],
+)
+def test_validation_errors_name_file_entry_and_field(tmp_path, entry, message):
+    path = write(tmp_path, f"entries:\n  - {entry}\n")
+    with pytest.raises(CatalogError) as info:
+        load_catalog([path])
+    assert str(path) in str(info.value) and "'x/m'" in str(info.value) and message in str(info.value)
+
+
+def test_broken_yaml_and_duplicates(tmp_path):
+    with pytest.raises(CatalogError, match="cannot read"):
+        load_catalog([write(tmp_path, "entries: [", "bad.yaml")])
+    with pytest.raises(CatalogError, match="duplicate id"):
+        load_catalog([write(tmp_path, f"entries:\n  - {ENTRY}\n  - {ENTRY}\n", "dup.yaml")])
+
+
+def test_later_files_override_entries(tmp_path):
+    first = write(tmp_path, "entries:\n  - {id: openai/gpt-4o, provider: openai, model: gpt-4o, input: 9, output: 9, "
+                            "source: 'https://example.com', checked: 2026-11-01}\n", "a.yaml")
+    catalog = load_catalog([first])
+    assert catalog.entries["openai/gpt-4o"].input == Decimal(9)
+    assert catalog.resolve("gpt-4o-2024-08-06", "openai").entry.input == Decimal(9)
+
+
+def test_resolution_rules_in_order():
+    catalog = load_catalog()
+    assert catalog.resolve("gpt-4o-mini", "openai").how == "exact"
+    assert catalog.resolve("GPT-4o-mini", "openai").how == "exact"
+    snap = catalog.resolve("gpt-4o-mini-2024-07-18", "openai")
+    assert (snap.entry.id, snap.how) == ("openai/gpt-4o-mini", "snapshot")
+    vendor = catalog.resolve("openai/gpt-4.1-mini", "openrouter")
+    assert (vendor.entry.id, vendor.how) == ("openai/gpt-4.1-mini", "vendor_prefix")
+    other = catalog.resolve("gpt-4o", "azure")
+    assert (other.entry.id, other.how) == ("openai/gpt-4o", "other_provider")
+    assert catalog.resolve("claude-sonnet-4-5-20250929", "anthropic").entry.id.startswith("anthropic/claude-sonnet-4-5")
+    assert catalog.resolve("mistral-large-latest", "mistral") is None
+    assert catalog.resolve(None) is None and catalog.resolve("", "openai") is None
+
+
+def test_default_catalog_path_is_inside_the_package():
+    assert default_catalog_path().name == "default.yaml" and default_catalog_path().exists()

@@ -1,0 +1,202 @@
+"""Every OpenAI-format exchange of the recorded corpus, through the real proxy.
+
+For each record: the client receives from tokenward exactly what the simulator sends directly
+(status, content type, body or event bytes), and the ledger row holds the reported usage
+mapped to canonical fields. The mapping below is written out per provider variant from
+``shared/reference/usage-and-pricing.md`` part 1, independently of ``proxy/dialects``.
+Mismatches are reported by record id. Skipped when ``../shared`` is absent.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from tokenward.proxy.simulator import RECORD_HEADER, without_stream_usage
+
+from .conftest import ProxyFactory, corpus_records
+
+PATHS = {"chat_completions": "chat/completions", "completions": "completions", "embeddings": "embeddings",
+         "responses": "responses"}
+USAGE_PATHS = ("usage", "x_groq.usage", "response.usage", "message.usage")
+TOKEN_COLUMNS = ("input_tokens", "cached_input_tokens", "cache_write_tokens", "output_tokens", "reasoning_tokens",
+                 "audio_input_tokens", "audio_output_tokens", "image_input_tokens", "web_search_requests")
+
+
+def openai_records() -> list[dict[str, Any]]:
+    return [r for r in corpus_records() if r["dialect"] == "openai"]
+
+
+def number(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def expected_tokens(record: dict[str, Any]) -> dict[str, int] | None:
+    """Canonical counts from the record's last reported usage object, by the reference's rules."""
+    reported = [u for u in record["usage_as_reported"] or () if u["path"] in USAGE_PATHS]
+    if not reported:
+        return None
+    raw = reported[-1]["usage"]
+    tools = [u["usage"] for u in record["usage_as_reported"] if u["path"] in ("tool_usage", "response.tool_usage")]
+    details_in = raw.get("prompt_tokens_details") or raw.get("input_tokens_details") or {}
+    details_out = raw.get("completion_tokens_details") or raw.get("output_tokens_details") or {}
+
+    if "prompt_tokens" in raw:  # chat / completions / embeddings, every compatible provider
+        prompt, completion = raw["prompt_tokens"], raw.get("completion_tokens") or 0
+    elif "input_tokens" in raw:  # Responses API
+        prompt, completion = raw["input_tokens"], raw.get("output_tokens") or 0
+    else:  # Voyage embeddings: only a total
+        prompt, completion = raw["total_tokens"], 0
+
+    # cache hits: OpenAI-nested first, else DeepSeek, Mistral (old), Hugging Face top level
+    if number(details_in.get("cached_tokens")) is not None:
+        cached = details_in["cached_tokens"]
+    elif "prompt_cache_hit_tokens" in raw:
+        cached = raw["prompt_cache_hit_tokens"]
+        assert raw["prompt_cache_hit_tokens"] + raw["prompt_cache_miss_tokens"] == prompt
+    elif "num_cached_tokens" in raw:
+        cached = raw["num_cached_tokens"]
+    else:
+        cached = number(raw.get("cached_tokens")) or 0
+
+    reasoning = number(details_out.get("reasoning_tokens")) or 0
+    total = number(raw.get("total_tokens"))
+    if total is not None and total > prompt + completion and reasoning == 0:
+        # Gemini's OpenAI-compatible endpoint: thinking tokens show only in total_tokens
+        reasoning = total - prompt - completion
+        completion = total - prompt
+
+    searches = number((raw.get("server_tool_use_details") or {}).get("web_search_requests")) or 0
+    for tool in tools:
+        searches = max(searches, number((tool.get("web_search") or {}).get("num_requests")) or 0)
+    return {
+        "input_tokens": prompt,
+        "cached_input_tokens": cached,
+        "cache_write_tokens": number(details_in.get("cache_write_tokens")) or 0,
+        "output_tokens": completion,
+        "reasoning_tokens": reasoning,
+        "audio_input_tokens": number(details_in.get("audio_tokens")) or 0,
+        "audio_output_tokens": number(details_out.get("audio_tokens")) or 0,
+        "image_input_tokens": number(details_in.get("image_tokens")) or 0,
+        "web_search_requests": searches,
+    }
+
+
+def round_trips(sse: str) -> bool:
+    """Whether every JSON event re-encodes to the same text (the simulator's emulation re-encodes)."""
+    for line in sse.split("\n"):
+        if line.startswith("data: {"):
+            data = line[6:]
+            if json.dumps(json.loads(data), separators=(",", ":"), ensure_ascii=False) != data:
+                return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def corpus_run(tmp_path_factory, simulator):
+    """Send every OpenAI-format record directly and through one proxy; collect replies and rows."""
+    records = openai_records()
+    factory = ProxyFactory(tmp_path_factory.mktemp("corpus"), simulator)
+    proxy = factory()
+    results = []
+    with httpx.Client(timeout=30) as client:
+        for record in records:
+            path = PATHS[record["endpoint"]]
+            query = ("?" + record["request"]["query"]) if record["request"]["query"] else ""
+            body = json.dumps(record["request"]["body"]).encode()
+            headers = {RECORD_HEADER: record["id"], "content-type": "application/json"}
+            direct = client.post(f"{simulator.url}/{record['provider']}/v1/{path}{query}", content=body, headers=headers)
+            via = client.post(f"{proxy.url}/v1/{path}{query}", content=body,
+                              headers={**headers, "x-tokenward-upstream": record["provider"]})
+            results.append((record, direct, via))
+    rows = {row["request_id"]: row for row in proxy.rows(len(results))}
+    factory.stop_all()
+    return results, rows
+
+
+def test_client_sees_what_the_upstream_sent(corpus_run):
+    results, _ = corpus_run
+    mismatches = []
+    for record, direct, via in results:
+        same = (direct.status_code, direct.headers.get("content-type"), direct.content) == (
+            via.status_code, via.headers.get("content-type"), via.content)
+        if not same:
+            mismatches.append(record["id"])
+    assert len(results) > 600
+    assert mismatches == []
+
+
+def test_every_record_has_one_row_with_the_reported_usage(corpus_run):
+    results, rows = corpus_run
+    assert len(rows) == len(results)
+    mismatches = []
+    for record, _, via in results:
+        row = rows[via.headers["x-tokenward-request-id"]]
+        expected = expected_tokens(record)
+        status = record["response"]["status"]
+        problem = None
+        if row["http_status"] != status or row["stream"] is not bool(record["stream"]):
+            problem = f"status/stream {row['http_status']} {row['stream']}"
+        elif expected is not None:
+            got = {column: row[column] for column in TOKEN_COLUMNS}
+            if got != expected or row["usage_source"] != "reported":
+                problem = f"tokens {got} != {expected} ({row['usage_source']})"
+            elif row["price_status"] == "priced" and (row["cost_usd"] is None or row["cost_usd"] < 0):
+                problem = "priced row without a cost"
+            elif row["price_status"] not in ("priced", "unpriced"):
+                problem = f"price_status {row['price_status']}"
+        elif status >= 400:
+            if (row["usage_source"], row["price_status"], row["cost_usd"], row["outcome"]) != (
+                    "none", "not_billed", 0, "upstream_error"):
+                problem = f"error reply row {row['usage_source']} {row['price_status']} {row['outcome']}"
+        elif record["request"]["body"].get("background"):  # usage comes later from GET /v1/responses/{id}
+            if (row["usage_source"], row["price_status"], row["cost_usd"]) != ("none", "deferred", None):
+                problem = f"background reply row {row['usage_source']} {row['price_status']}"
+        elif row["outcome"] == "upstream_error":  # an error event inside a 200 stream: nothing billed
+            if row["usage_source"] != "none" or row["error"] is None:
+                problem = "error event billed"
+        elif row["usage_source"] != "estimated" or row["input_tokens"] <= 0:
+            problem = f"no usage reported but row is {row['usage_source']} with {row['input_tokens']} input"
+        if problem:
+            mismatches.append(f"{record['id']}: {problem}")
+    assert mismatches == []
+
+
+def test_no_silent_zero_cost(corpus_run):
+    results, rows = corpus_run
+    for record, _, via in results:
+        row = rows[via.headers["x-tokenward-request-id"]]
+        if row["input_tokens"] + row["output_tokens"] > 0:
+            assert (row["cost_usd"] is None) == (row["price_status"] == "unpriced"), record["id"]
+            assert row["price_status"] == "unpriced" or row["cost_usd"] > 0, record["id"]
+
+
+def test_hidden_usage_chunks_match_the_upstream_without_include_usage(tmp_path_factory, simulator):
+    """A client that did not ask for stream usage gets exactly the events the upstream sends it."""
+    records = [r for r in openai_records() if r["stream"] and r["endpoint"] == "chat_completions"
+               and (r["request"]["body"].get("stream_options") or {}).get("include_usage")]
+    factory = ProxyFactory(tmp_path_factory.mktemp("strip"), simulator)
+    proxy = factory()
+    compared, mismatches = 0, []
+    with httpx.Client(timeout=30) as client:
+        for record in records:
+            sse = record["response"]["sse"]
+            if without_stream_usage(sse).count("data:") != sse.count("data:") - 1:
+                continue  # no separate usage-only chunk in this recording
+            if not round_trips(sse):
+                continue  # the simulator's JSON re-encoding would differ, not tokenward
+            body = {k: v for k, v in record["request"]["body"].items() if k != "stream_options"}
+            headers = {RECORD_HEADER: record["id"]}
+            direct = client.post(f"{simulator.url}/{record['provider']}/v1/chat/completions", json=body, headers=headers)
+            via = client.post(f"{proxy.url}/v1/chat/completions", json=body,
+                              headers={**headers, "x-tokenward-upstream": record["provider"]})
+            compared += 1
+            if direct.content != via.content:
+                mismatches.append(record["id"])
+    rows = proxy.rows(compared)
+    factory.stop_all()
+    assert compared > 30 and mismatches == []
+    assert all(row["usage_source"] == "reported" and row["output_tokens"] > 0 for row in rows)

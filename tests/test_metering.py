@@ -1,0 +1,94 @@
+"""The meter on recorded replies: same usage whatever the read boundaries or the content encoding."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import random
+import zlib
+
+import brotli
+import pytest
+import zstandard
+
+from tokenward.pricing.usage import Usage, UsageSource
+from tokenward.proxy.metering import Meter, estimate
+
+CHAT_STREAM = "tests/models/cassettes/test_openai/test_run_stream_sync_streams_real_model.yaml#0"
+GROQ_STREAM = "tests/models/cassettes/test_groq/test_tool_use_failed_error_streaming.yaml#1"
+RESPONSES_STREAM = "tests/models/cassettes/test_openai_responses/test_openai_responses_stream.yaml#0"
+
+
+def meter_stream(data: bytes, cuts: list[int], encoding: str | None = None):
+    meter = Meter("openai", encoding)
+    start = 0
+    for cut in sorted(cuts) + [len(data)]:
+        meter.feed_stream(data[start:cut])
+        start = cut
+    meter.end_stream()
+    return meter.finish()
+
+
+@pytest.mark.parametrize(
+    ("record", "expected", "model"),
+    [
+        (CHAT_STREAM, Usage(input_tokens=53, output_tokens=15), "gpt-4o-mini-2024-07-18"),
+        (GROQ_STREAM, Usage(input_tokens=304, output_tokens=49, reasoning_tokens=23), "openai/gpt-oss-120b"),
+        (RESPONSES_STREAM, Usage(input_tokens=255, output_tokens=16), "gpt-4o-2024-08-06"),
+    ],
+)
+def test_recorded_streams_split_anywhere(sample, record, expected, model):
+    data = sample[record].response["sse"].encode()
+    whole = meter_stream(data, [])
+    assert whole.usage == expected and whole.model == model
+    usage_at = data.rfind(b'"usage":{')
+    for offset in range(max(0, usage_at - 40), min(len(data), usage_at + 60)):
+        assert meter_stream(data, [offset]).usage == expected, offset
+    rng = random.Random(2)
+    for _ in range(50):
+        assert meter_stream(data, rng.sample(range(len(data)), rng.randint(1, 40))).usage == expected
+
+
+def test_stream_without_usage_reports_none(sample):
+    sse = sample[CHAT_STREAM].response["sse"]
+    kept = "\n\n".join(block for block in sse.split("\n\n") if '"usage":{' not in block and block) + "\n\n"
+    result = meter_stream(kept.encode(), [])
+    assert result.usage is None and result.model == "gpt-4o-mini-2024-07-18"
+
+
+@pytest.mark.parametrize(
+    ("encoding", "compress"),
+    [
+        ("gzip", gzip.compress),
+        ("deflate", zlib.compress),
+        ("br", brotli.compress),
+        ("zstd", lambda d: zstandard.ZstdCompressor().compress(d)),
+    ],
+)
+def test_encoded_bodies_are_decoded_on_the_side(encoding, compress, sample):
+    # field case B30: gzip body decoding to usage 30 in / 12 out
+    body = json.dumps({"id": "chatcmpl-b30", "object": "chat.completion", "model": "gpt-4o-mini",
+                       "usage": {"prompt_tokens": 30, "completion_tokens": 12, "total_tokens": 42}}).encode()
+    meter = Meter("openai", encoding)
+    meter.feed_body(compress(body))
+    assert meter.finish().usage == Usage(input_tokens=30, output_tokens=12)
+    sse = sample[CHAT_STREAM].response["sse"].encode()
+    packed = compress(sse)
+    assert meter_stream(packed, [len(packed) // 3, len(packed) // 2], encoding).usage == Usage(input_tokens=53, output_tokens=15)
+
+
+def test_non_json_body_is_not_an_error():
+    meter = Meter("openai")
+    meter.feed_body(b"<html>Bad gateway</html>")
+    assert meter.finish().usage is None
+
+
+def test_estimate_counts_request_and_streamed_reply():
+    request = json.dumps({"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hello world"}]}).encode()
+    reply = [
+        b'data: {"model":"gpt-4o-mini","choices":[{"delta":{"content":"hello"}}]}\n\n',
+        b'data: {"model":"gpt-4o-mini","choices":[{"delta":{"content":" world"}}]}\n\ndata: [DONE]\n\n',
+    ]
+    usage = estimate("openai", request, reply, stream=True, model="gpt-4o-mini", source=UsageSource.ESTIMATED)
+    # o200k_base: "hello world" is 2 tokens; one message: +3, reply priming +3 -> 8 in; "hello" + " world" -> 2 out
+    assert usage == Usage(input_tokens=8, output_tokens=2, source=UsageSource.ESTIMATED)
