@@ -124,9 +124,24 @@ async def main(seconds: float) -> None:
     procs = []
     try:
         for port, delay in ((9101, 0), (9102, 50)):
-            procs.append(subprocess.Popen([*pin(1), sys.executable, str(HERE / "mock_upstream.py"), "--port", str(port),
-                                           "--delay-ms", str(delay), "--events", "20", "--gap-ms", "20"],
-                                          stdout=subprocess.DEVNULL))
+            procs.append(
+                subprocess.Popen(
+                    [
+                        *pin(1),
+                        sys.executable,
+                        str(HERE / "mock_upstream.py"),
+                        "--port",
+                        str(port),
+                        "--delay-ms",
+                        str(delay),
+                        "--events",
+                        "20",
+                        "--gap-ms",
+                        "20",
+                    ],
+                    stdout=subprocess.DEVNULL,
+                )
+            )
         config = tmp / "bench.yaml"
         config.write_text(
             "upstreams:\n"
@@ -134,12 +149,28 @@ async def main(seconds: float) -> None:
             "  - {name: slow, base_url: 'http://127.0.0.1:9102/v1', provider: openai}\n"
             f"ledger: {{path: '{tmp / 'bench.duckdb'}'}}\n"
         )
-        proxy = subprocess.Popen([*pin(0), sys.executable, "-m", "tokenward.proxy", "serve", "--config", str(config),
-                                  "--port", "9200", "--log-level", "warning"])
+        proxy = subprocess.Popen(
+            [
+                *pin(0),
+                sys.executable,
+                "-m",
+                "tokenward.proxy",
+                "serve",
+                "--config",
+                str(config),
+                "--port",
+                "9200",
+                "--log-level",
+                "warning",
+            ]
+        )
         procs.append(proxy)
         for port in (9101, 9102, 9200):
             wait_port(port)
-        direct = {"fast": "http://127.0.0.1:9101/v1/chat/completions", "slow": "http://127.0.0.1:9102/v1/chat/completions"}
+        direct = {
+            "fast": "http://127.0.0.1:9101/v1/chat/completions",
+            "slow": "http://127.0.0.1:9102/v1/chat/completions",
+        }
         metered = "http://127.0.0.1:9200/v1/chat/completions"
         unmetered = "http://127.0.0.1:9200/v1/bench-passthrough/chat/completions"
         await load(metered, 8, 1.0, BODY)  # warm up
@@ -149,8 +180,11 @@ async def main(seconds: float) -> None:
         print("latency, upstream answering at once")
         for c in (1, 64):
             results = {}
-            for label, url in (("direct", direct["fast"]), ("metered", metered),
-                               ("unmetered (pass-through)", unmetered)):
+            for label, url in (
+                ("direct", direct["fast"]),
+                ("metered", metered),
+                ("unmetered (pass-through)", unmetered),
+            ):
                 before = cpu_seconds(proxy.pid)
                 values = await load(url, c, seconds, BODY)
                 cpu = (cpu_seconds(proxy.pid) - before) / len(values) * 1000
@@ -172,10 +206,12 @@ async def main(seconds: float) -> None:
             await streams(metered, c)  # warm the connection pools
             d_ttfb, d_bunch = await streams(direct["slow"], c)
             p_ttfb, p_bunch = await streams(metered, c)
-            print(f"  {c:>3} concurrent: first event direct p50 {statistics.median(d_ttfb):.2f} ms, via tokenward "
-                  f"p50 {statistics.median(p_ttfb):.2f} ms p99 {pct(p_ttfb, 99):.2f} ms "
-                  f"(added p50 {statistics.median(p_ttfb) - statistics.median(d_ttfb):.2f} ms); "
-                  f"reads with >1 event: direct {d_bunch:.0%}, tokenward {p_bunch:.0%}")
+            print(
+                f"  {c:>3} concurrent: first event direct p50 {statistics.median(d_ttfb):.2f} ms, via tokenward "
+                f"p50 {statistics.median(p_ttfb):.2f} ms p99 {pct(p_ttfb, 99):.2f} ms "
+                f"(added p50 {statistics.median(p_ttfb) - statistics.median(d_ttfb):.2f} ms); "
+                f"reads with >1 event: direct {d_bunch:.0%}, tokenward {p_bunch:.0%}"
+            )
     finally:
         for proc in reversed(procs):
             proc.send_signal(signal.SIGINT)

@@ -58,9 +58,7 @@ _RATE_FIELDS = (
     "audio_output",
     "web_search",
 )
-_KNOWN_FIELDS = frozenset(
-    {"id", "provider", "model", "aliases", "source", "checked", "note", *_RATE_FIELDS}
-)
+_KNOWN_FIELDS = frozenset({"id", "provider", "model", "aliases", "source", "checked", "note", *_RATE_FIELDS})
 _MAX_RATE_DECIMALS = 6
 _SNAPSHOT_SUFFIX = re.compile(r"-(?:\d{4}-\d{2}-\d{2}|\d{8})$")
 
@@ -179,15 +177,20 @@ def default_catalog_path() -> Path:
     return Path(str(resources.files("tokenward.pricing") / "catalog" / "default.yaml"))
 
 
-def load_catalog(paths: Iterable[str | Path] = ()) -> PriceCatalog:
-    """Load the built-in catalog, then each file in ``paths`` in order (later entries win).
+def load_catalog(paths: Iterable[str | Path] = (), *, builtin: bool = True) -> PriceCatalog:
+    """Load the built-in catalog, then each file in ``paths`` in order; later entries win.
+
+    Args:
+        paths: extra price files.
+        builtin: start from the built-in catalog (false: only ``paths``).
 
     Raises:
         CatalogError: a file is unreadable, not YAML, or an entry is invalid; the message
             names the file, the entry id and the field.
     """
     catalog = PriceCatalog()
-    for path in (default_catalog_path(), *map(Path, paths)):
+    files = [default_catalog_path()] if builtin else []
+    for path in (*files, *map(Path, paths)):
         for entry in _read_file(path):
             catalog.entries[entry.id] = entry
     catalog._reindex()

@@ -23,7 +23,9 @@ def main() -> None:
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), help="YAML config file.")
 @click.option("--upstream", help="Upstream base URL, e.g. https://api.openai.com/v1 (no config file needed).")
 @click.option("--provider", help="With --upstream: price catalog provider of the upstream (default: by model name).")
-@click.option("--auth", type=click.Choice(["passthrough", "virtual_keys"]), default=None, help="Auth mode with --upstream.")
+@click.option(
+    "--auth", type=click.Choice(["passthrough", "virtual_keys"]), default=None, help="Auth mode with --upstream."
+)
 @click.option("--db", help="Ledger DuckDB file (overrides the config's ledger.path).")
 @click.option("--host", default=None, help="Interface to listen on (default 127.0.0.1).")
 @click.option("--port", type=int, default=None, help="Port to listen on (default 4000).")

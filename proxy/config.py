@@ -52,8 +52,11 @@ class LedgerConfig(_Section):
 
 
 class AuthConfig(_Section):
-    """``virtual_keys``: clients present a tokenward key from ``virtual_keys``; ``passthrough``:
-    the client's own provider key goes upstream and usage is attributed to its fingerprint."""
+    """How clients authenticate.
+
+    ``virtual_keys``: clients present a tokenward key from ``virtual_keys``; ``passthrough``: the
+    client's own provider key goes upstream and usage is attributed to its fingerprint.
+    """
 
     mode: Literal["passthrough", "virtual_keys"] = "passthrough"
 
@@ -174,6 +177,8 @@ def config_from_args(
 ) -> Config:
     """Build a one-upstream configuration for ``tokenward serve --upstream URL``.
 
+    The upstream is named after ``provider`` (the price catalog provider) when given, else ``default``.
+
     Raises:
         ConfigError: the URL is not http(s), or ``virtual_keys`` was asked for (it needs keys
             from a config file).
@@ -182,7 +187,7 @@ def config_from_args(
         raise ConfigError("--auth virtual_keys needs keys from a config file: use --config FILE")
     try:
         return Config(
-            upstreams=[UpstreamConfig(name="default", base_url=upstream, default=True, provider=provider)],
+            upstreams=[UpstreamConfig(name=provider or "default", base_url=upstream, default=True, provider=provider)],
             server=ServerConfig(host=host, port=port),
             ledger=LedgerConfig(path=db),
             auth=AuthConfig(mode=auth),

@@ -22,8 +22,16 @@ from tokenward.reports.cli import report
 
 __all__ = ["run_demo", "send_recorded"]
 
-_PROVIDERS = {"openai": "openai", "azure-openai": "openai", "deepseek": "deepseek", "mistral": "mistral",
-              "groq": "groq", "openrouter": "openrouter", "google-openai-compat": "google", "huggingface": "huggingface"}
+_PROVIDERS = {
+    "openai": "openai",
+    "azure-openai": "openai",
+    "deepseek": "deepseek",
+    "mistral": "mistral",
+    "groq": "groq",
+    "openrouter": "openrouter",
+    "google-openai-compat": "google",
+    "huggingface": "huggingface",
+}
 
 
 def send_recorded(client: openai.OpenAI, recording: Recording, *, strip_stream_usage: bool = False) -> Any:
@@ -47,13 +55,15 @@ def send_recorded(client: openai.OpenAI, recording: Recording, *, strip_stream_u
     headers = {RECORD_HEADER: recording.id, "x-tokenward-upstream": recording.provider}
     model, stream = body.pop("model"), body.pop("stream", False)
     if recording.endpoint == "responses":
-        reply: Any = client.responses.create(model=model, input=body.pop("input"), stream=stream,
-                                             extra_body=body, extra_headers=headers)
+        reply: Any = client.responses.create(
+            model=model, input=body.pop("input"), stream=stream, extra_body=body, extra_headers=headers
+        )
     elif recording.endpoint == "embeddings":
         reply = client.embeddings.create(model=model, input=body.pop("input"), extra_body=body, extra_headers=headers)
     else:
-        reply = client.chat.completions.create(model=model, messages=body.pop("messages"), stream=stream,
-                                               extra_body=body, extra_headers=headers)
+        reply = client.chat.completions.create(
+            model=model, messages=body.pop("messages"), stream=stream, extra_body=body, extra_headers=headers
+        )
     return list(reply) if stream else reply
 
 
@@ -93,8 +103,14 @@ def _show(client: openai.OpenAI, recording: Recording, *, strip: bool = False) -
         click.echo(f"{label} -> HTTP {exc.status_code} (recorded error, relayed as is)")
         return
     if isinstance(reply, list):
-        usage = next((getattr(e, "usage", None) or getattr(getattr(e, "response", None), "usage", None)
-                      for e in reversed(reply) if getattr(e, "usage", None) or getattr(e, "response", None)), None)
+        usage = next(
+            (
+                getattr(e, "usage", None) or getattr(getattr(e, "response", None), "usage", None)
+                for e in reversed(reply)
+                if getattr(e, "usage", None) or getattr(e, "response", None)
+            ),
+            None,
+        )
         click.echo(f"{label} -> {len(reply)} events, usage seen by client: {'yes' if usage else 'no'}")
     else:
         click.echo(f"{label} -> model {getattr(reply, 'model', '?')}")

@@ -237,7 +237,9 @@ class Forwarder:
                 )
             inbound.headers.append(route.auth_header)
 
-    async def _send(self, route: Route, scope: Scope, headers: list[tuple[bytes, bytes]], content: Any) -> UpstreamReply:
+    async def _send(
+        self, route: Route, scope: Scope, headers: list[tuple[bytes, bytes]], content: Any
+    ) -> UpstreamReply:
         path: bytes = scope.get("raw_path") or scope["path"].encode()
         url = route.base_url + path[3:].decode("latin-1")  # path starts with /v1
         if scope["query_string"]:
@@ -247,7 +249,9 @@ class Forwarder:
         except UpstreamError as exc:
             failure = exc.failure
             code = "upstream_timeout" if failure.status == 504 else "upstream_unreachable"
-            raise ProxyError(failure.status, f"Upstream {route.name!r}: {failure.message}", code, "server_error") from exc
+            raise ProxyError(
+                failure.status, f"Upstream {route.name!r}: {failure.message}", code, "server_error"
+            ) from exc
 
     def _refuse(self, ex: Exchange, exc: BaseException) -> Relay:
         """End ``ex`` for a request that got no upstream reply, and build the error reply."""
@@ -336,8 +340,11 @@ def _with_include_usage(body: bytes, options: Any) -> bytes:
 
 
 def _strip_usage(block: bytes) -> bytes:
-    """Undo what asking for stream usage added to one event: drop the usage-only chunk, and the
-    ``"usage":null`` member that chunks carry only when usage was asked for."""
+    """Undo what asking for stream usage added to one event.
+
+    Drops the usage-only chunk, and the ``"usage":null`` member that chunks carry only when usage
+    was asked for.
+    """
     if b'"usage"' not in block:
         return block
     for pattern in _USAGE_NULL:
@@ -476,7 +483,9 @@ class Relay:
 
     async def _fail_before_start(self, send: Send, exc: UpstreamError) -> None:
         failure = exc.failure
-        error = ProxyError(failure.status, f"Upstream {self.ex.upstream!r}: {failure.message}", "upstream_failed", "server_error")
+        error = ProxyError(
+            failure.status, f"Upstream {self.ex.upstream!r}: {failure.message}", "upstream_failed", "server_error"
+        )
         self.ex.end(Outcome.UPSTREAM_FAILED, failure.status, failure.message)
         self.error = error
         await self._send_error(send)

@@ -71,5 +71,7 @@ class Authenticator:
         name = self._names.get(hashlib.sha256(key.encode()).hexdigest())
         if name is None:
             shown = key[:4] + "***" + key[-4:] if len(key) > 12 else "***"
-            raise ProxyError(401, f"Incorrect API key provided: {shown}. It is not a tokenward virtual key.", "invalid_api_key")
+            raise ProxyError(
+                401, f"Incorrect API key provided: {shown}. It is not a tokenward virtual key.", "invalid_api_key"
+            )
         return name

@@ -153,7 +153,11 @@ class Recorder:
     def _estimated(self, ex: Exchange, future: asyncio.Future[Usage]) -> None:
         self._estimates.discard(future)
         if future.cancelled() or future.exception() is not None:
-            log.error("token estimate failed for %s: %s", ex.request_id, future.exception() if not future.cancelled() else "cancelled")
+            log.error(
+                "token estimate failed for %s: %s",
+                ex.request_id,
+                future.exception() if not future.cancelled() else "cancelled",
+            )
         else:
             ex.usage = future.result()
         self._queue(ex)

@@ -80,7 +80,9 @@ class Router:
 def _prepare(config: UpstreamConfig) -> Route:
     key = config.api_key()
     if config.api_key_env and key is None:
-        log.warning("upstream %s: %s is not set; requests in virtual_keys mode will fail", config.name, config.api_key_env)
+        log.warning(
+            "upstream %s: %s is not set; requests in virtual_keys mode will fail", config.name, config.api_key_env
+        )
     header = (config.api_key_header.lower().encode(), (config.api_key_prefix + key).encode()) if key else None
     timeouts = Timeouts(connect=config.connect_timeout_s, read=config.read_timeout_s)
     return Route(config, config.base_url.rstrip("/"), header, timeouts)

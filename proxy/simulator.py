@@ -89,8 +89,10 @@ def _body_key(body: Any) -> str:
 
 
 def _asks_usage(body: Any) -> bool:
-    return isinstance(body, dict) and isinstance(body.get("stream_options"), dict) and (
-        body["stream_options"].get("include_usage") is True
+    return (
+        isinstance(body, dict)
+        and isinstance(body.get("stream_options"), dict)
+        and (body["stream_options"].get("include_usage") is True)
     )
 
 
@@ -148,7 +150,9 @@ class Simulator:
                 return synthetic
         recording = self.by_id.get(name) if name else self.by_body.get(_body_key(body))
         if recording is None:
-            error = {"error": {"message": f"simulator: no recording for {request.path}", "type": "not_found", "code": None}}
+            error = {
+                "error": {"message": f"simulator: no recording for {request.path}", "type": "not_found", "code": None}
+            }
             return web.json_response(error, status=404)
         fault = request.headers.get(FAULT_HEADER, "")
         if fault == "hang":
@@ -165,7 +169,9 @@ class Simulator:
         """Non-recorded endpoints, for pass-through tests: models, uploads, binary downloads."""
         path = request.path
         if request.method == "GET" and path.endswith("/models"):
-            return web.json_response({"object": "list", "data": [{"id": "gpt-4o", "object": "model", "owned_by": "sim"}]})
+            return web.json_response(
+                {"object": "list", "data": [{"id": "gpt-4o", "object": "model", "owned_by": "sim"}]}
+            )
         if request.method == "POST" and path.endswith("/files"):
             head = f"Content-Type: {request.headers.get('content-type', '')}\r\n\r\n".encode()
             message = BytesParser(policy=email.policy.HTTP).parsebytes(head + raw)
@@ -190,9 +196,7 @@ class Simulator:
             return stream
         return None
 
-    async def _replay(
-        self, request: web.Request, recording: Recording, body: Any, fault: str
-    ) -> web.StreamResponse:
+    async def _replay(self, request: web.Request, recording: Recording, body: Any, fault: str) -> web.StreamResponse:
         response = recording.response
         status = int(response["status"])
         content_type = response.get("content_type") or "application/json"

@@ -55,8 +55,10 @@ def ledger_path(db: str | None, config: str | None) -> str:
 
 
 def parse_when(text: str | None, tz: ZoneInfo, now: dt.datetime | None = None) -> dt.datetime | None:
-    """Parse a time bound: ``2026-11-01`` (midnight in ``tz``), an ISO datetime (naive = ``tz``),
-    or a duration before ``now`` such as ``30m``, ``24h``, ``7d``, ``2w``.
+    """Parse a time bound.
+
+    Accepts ``2026-11-01`` (midnight in ``tz``), an ISO datetime (naive = ``tz``), or a duration
+    before ``now`` such as ``30m``, ``24h``, ``7d``, ``2w``.
 
     Raises:
         click.BadParameter: unparseable text.
@@ -105,7 +107,9 @@ def _open(db: str | None, config: str | None, wait: float) -> Any:
 @click.command()
 @_ledger_options
 @_range_options
-@click.option("--by", default="model,day", show_default=True, help=f"Comma-separated groupings: {', '.join(queries.GROUPINGS)}.")
+@click.option(
+    "--by", default="model,day", show_default=True, help=f"Comma-separated groupings: {', '.join(queries.GROUPINGS)}."
+)
 @click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True)
 def report(
     db: str | None, config: str | None, wait: float, since: str | None, until: str | None, tz: str, by: str, fmt: str
@@ -164,7 +168,9 @@ def print_spend_table(rows: list[dict[str, Any]], groups: list[str], console: Co
         )
     console.print(table)
     if unpriced:
-        console.print(f"[yellow]{unpriced} unpriced request(s) are not in the dollar total[/yellow] (add prices, see README).")
+        console.print(
+            f"[yellow]{unpriced} unpriced request(s) are not in the dollar total[/yellow] (add prices, see README)."
+        )
     estimated = sum(r["estimated_requests"] for r in rows)
     if estimated:
         console.print(f"{estimated} request(s) have estimated or partial token counts (the upstream reported none).")
@@ -176,7 +182,14 @@ def print_spend_table(rows: list[dict[str, Any]], groups: list[str], console: Co
 @click.option("--format", "fmt", type=click.Choice(["jsonl", "csv"]), default="jsonl", show_default=True)
 @click.option("--output", "-o", type=click.Path(dir_okay=False, writable=True), help="File to write (default: stdout).")
 def export(
-    db: str | None, config: str | None, wait: float, since: str | None, until: str | None, tz: str, fmt: str, output: str | None
+    db: str | None,
+    config: str | None,
+    wait: float,
+    since: str | None,
+    until: str | None,
+    tz: str,
+    fmt: str,
+    output: str | None,
 ) -> None:
     """Per-request ledger rows as JSON lines or CSV, with the canonical field names."""
     zone = _zone(tz)
@@ -184,7 +197,7 @@ def export(
     count = 0
     try:
         rows = queries.export_rows(conn, since=parse_when(since, zone), until=parse_when(until, zone))
-        with (open(output, "w", encoding="utf-8", newline="") if output else _stdout()) as out:
+        with open(output, "w", encoding="utf-8", newline="") if output else _stdout() as out:
             if fmt == "csv":
                 writer = csv.DictWriter(out, fieldnames=list(queries.EXPORT_COLUMNS), lineterminator="\n")
                 writer.writeheader()

@@ -165,7 +165,7 @@ class Spool:
         return final
 
     def pending_files(self, *, recover: bool = False) -> list[Path]:
-        """This process's spool files, plus (``recover``) those left by processes no longer running."""
+        """Spool files of this process, plus (``recover``) those left by processes no longer running."""
         if not self.directory.exists():
             return []
         files = []

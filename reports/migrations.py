@@ -25,9 +25,7 @@ def migration(fn: Migration) -> Migration:
 
 
 def _applied(conn: duckdb.DuckDBPyConnection) -> set[str]:
-    exists = conn.execute(
-        "SELECT count(*) FROM information_schema.tables WHERE table_name = '_migrations'"
-    ).fetchone()
+    exists = conn.execute("SELECT count(*) FROM information_schema.tables WHERE table_name = '_migrations'").fetchone()
     if not exists or not exists[0]:
         return set()
     return {row[0] for row in conn.execute("SELECT name FROM _migrations").fetchall()}

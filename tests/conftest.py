@@ -87,9 +87,26 @@ def upstreams_for(simulator_url: str, providers: list[str], **overrides: Any) ->
 
 ALL_PROVIDERS = sorted(
     {
-        "openai", "azure-openai", "deepseek", "mistral", "groq", "openrouter", "google-openai-compat",
-        "huggingface", "cerebras", "crusoe", "bedrock-mantle", "heroku", "ollama-cloud", "ollama-local",
-        "pydantic-ai-gateway", "pydantic-demo-echo", "snowflake-cortex", "voyage", "zai", "anthropic",
+        "openai",
+        "azure-openai",
+        "deepseek",
+        "mistral",
+        "groq",
+        "openrouter",
+        "google-openai-compat",
+        "huggingface",
+        "cerebras",
+        "crusoe",
+        "bedrock-mantle",
+        "heroku",
+        "ollama-cloud",
+        "ollama-local",
+        "pydantic-ai-gateway",
+        "pydantic-demo-echo",
+        "snowflake-cortex",
+        "voyage",
+        "zai",
+        "anthropic",
     }
 )
 

@@ -16,7 +16,9 @@ def write(tmp_path, text, name="prices.yaml"):
     return path
 
 
-ENTRY = "{id: x/m, provider: x, model: m, input: 0.15, output: 0.6, source: 'https://example.com/p', checked: 2026-11-01}"
+ENTRY = (
+    "{id: x/m, provider: x, model: m, input: 0.15, output: 0.6, source: 'https://example.com/p', checked: 2026-11-01}"
+)
 
 
 def test_builtin_catalog_loads_and_every_entry_is_sourced():
@@ -35,18 +37,32 @@ def test_yaml_floats_become_exact_decimals(tmp_path):
     entry = catalog.entries["x/m"]
     assert entry.input == Decimal("0.15") and type(entry.input) is Decimal
     # defaults: no cache discount unless given
-    assert entry.cached_input == entry.input and entry.cache_write == entry.input and entry.cache_write_1h == entry.input
+    assert (
+        entry.cached_input == entry.input and entry.cache_write == entry.input and entry.cache_write_1h == entry.input
+    )
 
 
 @pytest.mark.parametrize(
     ("entry", "message"),
     [
         ("{id: x/m, provider: x, model: m, input: 0.15, source: 's', checked: 2026-11-01}", "'output': required"),
-        ("{id: x/m, provider: x, model: m, input: -1, output: 1, source: 's', checked: 2026-11-01}", "'input': must be a finite"),
-        ("{id: x/m, provider: x, model: m, input: 0.0000001, output: 1, source: 's', checked: 2026-11-01}", "decimal places"),
-        ("{id: x/m, provider: x, model: m, input: '1', output: 1, source: 's', checked: 2026-11-01}", "'input': must be a number"),
+        (
+            "{id: x/m, provider: x, model: m, input: -1, output: 1, source: 's', checked: 2026-11-01}",
+            "'input': must be a finite",
+        ),
+        (
+            "{id: x/m, provider: x, model: m, input: 0.0000001, output: 1, source: 's', checked: 2026-11-01}",
+            "decimal places",
+        ),
+        (
+            "{id: x/m, provider: x, model: m, input: '1', output: 1, source: 's', checked: 2026-11-01}",
+            "'input': must be a number",
+        ),
         ("{id: x/m, provider: x, model: m, input: 1, output: 1, source: 's'}", "'checked': required"),
-        ("{id: x/m, provider: x, model: m, input: 1, output: 1, source: 's', checked: 2026-11-01, inptu: 3}", "'inptu': unknown"),
+        (
+            "{id: x/m, provider: x, model: m, input: 1, output: 1, source: 's', checked: 2026-11-01, inptu: 3}",
+            "'inptu': unknown",
+        ),
     ],
 )
 def test_validation_errors_name_file_entry_and_field(tmp_path, entry, message):
@@ -64,8 +80,12 @@ def test_broken_yaml_and_duplicates(tmp_path):
 
 
 def test_later_files_override_entries(tmp_path):
-    first = write(tmp_path, "entries:\n  - {id: openai/gpt-4o, provider: openai, model: gpt-4o, input: 9, output: 9, "
-                            "source: 'https://example.com', checked: 2026-11-01}\n", "a.yaml")
+    first = write(
+        tmp_path,
+        "entries:\n  - {id: openai/gpt-4o, provider: openai, model: gpt-4o, input: 9, output: 9, "
+        "source: 'https://example.com', checked: 2026-11-01}\n",
+        "a.yaml",
+    )
     catalog = load_catalog([first])
     assert catalog.entries["openai/gpt-4o"].input == Decimal(9)
     assert catalog.resolve("gpt-4o-2024-08-06", "openai").entry.input == Decimal(9)

@@ -19,11 +19,24 @@ from tokenward.proxy.simulator import RECORD_HEADER, without_stream_usage
 
 from .conftest import ProxyFactory, corpus_records
 
-PATHS = {"chat_completions": "chat/completions", "completions": "completions", "embeddings": "embeddings",
-         "responses": "responses"}
+PATHS = {
+    "chat_completions": "chat/completions",
+    "completions": "completions",
+    "embeddings": "embeddings",
+    "responses": "responses",
+}
 USAGE_PATHS = ("usage", "x_groq.usage", "response.usage", "message.usage")
-TOKEN_COLUMNS = ("input_tokens", "cached_input_tokens", "cache_write_tokens", "output_tokens", "reasoning_tokens",
-                 "audio_input_tokens", "audio_output_tokens", "image_input_tokens", "web_search_requests")
+TOKEN_COLUMNS = (
+    "input_tokens",
+    "cached_input_tokens",
+    "cache_write_tokens",
+    "output_tokens",
+    "reasoning_tokens",
+    "audio_input_tokens",
+    "audio_output_tokens",
+    "image_input_tokens",
+    "web_search_requests",
+)
 
 
 def openai_records() -> list[dict[str, Any]]:
@@ -108,9 +121,14 @@ def corpus_run(tmp_path_factory, simulator):
             query = ("?" + record["request"]["query"]) if record["request"]["query"] else ""
             body = json.dumps(record["request"]["body"]).encode()
             headers = {RECORD_HEADER: record["id"], "content-type": "application/json"}
-            direct = client.post(f"{simulator.url}/{record['provider']}/v1/{path}{query}", content=body, headers=headers)
-            via = client.post(f"{proxy.url}/v1/{path}{query}", content=body,
-                              headers={**headers, "x-tokenward-upstream": record["provider"]})
+            direct = client.post(
+                f"{simulator.url}/{record['provider']}/v1/{path}{query}", content=body, headers=headers
+            )
+            via = client.post(
+                f"{proxy.url}/v1/{path}{query}",
+                content=body,
+                headers={**headers, "x-tokenward-upstream": record["provider"]},
+            )
             results.append((record, direct, via))
     rows = {row["request_id"]: row for row in proxy.rows(len(results))}
     factory.stop_all()
@@ -122,7 +140,10 @@ def test_client_sees_what_the_upstream_sent(corpus_run):
     mismatches = []
     for record, direct, via in results:
         same = (direct.status_code, direct.headers.get("content-type"), direct.content) == (
-            via.status_code, via.headers.get("content-type"), via.content)
+            via.status_code,
+            via.headers.get("content-type"),
+            via.content,
+        )
         if not same:
             mismatches.append(record["id"])
     assert len(results) > 600
@@ -150,7 +171,11 @@ def test_every_record_has_one_row_with_the_reported_usage(corpus_run):
                 problem = f"price_status {row['price_status']}"
         elif status >= 400:
             if (row["usage_source"], row["price_status"], row["cost_usd"], row["outcome"]) != (
-                    "none", "not_billed", 0, "upstream_error"):
+                "none",
+                "not_billed",
+                0,
+                "upstream_error",
+            ):
                 problem = f"error reply row {row['usage_source']} {row['price_status']} {row['outcome']}"
         elif record["request"]["body"].get("background"):  # usage comes later from GET /v1/responses/{id}
             if (row["usage_source"], row["price_status"], row["cost_usd"]) != ("none", "deferred", None):
@@ -176,8 +201,13 @@ def test_no_silent_zero_cost(corpus_run):
 
 def test_hidden_usage_chunks_match_the_upstream_without_include_usage(tmp_path_factory, simulator):
     """A client that did not ask for stream usage gets exactly the events the upstream sends it."""
-    records = [r for r in openai_records() if r["stream"] and r["endpoint"] == "chat_completions"
-               and (r["request"]["body"].get("stream_options") or {}).get("include_usage")]
+    records = [
+        r
+        for r in openai_records()
+        if r["stream"]
+        and r["endpoint"] == "chat_completions"
+        and (r["request"]["body"].get("stream_options") or {}).get("include_usage")
+    ]
     factory = ProxyFactory(tmp_path_factory.mktemp("strip"), simulator)
     proxy = factory()
     compared, mismatches = 0, []
@@ -190,9 +220,14 @@ def test_hidden_usage_chunks_match_the_upstream_without_include_usage(tmp_path_f
                 continue  # the simulator's JSON re-encoding would differ, not tokenward
             body = {k: v for k, v in record["request"]["body"].items() if k != "stream_options"}
             headers = {RECORD_HEADER: record["id"]}
-            direct = client.post(f"{simulator.url}/{record['provider']}/v1/chat/completions", json=body, headers=headers)
-            via = client.post(f"{proxy.url}/v1/chat/completions", json=body,
-                              headers={**headers, "x-tokenward-upstream": record["provider"]})
+            direct = client.post(
+                f"{simulator.url}/{record['provider']}/v1/chat/completions", json=body, headers=headers
+            )
+            via = client.post(
+                f"{proxy.url}/v1/chat/completions",
+                json=body,
+                headers={**headers, "x-tokenward-upstream": record["provider"]},
+            )
             compared += 1
             if direct.content != via.content:
                 mismatches.append(record["id"])

@@ -18,7 +18,7 @@ PRICES = Path(__file__).parent / "fixtures" / "field_case_prices.yaml"
 
 @pytest.fixture(scope="module")
 def catalog():
-    return load_catalog([PRICES])
+    return load_catalog([PRICES], builtin=False)
 
 
 def cost_of(catalog, model, usage):
@@ -29,7 +29,9 @@ def cost_of(catalog, model, usage):
 
 def test_b01_stream_usage_priced(catalog):
     # input 14, output 5: 14 * 0.15 + 5 * 0.60 = 5.1 -> $0.0000051
-    assert cost_of(catalog, "gpt-4o-mini-2024-07-18", Usage(input_tokens=14, output_tokens=5)).total == Decimal("0.0000051")
+    assert cost_of(catalog, "gpt-4o-mini-2024-07-18", Usage(input_tokens=14, output_tokens=5)).total == Decimal(
+        "0.0000051"
+    )
 
 
 def test_b07_cached_tokens_billed_at_cache_rate(catalog):
@@ -43,7 +45,11 @@ def test_b09_cached_tokens_not_billed_twice(catalog):
     usage = Usage(input_tokens=2150, cached_input_tokens=2048, output_tokens=120)
     cost = cost_of(catalog, "gpt-4o", usage)
     assert cost.total == Decimal("0.004015")
-    assert [(line.component, line.quantity) for line in cost.lines] == [("input", 102), ("cached_input", 2048), ("output", 120)]
+    assert [(line.component, line.quantity) for line in cost.lines] == [
+        ("input", 102),
+        ("cached_input", 2048),
+        ("output", 120),
+    ]
 
 
 def test_b10_cache_writes_priced_once(catalog):
@@ -96,14 +102,26 @@ def test_web_search_per_call(catalog):
     st.integers(0, 10**7), st.integers(0, 10**7), st.integers(0, 10**7), st.integers(0, 10**7), st.integers(0, 10**7)
 )
 def test_cost_never_negative_and_monotone(catalog, cached, writes, uncached, output, extra):
-    usage = Usage(input_tokens=cached + writes + uncached, cached_input_tokens=cached, cache_write_tokens=writes,
-                  output_tokens=output)
+    usage = Usage(
+        input_tokens=cached + writes + uncached,
+        cached_input_tokens=cached,
+        cache_write_tokens=writes,
+        output_tokens=output,
+    )
     base = cost_of(catalog, "claude-sonnet-4", usage).total
     assert base >= 0
-    more_output = Usage(input_tokens=usage.input_tokens, cached_input_tokens=cached, cache_write_tokens=writes,
-                        output_tokens=output + extra)
-    more_input = Usage(input_tokens=usage.input_tokens + extra, cached_input_tokens=cached, cache_write_tokens=writes,
-                       output_tokens=output)
+    more_output = Usage(
+        input_tokens=usage.input_tokens,
+        cached_input_tokens=cached,
+        cache_write_tokens=writes,
+        output_tokens=output + extra,
+    )
+    more_input = Usage(
+        input_tokens=usage.input_tokens + extra,
+        cached_input_tokens=cached,
+        cache_write_tokens=writes,
+        output_tokens=output,
+    )
     assert cost_of(catalog, "claude-sonnet-4", more_output).total >= base
     assert cost_of(catalog, "claude-sonnet-4", more_input).total >= base
     assert base.as_tuple().exponent >= -12  # fits the ledger's DECIMAL(38, 12) exactly

@@ -27,24 +27,35 @@ def assert_openai_error(response: httpx.Response, status: int, code: str) -> dic
 
 def test_malformed_json_is_400_and_recorded(start_proxy):
     proxy = start_proxy()
-    reply = httpx.post(f"{proxy.url}/v1/chat/completions", content=b'{"model": "gpt-4o", "messages": [',
-                       headers={"content-type": "application/json", "x-request-id": "client-42"})
+    reply = httpx.post(
+        f"{proxy.url}/v1/chat/completions",
+        content=b'{"model": "gpt-4o", "messages": [',
+        headers={"content-type": "application/json", "x-request-id": "client-42"},
+    )
     assert_openai_error(reply, 400, "invalid_json")
     not_object = httpx.post(f"{proxy.url}/v1/chat/completions", content=b"[1, 2]")
     assert_openai_error(not_object, 400, "invalid_json")
     rows = proxy.rows()
     assert [(r["outcome"], r["http_status"], r["price_status"], r["cost_usd"]) for r in rows] == [
-        ("client_error", 400, "not_billed", 0), ("client_error", 400, "not_billed", 0)]
+        ("client_error", 400, "not_billed", 0),
+        ("client_error", 400, "not_billed", 0),
+    ]
     assert rows[0]["client_request_id"] == "client-42"
     assert reply.headers["x-tokenward-request-id"] == rows[0]["request_id"]
 
 
 def test_unknown_virtual_key_is_401(start_proxy, simulator, sample, monkeypatch):
     monkeypatch.setenv("SIM_OPENAI_KEY", "sk-upstream-secret")
-    upstream = UpstreamConfig(name="openai", base_url=f"{simulator.url}/openai/v1", default=True, provider="openai",
-                              api_key_env="SIM_OPENAI_KEY")
-    proxy = start_proxy(upstreams=[upstream], auth="virtual_keys",
-                        keys=[VirtualKeyConfig(name="team-a", key="tw-team-a-secret-key")])
+    upstream = UpstreamConfig(
+        name="openai",
+        base_url=f"{simulator.url}/openai/v1",
+        default=True,
+        provider="openai",
+        api_key_env="SIM_OPENAI_KEY",
+    )
+    proxy = start_proxy(
+        upstreams=[upstream], auth="virtual_keys", keys=[VirtualKeyConfig(name="team-a", key="tw-team-a-secret-key")]
+    )
     bad = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="tw-not-a-key-1234", max_retries=0)
     with pytest.raises(openai.AuthenticationError) as info:
         bad.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
@@ -61,7 +72,10 @@ def test_unknown_virtual_key_is_401(start_proxy, simulator, sample, monkeypatch)
     assert sent["Authorization"] == "Bearer sk-upstream-secret"
     rows = proxy.rows()
     assert [(r["outcome"], r["http_status"], r["principal"]) for r in rows] == [
-        ("unauthorized", 401, "anonymous"), ("unauthorized", 401, "anonymous"), ("ok", 200, "team-a")]
+        ("unauthorized", 401, "anonymous"),
+        ("unauthorized", 401, "anonymous"),
+        ("ok", 200, "team-a"),
+    ]
     assert rows[2]["input_tokens"] == 8
 
 
@@ -78,15 +92,24 @@ def test_unreachable_upstream_is_502(start_proxy):
     error = assert_openai_error(reply, 502, "upstream_unreachable")
     assert "dead" in error["message"]
     (row,) = proxy.rows(1)
-    assert (row["outcome"], row["http_status"], row["upstream"], row["input_tokens"]) == ("upstream_unreachable", 502, "dead", 0)
+    assert (row["outcome"], row["http_status"], row["upstream"], row["input_tokens"]) == (
+        "upstream_unreachable",
+        502,
+        "dead",
+        0,
+    )
 
 
 def test_upstream_timeout_is_504(start_proxy, simulator):
     slow = UpstreamConfig(name="openai", base_url=f"{simulator.url}/openai/v1", default=True, read_timeout_s=0.3)
     proxy = start_proxy(upstreams=[slow])
     started = time.monotonic()
-    reply = httpx.post(f"{proxy.url}/v1/chat/completions", json={"model": "gpt-4o", "messages": []},
-                       headers={RECORD_HEADER: CHAT, FAULT_HEADER: "hang"}, timeout=10)
+    reply = httpx.post(
+        f"{proxy.url}/v1/chat/completions",
+        json={"model": "gpt-4o", "messages": []},
+        headers={RECORD_HEADER: CHAT, FAULT_HEADER: "hang"},
+        timeout=10,
+    )
     assert time.monotonic() - started < 5
     assert_openai_error(reply, 504, "upstream_timeout")
     (row,) = proxy.rows(1)
@@ -95,8 +118,11 @@ def test_upstream_timeout_is_504(start_proxy, simulator):
 
 def test_upstream_reset_is_502(start_proxy, simulator):
     proxy = start_proxy()
-    reply = httpx.post(f"{proxy.url}/v1/chat/completions", json={"model": "gpt-4o", "messages": []},
-                       headers={RECORD_HEADER: CHAT, FAULT_HEADER: "reset"})
+    reply = httpx.post(
+        f"{proxy.url}/v1/chat/completions",
+        json={"model": "gpt-4o", "messages": []},
+        headers={RECORD_HEADER: CHAT, FAULT_HEADER: "reset"},
+    )
     assert_openai_error(reply, 502, "upstream_unreachable")
     (row,) = proxy.rows(1)
     assert row["outcome"] == "upstream_unreachable" and row["cost_usd"] == 0
@@ -104,8 +130,9 @@ def test_upstream_reset_is_502(start_proxy, simulator):
 
 def test_unknown_upstream_header_is_400(start_proxy):
     proxy = start_proxy()
-    reply = httpx.post(f"{proxy.url}/v1/chat/completions", json={"model": "gpt-4o"},
-                       headers={"x-tokenward-upstream": "nope"})
+    reply = httpx.post(
+        f"{proxy.url}/v1/chat/completions", json={"model": "gpt-4o"}, headers={"x-tokenward-upstream": "nope"}
+    )
     assert_openai_error(reply, 400, "unknown_upstream")
     assert proxy.rows()[0]["outcome"] == "client_error"
 
@@ -113,8 +140,12 @@ def test_unknown_upstream_header_is_400(start_proxy):
 def test_client_disconnect_mid_stream_still_records_usage(start_proxy, sample):
     proxy = start_proxy()
     body = sample[CHAT_STREAM].request["body"]
-    with httpx.stream("POST", f"{proxy.url}/v1/chat/completions", json=body,
-                      headers={RECORD_HEADER: CHAT_STREAM, FAULT_HEADER: "delay:100"}) as reply:
+    with httpx.stream(
+        "POST",
+        f"{proxy.url}/v1/chat/completions",
+        json=body,
+        headers={RECORD_HEADER: CHAT_STREAM, FAULT_HEADER: "delay:100"},
+    ) as reply:
         first = next(reply.iter_raw())
         assert first.startswith(b"data: ")
     # the client hung up after the first event; tokenward read on and got the usage report
@@ -126,8 +157,12 @@ def test_client_disconnect_mid_stream_still_records_usage(start_proxy, sample):
 def test_upstream_cut_mid_stream_bills_no_error_text(start_proxy, sample):
     proxy = start_proxy()
     body = sample[CHAT_STREAM].request["body"]
-    with httpx.stream("POST", f"{proxy.url}/v1/chat/completions", json=body,
-                      headers={RECORD_HEADER: CHAT_STREAM, FAULT_HEADER: "cut:3"}) as reply:
+    with httpx.stream(
+        "POST",
+        f"{proxy.url}/v1/chat/completions",
+        json=body,
+        headers={RECORD_HEADER: CHAT_STREAM, FAULT_HEADER: "cut:3"},
+    ) as reply:
         received = b"".join(reply.iter_raw())
     assert received.count(b"data: ") == 3
     (row,) = proxy.rows(1)

@@ -20,10 +20,13 @@ def test_models_list_and_query_string(start_proxy, simulator):
         models = client.models.list()
     assert [m.id for m in models.data] == ["gpt-4o"]
     reply = httpx.get(f"{proxy.url}/v1/models?limit=2&order=desc")
-    assert reply.status_code == 200 and simulator.simulator.requests[-1]["path"] == "/openai/v1/models?limit=2&order=desc"
+    assert (
+        reply.status_code == 200 and simulator.simulator.requests[-1]["path"] == "/openai/v1/models?limit=2&order=desc"
+    )
     rows = proxy.rows(2)
     assert [(r["endpoint"], r["method"], r["path"], r["price_status"], r["outcome"]) for r in rows] == [
-        ("passthrough", "GET", "/v1/models", "not_metered", "ok")] * 2
+        ("passthrough", "GET", "/v1/models", "not_metered", "ok")
+    ] * 2
     assert rows[0]["cost_usd"] is None and rows[0]["usage_source"] == "none"
 
 
@@ -35,8 +38,11 @@ def test_multipart_upload_reaches_upstream_intact(start_proxy, tmp_path):
     with client_for(proxy) as client, path.open("rb") as handle:
         raw = client.files.with_raw_response.create(file=handle, purpose="batch")
     echoed = raw.http_response.json()
-    assert echoed["fields"]["file"] == {"filename": "batch.jsonl", "bytes": len(data),
-                                        "sha256": hashlib.sha256(data).hexdigest()}
+    assert echoed["fields"]["file"] == {
+        "filename": "batch.jsonl",
+        "bytes": len(data),
+        "sha256": hashlib.sha256(data).hexdigest(),
+    }
     assert echoed["fields"]["purpose"]["bytes"] == len(b"batch")
     (row,) = proxy.rows(1)
     assert (row["method"], row["path"], row["http_status"]) == ("POST", "/v1/files", 200)

@@ -109,7 +109,9 @@ async def test_async_call_responses_api(start_proxy, sample):
     client = openai.AsyncOpenAI(base_url=f"{proxy.url}/v1", api_key="sk-test-key", max_retries=0)
     body = dict(sample[RESPONSES].request["body"])
     reply = await client.responses.create(
-        model=body.pop("model"), input=body.pop("input"), extra_body=body,
+        model=body.pop("model"),
+        input=body.pop("input"),
+        extra_body=body,
         extra_headers={RECORD_HEADER: RESPONSES},
     )
     await client.close()

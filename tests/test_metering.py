@@ -67,14 +67,22 @@ def test_stream_without_usage_reports_none(sample):
 )
 def test_encoded_bodies_are_decoded_on_the_side(encoding, compress, sample):
     # field case B30: gzip body decoding to usage 30 in / 12 out
-    body = json.dumps({"id": "chatcmpl-b30", "object": "chat.completion", "model": "gpt-4o-mini",
-                       "usage": {"prompt_tokens": 30, "completion_tokens": 12, "total_tokens": 42}}).encode()
+    body = json.dumps(
+        {
+            "id": "chatcmpl-b30",
+            "object": "chat.completion",
+            "model": "gpt-4o-mini",
+            "usage": {"prompt_tokens": 30, "completion_tokens": 12, "total_tokens": 42},
+        }
+    ).encode()
     meter = Meter("openai", encoding)
     meter.feed_body(compress(body))
     assert meter.finish().usage == Usage(input_tokens=30, output_tokens=12)
     sse = sample[CHAT_STREAM].response["sse"].encode()
     packed = compress(sse)
-    assert meter_stream(packed, [len(packed) // 3, len(packed) // 2], encoding).usage == Usage(input_tokens=53, output_tokens=15)
+    assert meter_stream(packed, [len(packed) // 3, len(packed) // 2], encoding).usage == Usage(
+        input_tokens=53, output_tokens=15
+    )
 
 
 def test_non_json_body_is_not_an_error():

@@ -12,8 +12,8 @@ from tokenward.proxy.sse import SSEDecoder, parse_event
 STREAM = (
     b": OPENROUTER PROCESSING\n\n"
     b'data: {"a":1}\n\n'
-    b"event: response.completed\ndata: {\"b\":2}\n\n"
-    b"data:{\"c\":3}\n\n"
+    b'event: response.completed\ndata: {"b":2}\n\n'
+    b'data:{"c":3}\n\n'
     b"data: line1\ndata: line2\n\n"
     b"data: [DONE]\n\n"
 )

@@ -1,0 +1,229 @@
+"""The tokenward command: serve in its own process, report and export while it runs, demo."""
+
+from __future__ import annotations
+
+import csv
+import datetime as dt
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from decimal import Decimal
+from pathlib import Path
+from zoneinfo import ZoneInfo
+
+import httpx
+import openai
+import pytest
+from click.testing import CliRunner
+
+from tokenward.proxy.cli import main
+from tokenward.proxy.demo import send_recorded
+from tokenward.reports.cli import parse_when
+from tokenward.reports.ledger import Spool
+
+from .test_ledger import make_row
+
+CHAT = "tests/models/cassettes/test_openai/test_extra_headers.yaml#0"
+CHAT_STREAM = "tests/models/cassettes/test_openai/test_run_stream_sync_streams_real_model.yaml#0"
+
+
+def tokenward(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tokenward.proxy", *args], capture_output=True, text=True, check=check, timeout=60
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_report_and_export_while_the_proxy_runs(tmp_path, simulator, sample):
+    ledger = tmp_path / "live.duckdb"
+    port = free_port()
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tokenward.proxy",
+            "serve",
+            "--upstream",
+            f"{simulator.url}/openai/v1",
+            "--provider",
+            "openai",
+            "--db",
+            str(ledger),
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline and server.poll() is None, "proxy did not start"
+            time.sleep(0.1)
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-live", max_retries=0) as client:
+            send_recorded(client, sample[CHAT])
+            send_recorded(client, sample[CHAT_STREAM])
+            send_recorded(client, sample[CHAT_STREAM], strip_stream_usage=True)
+        deadline = time.monotonic() + 20
+        while True:  # the proxy keeps running; the report reads between its flushes
+            report = tokenward("report", "--db", str(ledger), "--by", "model", "--format", "json", check=False)
+            rows = json.loads(report.stdout) if report.returncode == 0 else []
+            if sum(r["requests"] for r in rows) == 3 or time.monotonic() > deadline:
+                break
+            time.sleep(0.3)
+        assert report.returncode == 0, report.stderr
+        by_model = {r["model"]: r for r in rows}
+        assert by_model["gpt-4o-2024-08-06"]["requests"] == 1
+        assert by_model["gpt-4o-mini-2024-07-18"]["requests"] == 2
+        assert by_model["gpt-4o-mini-2024-07-18"]["input_tokens"] == 106
+        # 0.000120 (gpt-4o) + 2 x 0.00001695 (gpt-4o-mini)
+        assert sum(Decimal(r["cost_usd"]) for r in rows) == Decimal("0.0001539")
+        export = tokenward("export", "--db", str(ledger), "--format", "jsonl")
+        exported = [json.loads(line) for line in export.stdout.splitlines()]
+        assert len(exported) == 3 and {e["outcome"] for e in exported} == {"ok"}
+        assert exported[0]["started_at"].endswith("+00:00") and "cached_input_tokens" in exported[0]
+        assert server.poll() is None  # still serving
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-live", max_retries=0) as client:
+            send_recorded(client, sample[CHAT])  # stop right after: the row must still reach the ledger
+    finally:
+        server.send_signal(signal.SIGTERM)
+        _, stderr = server.communicate(timeout=30)
+    # uvicorn shuts down gracefully, then re-raises the signal it caught
+    assert server.returncode in (0, -signal.SIGTERM), stderr
+    assert "Traceback" not in stderr
+    final = json.loads(tokenward("report", "--db", str(ledger), "--by", "model", "--format", "json").stdout)
+    assert sum(r["requests"] for r in final) == 4
+
+
+@pytest.fixture
+def seeded(tmp_path):
+    path = tmp_path / "seeded.duckdb"
+    day1 = dt.datetime(2026, 11, 2, 23, 30, tzinfo=dt.UTC).timestamp()  # 2026-11-03 00:30 in Paris
+    day2 = dt.datetime(2026, 11, 3, 12, 0, tzinfo=dt.UTC).timestamp()
+    Spool(path).write(
+        [
+            make_row(
+                "r1",
+                started_at=day1,
+                ended_at=day1 + 1,
+                served_model="gpt-4o",
+                input_tokens=100,
+                output_tokens=10,
+                cost_usd=Decimal("0.00035"),
+            ),
+            make_row(
+                "r2",
+                started_at=day2,
+                ended_at=day2 + 1,
+                served_model="gpt-4o",
+                input_tokens=200,
+                output_tokens=20,
+                cached_input_tokens=50,
+                cost_usd=Decimal("0.000637500000"),
+            ),
+            make_row(
+                "r3",
+                started_at=day2,
+                ended_at=day2 + 2,
+                served_model="mistral-large-latest",
+                input_tokens=7,
+                output_tokens=3,
+                cost_usd=None,
+                price_status="unpriced",
+            ),
+        ]
+    )
+    Spool(path).ingest()
+    return path
+
+
+def test_report_formats_and_time_zones(seeded):
+    runner = CliRunner()
+    result = runner.invoke(
+        main,
+        ["report", "--db", str(seeded), "--by", "day,model", "--format", "csv", "--tz", "Europe/Paris"],
+        catch_exceptions=False,
+    )
+    rows = list(csv.DictReader(io.StringIO(result.output)))
+    assert [(r["day"], r["model"], r["requests"], r["cost_usd"], r["unpriced_requests"]) for r in rows] == [
+        ("2026-11-03", "gpt-4o", "2", "0.000987500000", "0"),
+        ("2026-11-03", "mistral-large-latest", "1", "0.000000000000", "1"),
+    ]
+    utc = runner.invoke(
+        main, ["report", "--db", str(seeded), "--by", "day", "--format", "json"], catch_exceptions=False
+    )
+    assert [(r["day"], r["requests"]) for r in json.loads(utc.output)] == [("2026-11-02", 1), ("2026-11-03", 2)]
+    table = runner.invoke(main, ["report", "--db", str(seeded), "--by", "model"], catch_exceptions=False)
+    assert "gpt-4o" in table.output and "$0.000988" in table.output
+    assert "1 unpriced request(s) are not in the dollar total" in table.output
+    window = runner.invoke(
+        main,
+        ["report", "--db", str(seeded), "--by", "model", "--format", "json", "--since", "2026-11-03T00:00:00+00:00"],
+        catch_exceptions=False,
+    )
+    assert sum(r["requests"] for r in json.loads(window.output)) == 2
+
+
+def test_export_csv_to_file(seeded, tmp_path):
+    out = tmp_path / "rows.csv"
+    result = CliRunner().invoke(
+        main, ["export", "--db", str(seeded), "--format", "csv", "-o", str(out)], catch_exceptions=False
+    )
+    assert "wrote 3 rows" in result.output
+    with out.open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert [r["request_id"] for r in rows] == ["r1", "r2", "r3"]
+    assert rows[1]["cost_usd"] == "0.000637500000" and rows[2]["cost_usd"] == ""
+
+
+def test_config_names_the_ledger_and_errors_are_clean(tmp_path, seeded):
+    config = tmp_path / "c.yaml"
+    config.write_text(f"ledger: {{path: {seeded.name}}}\nupstreams: [{{name: a, base_url: 'http://x'}}]\n")
+    result = CliRunner().invoke(main, ["report", "--config", str(config), "--format", "json", "--by", "model"])
+    assert result.exit_code == 0 and len(json.loads(result.output)) == 2
+    missing = CliRunner().invoke(main, ["report", "--db", str(tmp_path / "none.duckdb")])
+    assert missing.exit_code != 0 and "no ledger" in missing.output and "Traceback" not in missing.output
+    bad_tz = CliRunner().invoke(main, ["report", "--db", str(seeded), "--tz", "Mars/Olympus"])
+    assert bad_tz.exit_code != 0 and "unknown time zone" in bad_tz.output
+
+
+def test_parse_when():
+    paris = ZoneInfo("Europe/Paris")
+    now = dt.datetime(2026, 11, 29, 12, 0, tzinfo=dt.UTC)
+    assert parse_when("2026-11-01", paris) == dt.datetime(2026, 11, 1, tzinfo=paris)
+    assert parse_when("7d", paris, now) == now - dt.timedelta(days=7)
+    assert parse_when("90m", paris, now) == now - dt.timedelta(minutes=90)
+    assert parse_when(None, paris) is None
+
+
+def test_serve_needs_a_config_or_an_upstream():
+    result = tokenward("serve", check=False)
+    assert result.returncode != 0 and "give either --config FILE or --upstream URL" in result.stderr
+
+
+def test_demo_runs_offline_and_prints_the_report(tmp_path):
+    ledger = tmp_path / "demo.duckdb"
+    result = CliRunner().invoke(main, ["demo", "--db", str(ledger)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert "tokenward spend" in result.output and "gpt-4o-2024-08-06" in result.output
+    assert "unpriced request(s)" in result.output
+    assert ledger.exists() and os.path.getsize(ledger) > 0
+    assert Path(str(ledger) + ".spool").exists() is False or not any(Path(str(ledger) + ".spool").iterdir())

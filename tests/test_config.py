@@ -1,0 +1,58 @@
+"""Config files: validated, with errors naming the file and the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenward.proxy.config import ConfigError, config_from_args, load_config
+
+
+def write(tmp_path, text):
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_example_config_loads_with_paths_relative_to_the_file():
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[1] / "config.example.yaml"
+    config = load_config(example)
+    assert config.ledger.path == str(example.parent / "tokenward.duckdb")
+    assert [u.name for u in config.upstreams][:2] == ["openai", "deepseek"]
+    assert config.auth.mode == "passthrough"
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        ("upstreams: []", "at least one upstream"),
+        ("upstreams: [{name: a, base_url: 'ftp://x'}]", "$.upstreams[0].base_url"),
+        ("upstreams: [{name: a, base_url: 'http://x', colour: red}]", "colour"),
+        ("upstreams: [{name: a, base_url: 'http://x'}, {name: a, base_url: 'http://y'}]", "duplicate upstream name"),
+        ("upstreams: [{name: a, base_url: 'http://x', port: nope}]", "port"),
+        ("upstreams: [{name: a, base_url: 'http://x'}]\nauth: {mode: virtual_keys}", "needs at least one key"),
+        ("upstreams: [{name: a, base_url: 'http://x'}]\nvirtual_keys: [{name: k}]", "exactly one of key or key_sha256"),
+        ("upstreams: [{name: a, base_url: 'http://x', read_timeout_s: soon}]", "read_timeout_s"),
+        ("upstreams: [", "cannot read config"),
+    ],
+)
+def test_invalid_configs_name_the_problem(tmp_path, text, fragment):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(path) in str(info.value) and fragment in str(info.value)
+
+
+def test_command_line_config():
+    config = config_from_args("https://api.openai.com/v1", db="x.duckdb", port=4100)
+    assert (config.upstreams[0].base_url, config.ledger.path, config.server.port, config.auth.mode) == (
+        "https://api.openai.com/v1",
+        "x.duckdb",
+        4100,
+        "passthrough",
+    )
+    with pytest.raises(ConfigError, match="virtual_keys needs keys"):
+        config_from_args("https://api.openai.com/v1", auth="virtual_keys")
+    with pytest.raises(ConfigError):
+        config_from_args("not a url")

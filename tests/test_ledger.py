@@ -1,0 +1,166 @@
+"""The DuckDB ledger: migrations, spooled bulk inserts, a file held by another process, recovery."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from decimal import Decimal
+
+import duckdb
+import pytest
+
+from tokenward.reports import migrations
+from tokenward.reports.ledger import ROW_COLUMNS, LedgerBusy, LedgerError, Spool, open_ledger
+
+
+def make_row(request_id: str, **overrides):
+    row = {name: None for name in ROW_COLUMNS}
+    row.update(
+        request_id=request_id,
+        started_at=1_780_000_000.25,
+        ended_at=1_780_000_001.5,
+        principal="fp-abc",
+        method="POST",
+        path="/v1/chat/completions",
+        endpoint="chat_completions",
+        outcome="ok",
+        stream=False,
+        usage_source="reported",
+        price_status="priced",
+        cost_usd=Decimal("0.000001234567"),
+        cost_lines=[{"component": "input", "quantity": 3, "rate": Decimal("0.15"), "amount": Decimal("4.5E-7")}],
+        raw_usage={"prompt_tokens": 3},
+    )
+    for name in (
+        "input_tokens",
+        "cached_input_tokens",
+        "cache_write_tokens",
+        "cache_write_1h_tokens",
+        "output_tokens",
+        "reasoning_tokens",
+        "audio_input_tokens",
+        "audio_output_tokens",
+        "image_input_tokens",
+        "web_search_requests",
+    ):
+        row[name] = 0
+    row.update(overrides)
+    return row
+
+
+def test_blank_database_gets_every_migration(tmp_path):
+    conn = open_ledger(tmp_path / "l.duckdb")
+    applied = [r[0] for r in conn.execute("SELECT name FROM _migrations ORDER BY applied_at").fetchall()]
+    assert applied == [m.__name__ for m in migrations.MIGRATIONS]
+    columns = [
+        r[0]
+        for r in conn.execute(
+            "SELECT column_name FROM information_schema.columns WHERE table_name='requests'"
+        ).fetchall()
+    ]
+    assert set(ROW_COLUMNS) == set(columns)
+    assert migrations.migrate(conn) == []  # idempotent
+    conn.close()
+
+
+def test_upgrade_applies_only_new_migrations(tmp_path, monkeypatch):
+    path = tmp_path / "l.duckdb"
+    conn = duckdb.connect(str(path))
+    first = migrations.MIGRATIONS[0]
+    monkeypatch.setattr(migrations, "MIGRATIONS", [first])
+    assert migrations.migrate(conn) == [first.__name__]
+
+    def m999_extra(c):
+        c.execute("ALTER TABLE requests ADD COLUMN extra VARCHAR")
+
+    monkeypatch.setattr(migrations, "MIGRATIONS", [first, m999_extra])
+    assert migrations.pending(conn) == ["m999_extra"]
+    assert migrations.migrate(conn) == ["m999_extra"]
+    conn.close()
+
+
+def test_read_only_open_refuses_missing_or_outdated_files(tmp_path, monkeypatch):
+    with pytest.raises(LedgerError, match="no ledger"):
+        open_ledger(tmp_path / "missing.duckdb", read_only=True)
+    path = tmp_path / "old.duckdb"
+    open_ledger(path).close()
+    monkeypatch.setattr(migrations, "MIGRATIONS", [*migrations.MIGRATIONS, lambda c: None])
+    with pytest.raises(LedgerError, match="needs migrations"):
+        open_ledger(path, read_only=True)
+
+
+def test_spooled_rows_are_inserted_exactly(tmp_path):
+    path = tmp_path / "l.duckdb"
+    spool = Spool(path)
+    spool.write([make_row("a"), make_row("b", cost_usd=None, price_status="unpriced", input_tokens=7)])
+    assert spool.ingest() == 2 and spool.pending_files() == []
+    conn = open_ledger(path, read_only=True)
+    rows = conn.execute(
+        "SELECT request_id, cost_usd, input_tokens, started_at, cost_lines, raw_usage FROM requests ORDER BY request_id"
+    ).fetchall()
+    conn.close()
+    assert rows[0][1] == Decimal("0.000001234567") and rows[1][1] is None and rows[1][2] == 7
+    assert rows[0][3].isoformat() == "2026-05-28T20:26:40.250000+00:00"
+    assert json.loads(rows[0][4])[0]["rate"] == "0.15" and json.loads(rows[0][5]) == {"prompt_tokens": 3}
+
+
+HOLDER = """
+import duckdb, sys, time
+conn = duckdb.connect(sys.argv[1], read_only=True)
+print("holding", flush=True)
+time.sleep(float(sys.argv[2]))
+"""
+
+
+def test_busy_file_keeps_rows_spooled_until_free(tmp_path):
+    path = tmp_path / "l.duckdb"
+    open_ledger(path).close()
+    spool = Spool(path)
+    with subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(path), "1.5"], stdout=subprocess.PIPE, text=True
+    ) as holder:
+        assert holder.stdout.readline().strip() == "holding"
+        spool.write([make_row("x")])
+        with pytest.raises(LedgerBusy):
+            spool.ingest()
+        assert len(spool.pending_files()) == 1  # waiting on disk, not lost
+    assert spool.ingest() == 1
+    conn = open_ledger(path, read_only=True)
+    assert conn.execute("SELECT count(*) FROM requests").fetchone() == (1,)
+    conn.close()
+
+
+def test_read_only_open_waits_for_a_writer(tmp_path):
+    path = tmp_path / "l.duckdb"
+    open_ledger(path).close()
+    script = HOLDER.replace("read_only=True", "read_only=False")
+    with subprocess.Popen(
+        [sys.executable, "-c", script, str(path), "0.5"], stdout=subprocess.PIPE, text=True
+    ) as writer:
+        assert writer.stdout.readline().strip() == "holding"
+        with pytest.raises(LedgerBusy):
+            open_ledger(path, read_only=True, wait_s=0)
+        conn = open_ledger(path, read_only=True, wait_s=10)  # retries until the writer lets go
+        conn.close()
+
+
+def test_recovery_skips_rows_already_committed(tmp_path):
+    path = tmp_path / "l.duckdb"
+    dead_pid = 2**22 + 12345  # beyond pid_max on this machine: no such process
+    spool_dir = tmp_path / "l.duckdb.spool"
+    spool_dir.mkdir()
+    Spool(path).write([make_row("committed")])
+    Spool(path).ingest()
+    lines = b"".join(json.dumps(make_row(r), default=str).encode() + b"\n" for r in ("committed", "lost"))
+    (spool_dir / f"{time.time_ns()}-{dead_pid}-1.jsonl").write_bytes(lines)
+    spool = Spool(path)
+    assert spool.pending_files() == []  # another process's file is not taken while running...
+    assert spool.ingest(recover=True) == 1  # ...but recovered at start, without duplicating
+    conn = open_ledger(path, read_only=True)
+    assert sorted(r[0] for r in conn.execute("SELECT request_id FROM requests").fetchall()) == ["committed", "lost"]
+    conn.close()
+    assert not any(spool_dir.iterdir())
+    assert os.path.exists(path)

@@ -1,0 +1,105 @@
+"""Ledger rows from finished exchanges: every outcome priced or explained, never a silent $0."""
+
+from __future__ import annotations
+
+from decimal import Decimal
+from pathlib import Path
+
+import pytest
+
+from tokenward.pricing.catalog import load_catalog
+from tokenward.pricing.usage import Usage, UsageSource
+from tokenward.proxy.exchange import Exchange, Outcome
+from tokenward.proxy.recorder import Recorder, build_row
+from tokenward.reports.ledger import ROW_COLUMNS, open_ledger
+
+PRICES = Path(__file__).parent / "fixtures" / "field_case_prices.yaml"
+
+
+@pytest.fixture(scope="module")
+def catalog():
+    return load_catalog([PRICES], builtin=False)
+
+
+def make_exchange(**fields) -> Exchange:
+    ex = Exchange(endpoint=fields.pop("endpoint", "chat_completions"), method="POST", path="/v1/chat/completions")
+    ex.provider = "test"
+    for name, value in fields.items():
+        setattr(ex, name, value)
+    ex.end(fields.get("outcome", Outcome.OK), fields.get("http_status", 200))
+    return ex
+
+
+def test_priced_row_has_exact_cost_and_line_items(catalog):
+    ex = make_exchange(
+        requested_model="gpt-4o",
+        served_model="gpt-4o-2024-08-06",
+        usage=Usage(input_tokens=2150, cached_input_tokens=2048, output_tokens=120),
+    )
+    row = build_row(ex, catalog)
+    assert set(row) == set(ROW_COLUMNS)
+    assert (row["price_status"], row["cost_usd"], row["price_entry_id"]) == (
+        "priced",
+        Decimal("0.004015"),
+        "test/gpt-4o",
+    )
+    assert [(line["component"], line["quantity"], line["amount"]) for line in row["cost_lines"]] == [
+        ("input", 102, Decimal("0.000255")),
+        ("cached_input", 2048, Decimal("0.00256")),
+        ("output", 120, Decimal("0.0012")),
+    ]
+    assert row["ended_at"] >= row["started_at"] and row["usage_source"] == "reported"
+
+
+def test_b24_unknown_model_is_unpriced_with_tokens_kept(catalog):
+    ex = make_exchange(requested_model="claude-opus-5", usage=Usage(input_tokens=1200, output_tokens=300))
+    row = build_row(ex, catalog)
+    assert (row["input_tokens"], row["output_tokens"]) == (1200, 300)
+    assert row["price_status"] == "unpriced" and row["cost_usd"] is None and row["price_entry_id"] is None
+
+
+def test_refused_and_failed_requests_cost_zero_explicitly(catalog):
+    ex = make_exchange(outcome=Outcome.UNAUTHORIZED, http_status=401)
+    row = build_row(ex, catalog)
+    assert (row["price_status"], row["cost_usd"], row["usage_source"], row["outcome"]) == (
+        "not_billed",
+        0,
+        "none",
+        "unauthorized",
+    )
+
+
+def test_passthrough_rows_are_not_metered(catalog):
+    row = build_row(make_exchange(endpoint="passthrough"), catalog)
+    assert (row["price_status"], row["cost_usd"]) == ("not_metered", None)
+
+
+def test_estimated_usage_is_marked(catalog):
+    ex = make_exchange(
+        requested_model="gpt-4o-mini", usage=Usage(input_tokens=14, output_tokens=5, source=UsageSource.ESTIMATED)
+    )
+    row = build_row(ex, catalog)
+    assert row["usage_source"] == "estimated" and row["cost_usd"] == Decimal("0.0000051")
+
+
+def test_invariant_breaks_are_recorded_and_flagged_not_fixed(catalog):
+    ex = make_exchange(requested_model="gpt-4o", usage=Usage(input_tokens=43, output_tokens=10, reasoning_tokens=11))
+    row = build_row(ex, catalog)
+    assert row["violations"] == "reasoning_tokens > output_tokens"
+    assert (row["output_tokens"], row["reasoning_tokens"]) == (10, 11)
+
+
+async def test_recorder_records_once_and_flushes_on_stop(tmp_path, catalog):
+    path = tmp_path / "l.duckdb"
+    recorder = Recorder(catalog, str(path), flush_interval_s=3600)  # only the shutdown flush writes
+    await recorder.start()
+    ex = make_exchange(requested_model="gpt-4o", usage=Usage(input_tokens=1, output_tokens=1))
+    recorder.finish(ex)
+    recorder.finish(ex)  # a second call is ignored: one row per exchange
+    late = make_exchange(requested_model="gpt-4o")
+    recorder.finish(late, estimate=lambda: Usage(input_tokens=4, output_tokens=2, source=UsageSource.ESTIMATED))
+    await recorder.stop()
+    conn = open_ledger(path, read_only=True)
+    rows = conn.execute("SELECT request_id, input_tokens, usage_source FROM requests ORDER BY input_tokens").fetchall()
+    conn.close()
+    assert rows == [(ex.request_id, 1, "reported"), (late.request_id, 4, "estimated")]
