@@ -12,6 +12,7 @@ from decimal import Decimal
 import duckdb
 import pytest
 
+from tokenward.pricing.usage import TOKEN_FIELDS
 from tokenward.reports import migrations
 from tokenward.reports.ledger import ROW_COLUMNS, LedgerBusy, LedgerError, Spool, open_ledger
 
