@@ -35,18 +35,7 @@ def make_row(request_id: str, **overrides):
         cost_lines=[{"component": "input", "quantity": 3, "rate": Decimal("0.15"), "amount": Decimal("4.5E-7")}],
         raw_usage={"prompt_tokens": 3},
     )
-    for name in (
-        "input_tokens",
-        "cached_input_tokens",
-        "cache_write_tokens",
-        "cache_write_1h_tokens",
-        "output_tokens",
-        "reasoning_tokens",
-        "audio_input_tokens",
-        "audio_output_tokens",
-        "image_input_tokens",
-        "web_search_requests",
-    ):
+    for name in TOKEN_FIELDS:
         row[name] = 0
     row.update(overrides)
     return row
