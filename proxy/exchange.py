@@ -49,7 +49,9 @@ class Exchange:
     Fields left ``None`` are unknown at the time the exchange ended (no upstream chosen, no
     reply received, ...). ``usage`` stays ``None`` until metering or estimation fills it;
     ``usage_deferred`` marks a reply whose usage the provider reports later (a background
-    Responses API request).
+    Responses API request); ``parts`` hold usage spent on other models inside the request.
+    ``row_kind`` is ``request`` except for the record of an earlier upstream attempt of a
+    retried request (``attempt``, linked by ``parent_request_id``).
     """
 
     endpoint: str
@@ -73,6 +75,9 @@ class Exchange:
     provider_cost: Decimal | None = None
     error: str | None = None
     usage_deferred: bool = False
+    parts: list[tuple[str, Usage]] = field(default_factory=list)
+    row_kind: str = "request"
+    parent_request_id: str | None = None
     first_byte_perf: float | None = None
     ended_perf: float | None = None
     recorded: bool = False

@@ -60,6 +60,7 @@ METERED_ENDPOINTS = {
     "completions": Endpoint("completions", "openai", True),
     "embeddings": Endpoint("embeddings", "openai", False),
     "responses": Endpoint("responses", "openai", False),
+    "messages": Endpoint("anthropic_messages", "anthropic", False),
 }
 """Metered endpoints by path below ``/v1``."""
 
@@ -288,6 +289,7 @@ class Forwarder:
                 ex.outcome = Outcome.UPSTREAM_ERROR
         if result.usage is not None:
             ex.usage = result.usage
+            ex.parts = result.parts
             ex.raw_usage = result.raw_usage
             self.recorder.finish(ex)
             return

@@ -41,11 +41,13 @@ class _Decompressor(Protocol):
 class MeterResult:
     """What a reply said about itself once it ended.
 
-    ``usage`` is ``None`` when the upstream reported none; ``raw_usage`` is the provider's usage
-    object as received (kept in the ledger for audits and re-pricing).
+    ``usage`` is ``None`` when the upstream reported none; ``parts`` are usage spent on other
+    models inside the request (``(model, usage)``); ``raw_usage`` is the provider's usage object
+    as received (kept in the ledger for audits and re-pricing).
     """
 
     usage: Usage | None
+    parts: list[tuple[str, Usage]]
     raw_usage: dict[str, Any] | None
     model: str | None
     service_tier: str | None
@@ -138,12 +140,17 @@ class Meter:
     def finish(self) -> MeterResult:
         """Map what was seen to canonical usage (``None`` when nothing was reported)."""
         seen = self._seen
-        usage = raw = cost = None
-        if seen.usage is not None:
-            raw = seen.usage
-            usage = self._dialect.to_usage(raw, seen.tool_usage)
-            cost = self._dialect.provider_cost(raw)
-        return MeterResult(usage, raw, seen.model, seen.service_tier, cost, seen.error, self.events)
+        reading = self._dialect.finish(seen)
+        return MeterResult(
+            reading.usage,
+            reading.parts,
+            seen.usage,
+            seen.model,
+            seen.service_tier,
+            reading.provider_cost,
+            seen.error,
+            self.events,
+        )
 
 
 def estimate(

@@ -22,7 +22,7 @@ from tokenward.pricing.usage import TOKEN_FIELDS, Usage, UsageSource
 from tokenward.proxy.exchange import Exchange
 from tokenward.reports.ledger import LedgerBusy, LedgerError, Spool
 
-__all__ = ["PriceStatus", "Recorder", "build_row"]
+__all__ = ["PriceStatus", "Recorder", "build_row", "build_rows"]
 
 log = logging.getLogger("tokenward.recorder")
 
@@ -44,22 +44,49 @@ class PriceStatus:
     """The provider reports this request's usage later (background Responses): ``cost_usd`` is NULL."""
 
 
-def build_row(ex: Exchange, catalog: PriceCatalog) -> dict[str, Any]:
+def build_rows(ex: Exchange, catalog: PriceCatalog) -> list[dict[str, Any]]:
+    """The ledger rows for a finished exchange: its own row, then one row per other-model part.
+
+    Part rows (``row_kind = part``) carry the part's model, tokens and cost, and link to the
+    request by ``parent_request_id``; their ids are the request id plus ``-p1``, ``-p2``, ...
+    """
+    rows = [build_row(ex, catalog)]
+    for index, (model, usage) in enumerate(ex.parts, start=1):
+        part = build_row(ex, catalog, model=model, usage=usage)
+        part.update(
+            request_id=f"{ex.request_id}-p{index}",
+            row_kind="part",
+            parent_request_id=ex.request_id,
+            requested_model=None,
+            raw_usage=None,
+            provider_cost_usd=None,
+            client_request_id=None,
+        )
+        rows.append(part)
+    return rows
+
+
+def build_row(
+    ex: Exchange, catalog: PriceCatalog, *, model: str | None = None, usage: Usage | None = None
+) -> dict[str, Any]:
     """The ledger row for a finished exchange (keys as in ``reports.ledger.ROW_COLUMNS``).
 
     Prices the usage with the entry resolved for the served model (the requested model when
-    the reply named none) at the upstream's catalog provider.
+    the reply named none) at the upstream's catalog provider. ``model`` and ``usage`` replace
+    the exchange's own (for part rows).
     """
-    usage = ex.usage or _NO_USAGE
+    served = model or ex.served_model
+    metered = usage or ex.usage
+    usage = metered or _NO_USAGE
     cost: Cost | None = None
     if ex.endpoint == "passthrough":
         status = PriceStatus.NOT_METERED
-    elif ex.usage is None and ex.usage_deferred:
+    elif metered is None and ex.usage_deferred:
         status = PriceStatus.DEFERRED
-    elif ex.usage is None:
+    elif metered is None:
         status = PriceStatus.NOT_BILLED
     else:
-        resolution = catalog.resolve(ex.served_model or ex.requested_model, ex.provider)
+        resolution = catalog.resolve(served or ex.requested_model, ex.provider)
         if resolution is None:
             status = PriceStatus.UNPRICED
         else:
@@ -74,7 +101,7 @@ def build_row(ex: Exchange, catalog: PriceCatalog) -> dict[str, Any]:
         ]
         if cost.unpriced_calls:
             lines.append({"component": "web_search", "quantity": cost.unpriced_calls, "rate": None, "amount": None})
-    violations = usage.violations() if ex.usage is not None else []
+    violations = usage.violations() if metered is not None else []
     if violations:
         log.warning("request %s: usage breaks invariants: %s", ex.request_id, "; ".join(violations))
     ended_perf = ex.ended_perf if ex.ended_perf is not None else ex.started_perf
@@ -90,7 +117,7 @@ def build_row(ex: Exchange, catalog: PriceCatalog) -> dict[str, Any]:
         "upstream": ex.upstream,
         "provider": ex.provider,
         "requested_model": ex.requested_model,
-        "served_model": ex.served_model,
+        "served_model": served,
         "http_status": ex.http_status,
         "outcome": str(ex.outcome or "proxy_error"),
         "stream": ex.stream,
@@ -107,6 +134,8 @@ def build_row(ex: Exchange, catalog: PriceCatalog) -> dict[str, Any]:
         "error": ex.error,
         "violations": "; ".join(violations) or None,
         "raw_usage": ex.raw_usage,
+        "row_kind": ex.row_kind,
+        "parent_request_id": ex.parent_request_id,
     }
     for name in TOKEN_FIELDS:
         row[name] = getattr(usage, name)
@@ -164,14 +193,15 @@ class Recorder:
 
     def _queue(self, ex: Exchange) -> None:
         try:
-            row = build_row(ex, self.catalog)
+            rows = build_rows(ex, self.catalog)
         except Exception:  # never lose the row over a pricing bug
             log.exception("pricing failed for %s; recording it unpriced", ex.request_id)
-            row = build_row(ex, PriceCatalog())
-        if row["violations"]:
-            self.invariant_violations += 1
-        self._rows.append(row)
-        self.rows_recorded += 1
+            rows = build_rows(ex, PriceCatalog())
+        for row in rows:
+            if row["violations"]:
+                self.invariant_violations += 1
+        self._rows.extend(rows)
+        self.rows_recorded += len(rows)
 
     async def start(self) -> None:
         """Ingest rows a previous run left spooled, then start the writer task."""

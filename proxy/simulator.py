@@ -140,7 +140,12 @@ class Simulator:
         except ValueError:
             body = None
         self.requests.append(
-            {"method": request.method, "path": request.path_qs, "headers": dict(request.headers), "body": raw}
+            {
+                "method": request.method,
+                "path": request.path_qs,
+                "headers": {k.lower(): v for k, v in request.headers.items()},
+                "body": raw,
+            }
         )
         del self.requests[:-1000]
         name = request.headers.get(RECORD_HEADER)

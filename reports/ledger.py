@@ -74,6 +74,8 @@ ROW_COLUMNS: dict[str, str] = {
     "error": "VARCHAR",
     "violations": "VARCHAR",
     "raw_usage": "JSON",
+    "row_kind": "VARCHAR",
+    "parent_request_id": "VARCHAR",
 }
 """A spooled row's keys and their types as read from JSON. ``started_at``/``ended_at`` are UTC
 epoch seconds (converted to ``TIMESTAMPTZ`` on insert); costs are decimal strings (exact)."""

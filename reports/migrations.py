@@ -104,3 +104,16 @@ def m001_requests(conn: duckdb.DuckDBPyConnection) -> None:
         )
         """
     )
+
+
+@migration
+def m002_row_kinds(conn: duckdb.DuckDBPyConnection) -> None:
+    """Rows that belong to a request without being it: retried upstream attempts, other-model parts.
+
+    ``row_kind`` is ``request`` (exactly one per request that reached tokenward), ``attempt``
+    (an earlier upstream attempt of a retried request that the provider may have billed) or
+    ``part`` (usage spent on another model inside the request, such as an Anthropic advisor);
+    ``parent_request_id`` links attempts and parts to their request.
+    """
+    conn.execute("ALTER TABLE requests ADD COLUMN row_kind VARCHAR DEFAULT 'request'")
+    conn.execute("ALTER TABLE requests ADD COLUMN parent_request_id VARCHAR")

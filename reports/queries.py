@@ -2,6 +2,8 @@
 
 Money stays exact: sums of ``DECIMAL(38, 12)`` come back as ``Decimal``. A dollar total only
 adds priced rows; unpriced and estimated rows are counted beside it, never hidden in a $0.
+Tokens and costs add up every row (a request's retried attempts and other-model parts
+included); ``requests`` counts only the one ``request`` row of each request.
 Calendar groupings (``day``) use the given IANA time zone; stored times are UTC.
 """
 
@@ -31,7 +33,7 @@ EXPORT_COLUMNS: tuple[str, ...] = tuple(ROW_COLUMNS)
 """Columns of :func:`export_rows`, with the ledger's canonical names."""
 
 _MEASURES = """
-    count(*) AS requests,
+    count(*) FILTER (WHERE row_kind = 'request') AS requests,
     sum(input_tokens) AS input_tokens,
     sum(cached_input_tokens) AS cached_input_tokens,
     sum(cache_write_tokens) AS cache_write_tokens,

@@ -24,12 +24,14 @@ PATHS = {
     "completions": "completions",
     "embeddings": "embeddings",
     "responses": "responses",
+    "anthropic_messages": "messages",
 }
 USAGE_PATHS = ("usage", "x_groq.usage", "response.usage", "message.usage")
 TOKEN_COLUMNS = (
     "input_tokens",
     "cached_input_tokens",
     "cache_write_tokens",
+    "cache_write_1h_tokens",
     "output_tokens",
     "reasoning_tokens",
     "audio_input_tokens",
@@ -43,12 +45,48 @@ def openai_records() -> list[dict[str, Any]]:
     return [r for r in corpus_records() if r["dialect"] == "openai"]
 
 
+def anthropic_counts(usage: dict[str, Any]) -> dict[str, int]:
+    """One Anthropic usage object or iteration: input_tokens EXCLUDES cache reads and writes."""
+    reads = usage.get("cache_read_input_tokens") or 0
+    writes = usage.get("cache_creation_input_tokens") or 0
+    return {
+        "input_tokens": (usage.get("input_tokens") or 0) + reads + writes,
+        "cached_input_tokens": reads,
+        "cache_write_tokens": writes,
+        "cache_write_1h_tokens": (usage.get("cache_creation") or {}).get("ephemeral_1h_input_tokens") or 0,
+        "output_tokens": usage.get("output_tokens") or 0,
+    }
+
+
+def expected_anthropic(record: dict[str, Any]) -> tuple[dict[str, int] | None, list[tuple[str, dict[str, int]]]]:
+    """Counts for the request's own model, and per advisor (other-model) iteration."""
+    merged: dict[str, Any] = {}
+    for entry in record["usage_as_reported"] or ():
+        merged.update(entry["usage"])  # message_delta running totals replace message_start fields
+    if not merged:
+        return None, []
+    iterations = merged.get("iterations") or []
+    own = [i for i in iterations if i.get("type") in ("message", "compaction")] or [merged]
+    totals = {key: sum(anthropic_counts(i)[key] for i in own) for key in anthropic_counts({})}
+    totals.update(
+        reasoning_tokens=(merged.get("output_tokens_details") or {}).get("thinking_tokens") or 0,
+        audio_input_tokens=0,
+        audio_output_tokens=0,
+        image_input_tokens=0,
+        web_search_requests=(merged.get("server_tool_use") or {}).get("web_search_requests") or 0,
+    )
+    advisors = [(i["model"], anthropic_counts(i)) for i in iterations if i.get("type") == "advisor_message"]
+    return totals, advisors
+
+
 def number(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def expected_tokens(record: dict[str, Any]) -> dict[str, int] | None:
     """Canonical counts from the record's last reported usage object, by the reference's rules."""
+    if record["dialect"] == "anthropic":
+        return expected_anthropic(record)[0]
     reported = [u for u in record["usage_as_reported"] or () if u["path"] in USAGE_PATHS]
     if not reported:
         return None
@@ -89,6 +127,7 @@ def expected_tokens(record: dict[str, Any]) -> dict[str, int] | None:
         "input_tokens": prompt,
         "cached_input_tokens": cached,
         "cache_write_tokens": number(details_in.get("cache_write_tokens")) or 0,
+        "cache_write_1h_tokens": 0,
         "output_tokens": completion,
         "reasoning_tokens": reasoning,
         "audio_input_tokens": number(details_in.get("audio_tokens")) or 0,
@@ -110,8 +149,8 @@ def round_trips(sse: str) -> bool:
 
 @pytest.fixture(scope="module")
 def corpus_run(tmp_path_factory, simulator):
-    """Send every OpenAI-format record directly and through one proxy; collect replies and rows."""
-    records = openai_records()
+    """Send every record (both dialects) directly and through one proxy; collect replies and rows."""
+    records = corpus_records()
     factory = ProxyFactory(tmp_path_factory.mktemp("corpus"), simulator)
     proxy = factory()
     results = []
@@ -130,13 +169,14 @@ def corpus_run(tmp_path_factory, simulator):
                 headers={**headers, "x-tokenward-upstream": record["provider"]},
             )
             results.append((record, direct, via))
-    rows = {row["request_id"]: row for row in proxy.rows(len(results))}
+    rows = {row["request_id"]: row for row in proxy.rows(len(results), "WHERE row_kind = 'request'")}
+    parts = proxy.rows(where="WHERE row_kind = 'part'")
     factory.stop_all()
-    return results, rows
+    return results, rows, parts
 
 
 def test_client_sees_what_the_upstream_sent(corpus_run):
-    results, _ = corpus_run
+    results, _, _ = corpus_run
     mismatches = []
     for record, direct, via in results:
         same = (direct.status_code, direct.headers.get("content-type"), direct.content) == (
@@ -146,12 +186,12 @@ def test_client_sees_what_the_upstream_sent(corpus_run):
         )
         if not same:
             mismatches.append(record["id"])
-    assert len(results) > 600
+    assert len(results) > 850
     assert mismatches == []
 
 
 def test_every_record_has_one_row_with_the_reported_usage(corpus_run):
-    results, rows = corpus_run
+    results, rows, _ = corpus_run
     assert len(rows) == len(results)
     mismatches = []
     for record, _, via in results:
@@ -190,8 +230,33 @@ def test_every_record_has_one_row_with_the_reported_usage(corpus_run):
     assert mismatches == []
 
 
+def test_advisor_iterations_are_parts_priced_at_their_own_model(corpus_run):
+    results, rows, parts = corpus_run
+    expected_parts, got_parts = [], []
+    for record, _, via in results:
+        if record["dialect"] != "anthropic":
+            continue
+        request_id = via.headers["x-tokenward-request-id"]
+        expected_parts += [(request_id, model, counts) for model, counts in expected_anthropic(record)[1]]
+    for part in parts:
+        counts = {
+            k: part[k]
+            for k in (
+                "input_tokens",
+                "cached_input_tokens",
+                "cache_write_tokens",
+                "cache_write_1h_tokens",
+                "output_tokens",
+            )
+        }
+        got_parts.append((part["parent_request_id"], part["served_model"], counts))
+        assert part["price_status"] == "priced" and part["price_entry_id"].endswith(part["served_model"])
+    assert len(expected_parts) >= 4
+    assert sorted(got_parts, key=str) == sorted(expected_parts, key=str)
+
+
 def test_no_silent_zero_cost(corpus_run):
-    results, rows = corpus_run
+    results, rows, _ = corpus_run
     for record, _, via in results:
         row = rows[via.headers["x-tokenward-request-id"]]
         if row["input_tokens"] + row["output_tokens"] > 0:

@@ -69,7 +69,7 @@ def test_unknown_virtual_key_is_401(start_proxy, simulator, sample, monkeypatch)
     good.close()
     # the upstream got tokenward's upstream key, never the virtual key
     sent = simulator.simulator.requests[-1]["headers"]
-    assert sent["Authorization"] == "Bearer sk-upstream-secret"
+    assert sent["authorization"] == "Bearer sk-upstream-secret"
     rows = proxy.rows()
     assert [(r["outcome"], r["http_status"], r["principal"]) for r in rows] == [
         ("unauthorized", 401, "anonymous"),

@@ -34,6 +34,7 @@ def make_row(request_id: str, **overrides):
         cost_usd=Decimal("0.000001234567"),
         cost_lines=[{"component": "input", "quantity": 3, "rate": Decimal("0.15"), "amount": Decimal("4.5E-7")}],
         raw_usage={"prompt_tokens": 3},
+        row_kind="request",
     )
     for name in TOKEN_FIELDS:
         row[name] = 0

@@ -1,19 +1,19 @@
 """Provider dialects: each module maps one wire format's usage payloads onto ``Usage``.
 
 A dialect module provides ``observe_body(data: bytes, seen: Observation) -> None`` (one JSON
-reply or one stream event's data), ``to_usage(usage, tool_usage) -> Usage`` and
-``provider_cost(usage) -> Decimal | None``. Nothing outside this package reads provider
-field names.
+reply or one stream event's data), ``finish(seen) -> Reading`` (canonical usage, usage spent on
+other models, the provider's own cost), and ``request_texts`` / ``reply_texts`` for the token
+estimator. Nothing outside this package reads provider field names.
 """
 
 from __future__ import annotations
 
 from types import ModuleType
 
-from tokenward.proxy.dialects import openai
-from tokenward.proxy.dialects.observation import Observation
+from tokenward.proxy.dialects import anthropic, openai
+from tokenward.proxy.dialects.observation import Observation, Reading
 
-__all__ = ["DIALECTS", "Observation"]
+__all__ = ["DIALECTS", "Observation", "Reading"]
 
-DIALECTS: dict[str, ModuleType] = {"openai": openai}
+DIALECTS: dict[str, ModuleType] = {"openai": openai, "anthropic": anthropic}
 """Dialect modules by name, as named in an endpoint's definition."""

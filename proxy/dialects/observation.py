@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from decimal import Decimal
 from typing import Any
 
-__all__ = ["Observation"]
+from tokenward.pricing.usage import Usage
+
+__all__ = ["Observation", "Reading"]
 
 
 @dataclass(slots=True)
@@ -19,6 +22,21 @@ class Observation:
 
     usage: dict[str, Any] | None = None
     tool_usage: dict[str, Any] | None = None
+    breakdown: list[Any] | None = None
     model: str | None = None
     service_tier: str | None = None
     error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Reading:
+    """A dialect's final reading of a reply.
+
+    ``usage`` is the request's own model's usage (``None``: none reported); ``parts`` are usage
+    spent on other models inside the same request (an Anthropic advisor, Groq compound's inner
+    models), each ``(model, usage)``; ``provider_cost`` is the provider's own cost figure in USD.
+    """
+
+    usage: Usage | None
+    parts: list[tuple[str, Usage]] = field(default_factory=list)
+    provider_cost: Decimal | None = None

@@ -26,9 +26,9 @@ from typing import Any
 import msgspec
 
 from tokenward.pricing.usage import Usage
-from tokenward.proxy.dialects.observation import Observation
+from tokenward.proxy.dialects.observation import Observation, Reading
 
-__all__ = ["observe", "observe_body", "provider_cost", "reply_texts", "request_texts", "to_usage"]
+__all__ = ["finish", "observe", "observe_body", "provider_cost", "reply_texts", "request_texts", "to_usage"]
 
 
 class _View(msgspec.Struct):
@@ -38,6 +38,7 @@ class _View(msgspec.Struct):
     usage: Any = None
     service_tier: Any = None
     x_groq: Any = None
+    usage_breakdown: Any = None
     response: Any = None
     tool_usage: Any = None
     error: Any = None
@@ -72,6 +73,13 @@ def observe(view: _View, seen: Observation) -> None:
     ):
         if isinstance(candidate, dict):
             seen.usage = candidate
+    breakdown = (
+        view.usage_breakdown
+        if isinstance(view.usage_breakdown, dict)
+        else (view.x_groq.get("usage_breakdown") if isinstance(view.x_groq, dict) else None)
+    )
+    if isinstance(breakdown, dict) and isinstance(breakdown.get("models"), list):
+        seen.breakdown = breakdown["models"]
     tool_usage = view.tool_usage if isinstance(view.tool_usage, dict) else holder and holder.get("tool_usage")
     if isinstance(tool_usage, dict):
         seen.tool_usage = tool_usage
@@ -129,6 +137,41 @@ def to_usage(raw: dict[str, Any], tool_usage: dict[str, Any] | None = None) -> U
         audio_output_tokens=_count(out_details.get("audio_tokens")) or 0,
         image_input_tokens=_count(in_details.get("image_tokens")) or 0,
         web_search_requests=searches,
+    )
+
+
+def finish(seen: Observation) -> Reading:
+    """The final reading of a reply.
+
+    Groq's compound models report the total over their inner models in ``usage`` and each inner
+    model in ``usage_breakdown.models``: those become parts (priced at each model's rates) and
+    the request's own usage is what the total leaves over (zero when the parts add up to it).
+    """
+    if seen.usage is None:
+        return Reading(None)
+    usage = to_usage(seen.usage, seen.tool_usage)
+    found = [
+        (entry["model"], to_usage(entry["usage"]))
+        for entry in seen.breakdown or ()
+        if isinstance(entry, dict) and isinstance(entry.get("model"), str) and isinstance(entry.get("usage"), dict)
+    ]
+    if found:
+        usage = _minus(usage, [u for _, u in found])
+    return Reading(usage, found, provider_cost(seen.usage))
+
+
+def _minus(total: Usage, parts: list[Usage]) -> Usage:
+    values = {
+        name: getattr(total, name) - sum(getattr(p, name) for p in parts)
+        for name in ("input_tokens", "cached_input_tokens", "cache_write_tokens", "output_tokens", "reasoning_tokens")
+    }
+    return Usage(
+        **values,
+        cache_write_1h_tokens=total.cache_write_1h_tokens,
+        audio_input_tokens=total.audio_input_tokens,
+        audio_output_tokens=total.audio_output_tokens,
+        image_input_tokens=total.image_input_tokens,
+        web_search_requests=total.web_search_requests,
     )
 
 
