@@ -88,6 +88,10 @@ class UpstreamConfig(_Section):
     ``stream_options.include_usage`` is set, so tokenward sets it and hides what it added from
     clients that had not asked) or ``always`` (the upstream reports stream usage unasked:
     tokenward changes neither the request nor the stream).
+    ``retries``: how many times tokenward itself retries a request whose body it holds, before any
+    reply byte reached the client, when the connection fails or the upstream answers one of
+    ``retry_statuses`` (backoff ``retry_backoff_s`` doubling, or the reply's ``Retry-After`` up to
+    30 s). Off by default: client SDKs retry on their own.
     """
 
     name: str
@@ -101,6 +105,9 @@ class UpstreamConfig(_Section):
     connect_timeout_s: float = 10.0
     read_timeout_s: float = 600.0
     stream_usage: Literal["ask", "always"] = "ask"
+    retries: int = 0
+    retry_statuses: list[int] = msgspec.field(default_factory=lambda: [429, 500, 502, 503, 504])
+    retry_backoff_s: float = 0.5
 
     @property
     def catalog_provider(self) -> str:

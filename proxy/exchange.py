@@ -49,7 +49,8 @@ class Exchange:
     Fields left ``None`` are unknown at the time the exchange ended (no upstream chosen, no
     reply received, ...). ``usage`` stays ``None`` until metering or estimation fills it;
     ``usage_deferred`` marks a reply whose usage the provider reports later (a background
-    Responses API request); ``parts`` hold usage spent on other models inside the request.
+    Responses API request); ``maybe_billed`` one that may have reached the provider although no
+    reply (or usage) came back; ``parts`` hold usage spent on other models inside the request.
     ``row_kind`` is ``request`` except for the record of an earlier upstream attempt of a
     retried request (``attempt``, linked by ``parent_request_id``).
     """
@@ -75,12 +76,31 @@ class Exchange:
     provider_cost: Decimal | None = None
     error: str | None = None
     usage_deferred: bool = False
+    maybe_billed: bool = False
     parts: list[tuple[str, Usage]] = field(default_factory=list)
     row_kind: str = "request"
     parent_request_id: str | None = None
     first_byte_perf: float | None = None
     ended_perf: float | None = None
     recorded: bool = False
+
+    def attempt(self, number: int) -> Exchange:
+        """A record of this exchange's upstream attempt ``number`` (``row_kind`` ``attempt``)."""
+        return Exchange(
+            endpoint=self.endpoint,
+            method=self.method,
+            path=self.path,
+            request_id=f"{self.request_id}-a{number}",
+            started_at=self.started_at,
+            started_perf=self.started_perf,
+            principal=self.principal,
+            upstream=self.upstream,
+            provider=self.provider,
+            requested_model=self.requested_model,
+            stream=self.stream,
+            row_kind="attempt",
+            parent_request_id=self.request_id,
+        )
 
     def mark_first_byte(self) -> None:
         """Note the moment the first reply byte was sent to the client (first call wins)."""

@@ -157,7 +157,7 @@ class Forwarder:
             self._attach(ex, route, inbound)
             has_body = any(name in (b"content-length", b"transfer-encoding") for name, _ in scope["headers"])
             content = request.stream() if has_body else None
-            reply = await self._send(route, scope, inbound.headers, content)
+            reply = await self._send(route, scope, inbound.headers, content, ex)
             return Relay(self, ex, reply, meter=None, request_body=b"")
         except BaseException as exc:
             return self._refuse(ex, exc)
@@ -185,7 +185,7 @@ class Forwarder:
         ):
             body = _with_include_usage(body, head.stream_options)
             strip_usage = True
-        reply = await self._send(route, scope, inbound.headers, body)
+        reply = await self._send(route, scope, inbound.headers, body, ex)
         meter = Meter(endpoint.dialect, header(reply.headers, b"content-encoding"))
         return Relay(
             self,
@@ -239,20 +239,53 @@ class Forwarder:
             inbound.headers.append(route.auth_header)
 
     async def _send(
-        self, route: Route, scope: Scope, headers: list[tuple[bytes, bytes]], content: Any
+        self, route: Route, scope: Scope, headers: list[tuple[bytes, bytes]], content: Any, ex: Exchange
     ) -> UpstreamReply:
+        """Send upstream, retrying as the route allows when ``content`` can be sent again.
+
+        Each failed attempt that may have reached the provider is recorded as an ``attempt`` row.
+
+        Raises:
+            ProxyError: 502/504 once no attempt is left.
+        """
         path: bytes = scope.get("raw_path") or scope["path"].encode()
         url = route.base_url + path[3:].decode("latin-1")  # path starts with /v1
         if scope["query_string"]:
             url += "?" + scope["query_string"].decode("latin-1")
-        try:
-            return await self.client.send(scope["method"], url, headers, content, route.timeouts)
-        except UpstreamError as exc:
-            failure = exc.failure
-            code = "upstream_timeout" if failure.status == 504 else "upstream_unreachable"
-            raise ProxyError(
-                failure.status, f"Upstream {route.name!r}: {failure.message}", code, "server_error"
-            ) from exc
+        policy = route.config
+        retries = policy.retries if content is None or isinstance(content, bytes) else 0
+        notes: list[str] = []
+        for attempt in range(retries + 1):
+            last = attempt == retries
+            try:
+                reply = await self.client.send(scope["method"], url, headers, content, route.timeouts)
+            except UpstreamError as exc:
+                failure = exc.failure
+                if last:
+                    ex.maybe_billed = failure.maybe_sent
+                    code = "upstream_timeout" if failure.status == 504 else "upstream_unreachable"
+                    message = f"Upstream {route.name!r}: {failure.message}"
+                    raise ProxyError(failure.status, message, code, "server_error") from exc
+                notes.append(failure.message)
+                if failure.maybe_sent:
+                    self._record_attempt(ex, attempt + 1, failure.status, failure.message)
+                delay = policy.retry_backoff_s * 2**attempt
+            else:
+                if last or reply.status not in policy.retry_statuses:
+                    if notes:
+                        ex.error = f"succeeded after {len(notes)} retries: " + "; ".join(notes)
+                    return reply
+                notes.append(f"upstream answered {reply.status}")
+                delay = _retry_after(reply) or policy.retry_backoff_s * 2**attempt
+                await reply.aclose()
+            await asyncio.sleep(min(delay, 30.0))
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _record_attempt(self, ex: Exchange, number: int, status: int, message: str) -> None:
+        attempt = ex.attempt(number)
+        attempt.maybe_billed = True
+        attempt.end(_OUTCOME_BY_STATUS.get(status, Outcome.UPSTREAM_UNREACHABLE), status, message)
+        self.recorder.finish(attempt)
 
     def _refuse(self, ex: Exchange, exc: BaseException) -> Relay:
         """End ``ex`` for a request that got no upstream reply, and build the error reply."""
@@ -320,6 +353,15 @@ def header(headers: list[tuple[bytes, bytes]], name: bytes) -> str | None:
         if key == name:
             return value.decode("latin-1")
     return None
+
+
+def _retry_after(reply: UpstreamReply) -> float | None:
+    """Seconds from a reply's ``Retry-After`` header (the seconds form only)."""
+    value = header(reply.headers, b"retry-after")
+    try:
+        return max(float(value), 0.0) if value is not None else None
+    except ValueError:
+        return None
 
 
 def _asks_usage(options: Any) -> bool:

@@ -20,6 +20,7 @@ from tokenward.pricing.catalog import PriceCatalog
 from tokenward.pricing.cost import Cost, price
 from tokenward.pricing.usage import TOKEN_FIELDS, Usage, UsageSource
 from tokenward.proxy.exchange import Exchange
+from tokenward.proxy.metrics import Metrics
 from tokenward.reports.ledger import LedgerBusy, LedgerError, Spool
 
 __all__ = ["PriceStatus", "Recorder", "build_row", "build_rows"]
@@ -37,9 +38,13 @@ class PriceStatus:
     UNPRICED = "unpriced"
     """Usage was metered but no price is known for the model: ``cost_usd`` is NULL, never 0."""
     NOT_BILLED = "not_billed"
-    """Nothing billable happened (refused by tokenward, or no usage in an error reply): cost 0."""
+    """Nothing billable happened (refused by tokenward, never reached the provider, or an error
+    reply without usage): cost 0."""
     NOT_METERED = "not_metered"
     """A transparently forwarded endpoint tokenward does not meter: ``cost_usd`` is NULL."""
+    USAGE_UNKNOWN = "usage_unknown"
+    """The request may have reached the provider (timeout, dropped connection) but no usage came
+    back: the provider may bill it; ``cost_usd`` is NULL."""
     DEFERRED = "deferred"
     """The provider reports this request's usage later (background Responses): ``cost_usd`` is NULL."""
 
@@ -83,6 +88,8 @@ def build_row(
         status = PriceStatus.NOT_METERED
     elif metered is None and ex.usage_deferred:
         status = PriceStatus.DEFERRED
+    elif metered is None and ex.maybe_billed:
+        status = PriceStatus.USAGE_UNKNOWN
     elif metered is None:
         status = PriceStatus.NOT_BILLED
     else:
@@ -149,17 +156,20 @@ class Recorder:
         catalog: prices for :func:`build_row`.
         ledger_path: the DuckDB file.
         flush_interval_s: seconds between writes (rows wait in memory at most this long).
+        metrics: counters updated per row (a new set when omitted).
     """
 
-    def __init__(self, catalog: PriceCatalog, ledger_path: str, flush_interval_s: float = 1.0) -> None:
+    def __init__(
+        self, catalog: PriceCatalog, ledger_path: str, flush_interval_s: float = 1.0, metrics: Metrics | None = None
+    ) -> None:
         self.catalog = catalog
+        self.metrics = metrics or Metrics()
         self.spool = Spool(ledger_path)
         self.flush_interval_s = flush_interval_s
         self._rows: list[dict[str, Any]] = []
         self._estimates: set[asyncio.Future[Any]] = set()
         self._task: asyncio.Task[None] | None = None
         self.rows_recorded = 0
-        self.invariant_violations = 0
 
     def finish(self, ex: Exchange, estimate: Callable[[], Usage] | None = None) -> None:
         """Record ``ex`` (once; later calls are ignored). Call on the event loop.
@@ -198,10 +208,10 @@ class Recorder:
             log.exception("pricing failed for %s; recording it unpriced", ex.request_id)
             rows = build_rows(ex, PriceCatalog())
         for row in rows:
-            if row["violations"]:
-                self.invariant_violations += 1
+            self.metrics.observe(row)
         self._rows.extend(rows)
         self.rows_recorded += len(rows)
+        self.metrics.pending.set(len(self._rows))
 
     async def start(self) -> None:
         """Ingest rows a previous run left spooled, then start the writer task."""
@@ -216,6 +226,7 @@ class Recorder:
     async def flush(self) -> None:
         """Write queued rows to the spool and try to move the spool into the ledger."""
         rows, self._rows = self._rows, []
+        self.metrics.pending.set(0)
         await asyncio.to_thread(self._write, rows)
 
     def _write(self, rows: list[dict[str, Any]]) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from litestar import HttpMethod, Request, get, post, route
+from litestar import HttpMethod, Request, Response, get, post, route
 from litestar.handlers import BaseRouteHandler
 from litestar.types import ASGIApp
 
@@ -27,7 +27,10 @@ _PASSTHROUGH_METHODS = [
 
 
 def build_routes(forwarder: Forwarder) -> list[BaseRouteHandler]:
-    """Route handlers bound to ``forwarder``: one per metered endpoint, a ``/v1`` catch-all, ``/healthz``."""
+    """Route handlers bound to ``forwarder``.
+
+    One per metered endpoint, a ``/v1`` catch-all, ``/healthz`` and ``/metrics``.
+    """
     handlers: list[BaseRouteHandler] = [_metered_handler(forwarder, path, ep) for path, ep in METERED_ENDPOINTS.items()]
 
     @route("/v1/{path:path}", http_method=_PASSTHROUGH_METHODS, name="passthrough", request_max_body_size=None)
@@ -40,7 +43,13 @@ def build_routes(forwarder: Forwarder) -> list[BaseRouteHandler]:
         """Liveness check: ``{"status": "ok"}``."""
         return {"status": "ok"}
 
-    handlers += [passthrough, healthz]
+    @get("/metrics", name="metrics")
+    async def metrics() -> Response[bytes]:
+        """Prometheus metrics (text exposition format)."""
+        body = forwarder.recorder.metrics.render()
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    handlers += [passthrough, healthz, metrics]
     return handlers
 
 

@@ -14,7 +14,9 @@ option is replayed as is: that provider sends usage regardless.)
 
 Fault injection, by request header ``x-tokenward-sim-fault``: ``hang`` (never answer),
 ``reset`` (close the connection without answering), ``gzip`` (gzip the body), ``cut:N``
-(send N events, then close the connection), ``delay:MS`` (wait MS between events).
+(send N events, then close the connection), ``delay:MS`` (wait MS between events),
+``flaky:N:STATUS`` (answer the first N requests for that recording with STATUS, or reset the
+connection when STATUS is ``reset``; then replay).
 """
 
 from __future__ import annotations
@@ -125,6 +127,12 @@ class Simulator:
         for recording in recordings:
             self.by_body.setdefault(_body_key(recording.request.get("body")), recording)
         self.requests: list[dict[str, Any]] = []
+        self._flaky: dict[tuple[str, str], int] = {}
+
+    def add(self, recording: Recording) -> None:
+        """Register one more recording (tests add synthetic exchanges this way)."""
+        self.by_id[recording.id] = recording
+        self.by_body.setdefault(_body_key(recording.request.get("body")), recording)
 
     def app(self) -> web.Application:
         """The aiohttp application answering every path."""
@@ -160,6 +168,15 @@ class Simulator:
             }
             return web.json_response(error, status=404)
         fault = request.headers.get(FAULT_HEADER, "")
+        if fault.startswith("flaky:"):
+            _, count, outcome = fault.split(":")
+            seen = self._flaky.get((recording.id, fault), 0)
+            self._flaky[(recording.id, fault)] = seen + 1
+            if seen < int(count):
+                fault = "reset" if outcome == "reset" else ""
+                if outcome != "reset":
+                    error = {"error": {"message": "simulated overload", "type": "server_error", "code": None}}
+                    return web.json_response(error, status=int(outcome), headers={"retry-after": "0"})
         if fault == "hang":
             while request.transport is not None and not request.transport.is_closing():
                 await asyncio.sleep(0.05)

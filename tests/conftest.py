@@ -175,6 +175,7 @@ class ProxyFactory:
         auth: str = "passthrough",
         keys: list[VirtualKeyConfig] | None = None,
         transport: Any = None,
+        catalog: Any = None,
     ) -> Proxy:
         ledger = self.directory / f"ledger{len(self.contexts)}.duckdb"
         config = Config(
@@ -183,7 +184,7 @@ class ProxyFactory:
             auth=AuthConfig(mode=auth),  # type: ignore[arg-type]
             virtual_keys=keys or [],
         )
-        app = create_app(config, upstream_transport=transport)
+        app = create_app(config, upstream_transport=transport, catalog=catalog)
         context = running_in_thread(app)
         url = context.__enter__()
         self.contexts.append(context)

@@ -92,6 +92,7 @@ def test_unreachable_upstream_is_502(start_proxy):
     error = assert_openai_error(reply, 502, "upstream_unreachable")
     assert "dead" in error["message"]
     (row,) = proxy.rows(1)
+    assert (row["price_status"], row["cost_usd"]) == ("not_billed", 0)  # refused: it never reached the provider
     assert (row["outcome"], row["http_status"], row["upstream"], row["input_tokens"]) == (
         "upstream_unreachable",
         502,
@@ -114,6 +115,7 @@ def test_upstream_timeout_is_504(start_proxy, simulator):
     assert_openai_error(reply, 504, "upstream_timeout")
     (row,) = proxy.rows(1)
     assert (row["outcome"], row["http_status"], row["usage_source"]) == ("upstream_timeout", 504, "none")
+    assert (row["price_status"], row["cost_usd"]) == ("usage_unknown", None)  # it may have been billed
 
 
 def test_upstream_reset_is_502(start_proxy, simulator):
@@ -125,7 +127,8 @@ def test_upstream_reset_is_502(start_proxy, simulator):
     )
     assert_openai_error(reply, 502, "upstream_unreachable")
     (row,) = proxy.rows(1)
-    assert row["outcome"] == "upstream_unreachable" and row["cost_usd"] == 0
+    # the upstream read the request before hanging up: it may bill it, so the cost is unknown, not $0
+    assert (row["outcome"], row["price_status"], row["cost_usd"]) == ("upstream_unreachable", "usage_unknown", None)
 
 
 def test_unknown_upstream_header_is_400(start_proxy):
@@ -168,3 +171,75 @@ def test_upstream_cut_mid_stream_bills_no_error_text(start_proxy, sample):
     (row,) = proxy.rows(1)
     assert row["outcome"] == "upstream_failed" and row["usage_source"] == "partial"
     assert row["input_tokens"] > 0 and row["output_tokens"] >= 1
+
+
+def test_retries_on_overload_then_success(start_proxy, simulator, sample):
+    upstream = UpstreamConfig(
+        name="openai",
+        base_url=f"{simulator.url}/openai/v1",
+        default=True,
+        provider="openai",
+        retries=2,
+        retry_backoff_s=0.01,
+    )
+    proxy = start_proxy(upstreams=[upstream])
+    reply = httpx.post(
+        f"{proxy.url}/v1/chat/completions",
+        json=sample[CHAT].request["body"],
+        headers={RECORD_HEADER: CHAT, FAULT_HEADER: "flaky:2:503"},
+    )
+    assert reply.status_code == 200
+    rows = proxy.rows(1)
+    # 503 replies are not billed: no attempt rows, one request row noting the retries
+    assert [(r["row_kind"], r["outcome"], r["input_tokens"]) for r in rows] == [("request", "ok", 8)]
+    assert rows[0]["error"] == "succeeded after 2 retries: upstream answered 503; upstream answered 503"
+
+
+def test_retried_attempt_that_may_be_billed_gets_its_own_row(start_proxy, simulator, sample):
+    upstream = UpstreamConfig(
+        name="openai",
+        base_url=f"{simulator.url}/openai/v1",
+        default=True,
+        provider="openai",
+        retries=1,
+        retry_backoff_s=0.01,
+    )
+    proxy = start_proxy(upstreams=[upstream])
+    reply = httpx.post(
+        f"{proxy.url}/v1/chat/completions",
+        json=sample[CHAT_STREAM].request["body"],
+        headers={RECORD_HEADER: CHAT_STREAM, FAULT_HEADER: "flaky:1:reset"},
+    )
+    assert reply.status_code == 200 and reply.text.count("data: ") == sample[CHAT_STREAM].response["sse"].count(
+        "data: "
+    )
+    rows = proxy.rows(2)
+    request = next(r for r in rows if r["row_kind"] == "request")
+    attempt = next(r for r in rows if r["row_kind"] == "attempt")
+    assert (request["outcome"], request["input_tokens"], request["output_tokens"]) == ("ok", 53, 15)
+    assert attempt["parent_request_id"] == request["request_id"] == reply.headers["x-tokenward-request-id"]
+    assert (attempt["request_id"], attempt["price_status"], attempt["cost_usd"]) == (
+        request["request_id"] + "-a1",
+        "usage_unknown",
+        None,
+    )
+
+
+def test_retries_exhausted_relays_the_last_error(start_proxy, simulator, sample):
+    upstream = UpstreamConfig(
+        name="openai",
+        base_url=f"{simulator.url}/openai/v1",
+        default=True,
+        provider="openai",
+        retries=1,
+        retry_backoff_s=0.01,
+    )
+    proxy = start_proxy(upstreams=[upstream])
+    reply = httpx.post(
+        f"{proxy.url}/v1/chat/completions",
+        json=sample[CHAT].request["body"],
+        headers={RECORD_HEADER: CHAT, FAULT_HEADER: "flaky:5:429"},
+    )
+    assert reply.status_code == 429 and reply.json()["error"]["message"] == "simulated overload"
+    (row,) = proxy.rows(1)
+    assert (row["outcome"], row["http_status"], row["price_status"]) == ("upstream_error", 429, "not_billed")

@@ -98,5 +98,83 @@ def test_estimate_counts_request_and_streamed_reply():
         b'data: {"model":"gpt-4o-mini","choices":[{"delta":{"content":" world"}}]}\n\ndata: [DONE]\n\n',
     ]
     usage = estimate("openai", request, reply, stream=True, model="gpt-4o-mini", source=UsageSource.ESTIMATED)
-    # o200k_base: "hello world" is 2 tokens; one message: +3, reply priming +3 -> 8 in; "hello" + " world" -> 2 out
-    assert usage == Usage(input_tokens=8, output_tokens=2, source=UsageSource.ESTIMATED)
+    # o200k_base: "hello world" is 2 tokens, the role "user" 1; one message: +3, reply priming +3 -> 9 in;
+    # "hello" + " world" -> 2 out
+    assert usage == Usage(input_tokens=9, output_tokens=2, source=UsageSource.ESTIMATED)
+
+
+def test_estimates_match_what_openai_reported_for_plain_chat_requests():
+    """OpenAI's counting recipe reproduces prompt_tokens exactly for plain gpt-4o/gpt-4.1 chat requests.
+
+    (Search and audio variants add hidden context; reasoning models prime differently: the
+    estimate is a fallback, marked ``estimated``, and this pins how close it is.)
+    """
+    from .conftest import corpus_records
+
+    checked = 0
+    for record in corpus_records():
+        body = record["request"]["body"]
+        if (
+            record["provider"] != "openai"
+            or record["endpoint"] != "chat_completions"
+            or not record["usage_as_reported"]
+            or not str(body.get("model", "")).startswith(("gpt-4o", "gpt-4.1"))
+            or body.get("tools")
+            or "search" in body["model"]
+            or "audio" in body["model"]
+            or not all(isinstance(m.get("content"), str) for m in body["messages"])
+        ):
+            continue
+        reported = record["usage_as_reported"][-1]["usage"]["prompt_tokens"]
+        usage = estimate(
+            "openai", json.dumps(body).encode(), [], stream=False, model=body["model"], source=UsageSource.ESTIMATED
+        )
+        assert usage.input_tokens == reported, record["id"]
+        checked += 1
+    assert checked >= 20
+
+
+def corpus_streams():
+    from .conftest import corpus_records
+
+    return [r for r in corpus_records() if r["stream"] and r["response"].get("sse")]
+
+
+def test_every_recorded_stream_meters_the_same_however_it_is_split():
+    """Each corpus stream, split at every offset of its last usage object, around its event's
+    boundaries, and at random: one reading."""
+    checked = 0
+    rng = random.Random(11)
+    for record in corpus_streams():
+        data = record["response"]["sse"].encode()
+        meter_name = record["dialect"]
+        whole = meter_stream_with(meter_name, data, [])
+        start = data.rfind(b'"usage":{')
+        if start < 0:
+            assert whole.usage is None, record["id"]
+            continue
+        begin = data.rfind(b"\n\n", 0, start) + 2
+        end = data.find(b"\n\n", start) + 2
+        usage_end = data.find(b"}", data.find(b"}", start) + 1) + 1  # past the usage object (and one nested object)
+        offsets = set(range(start - 8, usage_end + 8)) | set(range(begin - 8, begin + 8)) | set(range(end - 8, end + 8))
+        for offset in sorted(o for o in offsets if 0 < o < len(data)):
+            again = meter_stream_with(meter_name, data, [offset])
+            assert (again.usage, again.parts, again.model) == (whole.usage, whole.parts, whole.model), (
+                record["id"],
+                offset,
+            )
+        for _ in range(20):
+            cuts = rng.sample(range(len(data)), min(len(data) - 1, rng.randint(1, 60)))
+            assert meter_stream_with(meter_name, data, cuts).usage == whole.usage, record["id"]
+        checked += 1
+    assert checked >= 90
+
+
+def meter_stream_with(dialect: str, data: bytes, cuts: list[int]):
+    meter = Meter(dialect)
+    start = 0
+    for cut in sorted(cuts) + [len(data)]:
+        meter.feed_stream(data[start:cut])
+        start = cut
+    meter.end_stream()
+    return meter.finish()

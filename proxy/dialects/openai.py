@@ -206,7 +206,8 @@ def _dict(value: Any) -> dict[str, Any]:
 def request_texts(body: dict[str, Any]) -> tuple[list[str], int]:
     """Texts of a request that the model reads, and the number of chat messages among them.
 
-    Covers ``messages`` (Chat Completions), ``input`` and ``instructions`` (Responses,
+    Covers ``messages`` (Chat Completions: role and content, as OpenAI's token-counting recipe
+    does), ``input`` and ``instructions`` (Responses,
     Embeddings), ``prompt`` (legacy Completions) and ``tools`` (counted as their JSON).
     Token-id inputs (lists of integers) are returned as that many single-token strings.
     """
@@ -217,6 +218,7 @@ def request_texts(body: dict[str, Any]) -> tuple[list[str], int]:
         for message in messages:
             if isinstance(message, dict):
                 count += 1
+                _collect_text(message.get("role"), texts)
                 _collect_text(message.get("content"), texts)
                 _collect_text(message.get("name"), texts)
                 _collect_tool_calls(message.get("tool_calls"), texts)
