@@ -603,3 +603,25 @@ def test_broken_invariants_are_recorded_flagged_and_counted(proxy, simulator):
     assert "tokenward_usage_invariant_violations_total 1.0" in metrics
     assert 'tokenward_requests_total{endpoint="chat_completions",outcome="ok",upstream="test"} 1.0' in metrics
     assert 'tokenward_tokens_total{kind="input_tokens",model="gpt-4o-mini"} 43.0' in metrics
+
+
+def test_groq_compound_inner_models_become_parts(proxy, simulator):
+    # shape from pydantic-ai's cassette test_groq_model_web_search_tool.yaml: usage is the total over
+    # usage_breakdown.models (138 + 495 + 2378 + 2285 = 5296 in, 4 + 106 + 55 + 222 = 387 out)
+    request = {"model": "groq/compound", "messages": [{"role": "user", "content": "What is the weather in San Francisco today?"}]}
+    inner = [("llama-3.3-70b-versatile", 138, 4), ("meta-llama/llama-4-scout-17b-16e-instruct", 495, 106),
+             ("meta-llama/llama-4-scout-17b-16e-instruct", 2378, 55), ("llama-3.3-70b-versatile", 2285, 222)]
+    body = {"id": "stub", "object": "chat.completion", "model": "groq/compound", "choices": [],
+            "usage": {"prompt_tokens": 5296, "completion_tokens": 387, "total_tokens": 5683, "queue_time": 0.22},
+            "usage_breakdown": {"models": [{"model": m, "usage": {"prompt_tokens": p, "completion_tokens": c,
+                                                                  "total_tokens": p + c}} for m, p, c in inner]}}
+    register(simulator, "compound", "chat_completions", request, body=body)
+    httpx.post(f"{proxy.url}/v1/chat/completions", json=request, headers={RECORD_HEADER: "compound", "x-tokenward-upstream": "test"})
+    rows = proxy.rows(5)
+    main = next(r for r in rows if r["row_kind"] == "request")
+    parts = sorted((r["served_model"], r["input_tokens"], r["output_tokens"]) for r in rows if r["row_kind"] == "part")
+    assert parts == sorted((m, p, c) for m, p, c in inner)
+    assert all(r["parent_request_id"] == main["request_id"] for r in rows if r["row_kind"] == "part")
+    # the compound model's own row keeps what the parts leave over: nothing, so tokens are not counted twice
+    assert (main["served_model"], main["input_tokens"], main["output_tokens"]) == ("groq/compound", 0, 0)
+    assert sum(r["input_tokens"] for r in rows) == 5296 and sum(r["output_tokens"] for r in rows) == 387
