@@ -1,43 +1,53 @@
-"""Price catalog: YAML price tables loaded into validated, frozen entries.
+"""Price catalog: YAML price files loaded into validated, frozen, effective-dated entries.
 
-File format (see ``pricing/catalog/default.yaml``)::
+File format (the built-in catalog is ``pricing/catalog/default.yaml``)::
 
     entries:
-      - id: openai/gpt-4o            # unique, conventionally <provider>/<model>
+      - id: openai/gpt-5.4              # <provider>/<model>; versions of one price share the id
         provider: openai
-        model: gpt-4o
-        aliases: [gpt-4o-2024-08-06] # other served names billed at these rates
-        input: 2.50                  # USD per 1M tokens
-        cached_input: 1.25
-        output: 10.00
-        source: https://...          # where the rates were read
-        checked: 2026-08-21          # when they were last checked there
+        model: gpt-5.4
+        aliases: [gpt-5.4-latest]       # other served names billed at these rates
+        effective: 2026-03-05           # in force from (UTC midnight, or a datetime); optional
+        input: 2.50                     # USD per 1M tokens; input and output are required
+        cached_input: 0.25              # optional rates: cached_input, cache_write, cache_write_1h,
+        output: 15.00                   #   reasoning, audio_input, audio_output, image_input
+        web_search: 0.01                # USD per web search call
+        per_request: 0                  # USD per request
+        context_tiers:                  # cliffs: the whole request moves to the highest tier passed
+          - {above: 272000, inclusive: false, counts: [input], multiplier: 2}
+        service_tiers:                  # by the tier the response says was served
+          priority: {input: 5.00, cached_input: 0.50, output: 30.00}
+          flex: {multiplier: 0.5}
+        windows:                        # time-of-day pricing at the request's start
+          - {name: off_peak, start: "16:30", end: "00:30", weekdays: [mon, tue], timezone: UTC,
+             multiplier: 0.5}
+        source: https://...             # where the rates were read
+        checked: 2026-08-21             # when they were last checked there
+        note: free text
 
-Rates are USD per 1M tokens (``web_search``: USD per call). They are read as exact decimals
-(the YAML float ``0.15`` becomes ``Decimal("0.15")``, never a binary float) and may carry at most
-six decimal places, so that every cost fits the ledger's 12-decimal column exactly.
-
-Optional rates and their defaults: ``cached_input`` -> ``input`` (no cache discount),
-``cache_write`` -> ``input``, ``cache_write_1h`` -> ``cache_write``, ``audio_input`` -> ``input``,
-``audio_output`` -> ``output``, ``web_search`` -> 0 only when the provider states search is free,
-otherwise leave it out and searches are listed as unpriced calls by :mod:`tokenward.pricing.cost`.
-
-Later files override earlier ones entry by entry (same ``id``), so a user's file can correct or
-add prices without copying the built-in catalog.
+Rates are read as exact decimals (YAML's ``0.15`` becomes ``Decimal("0.15")``, never a binary
+float): at most 6 decimal places for rates, 4 for multipliers. Omitted rates default as
+:meth:`tokenward.pricing.rates.Rates.build` says. Later files override earlier ones version by
+version (same ``id`` and ``effective``), so a user's file can correct, add or date a price
+without copying the built-in catalog, and history is never rewritten in place.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import re
+from bisect import bisect_right
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal
 from importlib import resources
 from pathlib import Path
 from typing import Any
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import yaml
+
+from tokenward.pricing.rates import RATE_NAMES, Adjustment, ContextTier, Rates, Window
 
 __all__ = [
     "CatalogError",
@@ -46,21 +56,32 @@ __all__ = [
     "Resolution",
     "default_catalog_path",
     "load_catalog",
+    "parse_entry",
 ]
 
-_RATE_FIELDS = (
-    "input",
-    "cached_input",
-    "cache_write",
-    "cache_write_1h",
-    "output",
-    "audio_input",
-    "audio_output",
-    "web_search",
+_TOP_FIELDS = frozenset(
+    {
+        "id",
+        "provider",
+        "model",
+        "aliases",
+        "source",
+        "checked",
+        "note",
+        "effective",
+        "web_search",
+        "per_request",
+        "context_tiers",
+        "service_tiers",
+        "windows",
+        *RATE_NAMES,
+    }
 )
-_KNOWN_FIELDS = frozenset({"id", "provider", "model", "aliases", "source", "checked", "note", *_RATE_FIELDS})
 _MAX_RATE_DECIMALS = 6
+_MAX_MULTIPLIER_DECIMALS = 4
 _SNAPSHOT_SUFFIX = re.compile(r"-(?:\d{4}-\d{2}-\d{2}|\d{8})$")
+_WEEKDAYS = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
+_DAWN = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 
 
 class CatalogError(ValueError):
@@ -69,37 +90,51 @@ class CatalogError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class PriceEntry:
-    """Rates for one model at one provider, in USD per 1M tokens (``web_search``: USD per call).
+    """One version of the price of one model at one provider (rates in USD per 1M tokens).
 
-    Built by :func:`load_catalog`, which fills the documented defaults, so every rate except
-    ``web_search`` is a ``Decimal`` here.
+    ``effective`` is when this version came into force (``None``: always); ``web_search`` and
+    ``per_request`` are USD per call and per request (``None``: no such fee is known, so web
+    searches are listed unpriced rather than as $0).
     """
 
     id: str
     provider: str
     model: str
-    input: Decimal
-    cached_input: Decimal
-    cache_write: Decimal
-    cache_write_1h: Decimal
-    output: Decimal
-    audio_input: Decimal
-    audio_output: Decimal
-    web_search: Decimal | None
+    rates: Rates
     source: str
     checked: dt.date
+    effective: dt.datetime | None = None
     aliases: tuple[str, ...] = ()
+    web_search: Decimal | None = None
+    per_request: Decimal | None = None
+    context_tiers: tuple[ContextTier, ...] = ()
+    service_tiers: tuple[tuple[str, Adjustment], ...] = ()
+    windows: tuple[Window, ...] = ()
     note: str = ""
+
+    @property
+    def version_id(self) -> str:
+        """The id stored with each priced row: ``id``, or ``id@<effective>`` for a dated version."""
+        if self.effective is None:
+            return self.id
+        when = self.effective
+        stamp = when.date().isoformat() if when.time() == dt.time(0) else when.isoformat().replace("+00:00", "Z")
+        return f"{self.id}@{stamp}"
+
+    def service_tier(self, name: str) -> Adjustment | None:
+        """The adjustment for served tier ``name``, if the entry prices it."""
+        return dict(self.service_tiers).get(name)
 
 
 @dataclass(frozen=True, slots=True)
 class Resolution:
     """Which entry prices a served model, and by which rule it was found.
 
-    ``how`` is one of ``exact`` (provider and model match), ``alias`` (a listed alias),
-    ``vendor_prefix`` (``openai/gpt-4o`` served by a reseller, priced as the vendor's model),
-    ``other_provider`` (the same model name listed under another provider) or ``snapshot``
-    (a dated snapshot such as ``o1-2024-12-17`` priced as its base model ``o1``).
+    ``how``: ``exact`` (provider and model), ``alias`` (a listed alias), ``configured_alias`` (a
+    name mapped in the config), ``vendor_prefix`` (``openai/gpt-4o`` at a reseller, priced as the
+    vendor's model), ``other_provider`` (the model name listed under another provider),
+    ``snapshot`` (a dated snapshot such as ``o1-2024-12-17`` priced as its base model ``o1``;
+    field case B22's ``inferred_base_model``) or ``fallback`` (the configured fallback price).
     """
 
     entry: PriceEntry
@@ -108,48 +143,90 @@ class Resolution:
 
 @dataclass(slots=True)
 class PriceCatalog:
-    """Price entries indexed for :meth:`resolve`; build it with :func:`load_catalog`."""
+    """Effective-dated price entries, indexed for :meth:`resolve`; build it with :func:`load_catalog`.
 
-    entries: dict[str, PriceEntry] = field(default_factory=dict)
-    _by_name: dict[tuple[str, str], tuple[PriceEntry, str]] = field(default_factory=dict, repr=False)
-    _by_model: dict[str, PriceEntry] = field(default_factory=dict, repr=False)
-    _cache: dict[tuple[str, str | None], Resolution | None] = field(default_factory=dict, repr=False)
+    ``aliases`` maps names seen in traffic (Azure deployment names, house aliases) to catalog
+    model names; ``fallback``, when set, prices models nothing else resolves (rows say so).
+    """
+
+    versions: dict[str, list[PriceEntry]] = field(default_factory=dict)
+    aliases: dict[str, str] = field(default_factory=dict)
+    fallback: PriceEntry | None = None
+    _by_name: dict[tuple[str, str], tuple[str, str]] = field(default_factory=dict, repr=False)
+    _by_model: dict[str, str] = field(default_factory=dict, repr=False)
+    _cache: dict[tuple[str, str | None], tuple[str, str] | None] = field(default_factory=dict, repr=False)
+
+    @property
+    def entries(self) -> dict[str, PriceEntry]:
+        """The latest version of every entry, by id."""
+        return {key: versions[-1] for key, versions in self.versions.items()}
 
     def add(self, entry: PriceEntry) -> None:
-        """Insert or replace an entry (same ``id`` replaces) and rebuild the indexes."""
-        self.entries[entry.id] = entry
+        """Insert a version (replacing one with the same id and effective date) and re-index."""
+        self._put(entry)
         self._reindex()
+
+    def _put(self, entry: PriceEntry) -> None:
+        versions = [v for v in self.versions.get(entry.id, []) if v.effective != entry.effective]
+        versions.append(entry)
+        versions.sort(key=lambda v: v.effective or _DAWN)
+        self.versions[entry.id] = versions
 
     def _reindex(self) -> None:
         self._by_name.clear()
         self._by_model.clear()
         self._cache.clear()
-        for entry in self.entries.values():
-            names = [(entry.model, "exact")] + [(alias, "alias") for alias in entry.aliases]
+        for key, versions in self.versions.items():
+            latest = versions[-1]
+            names = [(latest.model, "exact")] + [(alias, "alias") for alias in latest.aliases]
             for name, how in names:
-                self._by_name.setdefault((entry.provider, name.lower()), (entry, how))
-                self._by_model.setdefault(name.lower(), entry)
+                self._by_name.setdefault((latest.provider, name.lower()), (key, how))
+                self._by_model.setdefault(name.lower(), key)
 
-    def resolve(self, model: str | None, provider: str | None = None) -> Resolution | None:
-        """Find the entry that prices ``model`` as served by ``provider``.
+    def version_at(self, entry_id: str, at: dt.datetime | None) -> PriceEntry | None:
+        """The version of ``entry_id`` in force at ``at`` (the latest when ``at`` is ``None``)."""
+        versions = self.versions.get(entry_id)
+        if not versions:
+            return None
+        if at is None:
+            return versions[-1]
+        index = bisect_right([v.effective or _DAWN for v in versions], at)
+        return versions[index - 1] if index else None
+
+    def resolve(
+        self, model: str | None, provider: str | None = None, at: dt.datetime | None = None
+    ) -> Resolution | None:
+        """Find the entry version that prices ``model`` served by ``provider`` at instant ``at``.
 
         Args:
             model: the served model name (the response's ``model``), matched case-insensitively.
             provider: the catalog provider of the upstream that served it, if known.
+            at: the request's start (aware); ``None`` means now (the latest versions).
 
         Returns:
-            The entry and the rule that found it, or ``None`` when the model is unpriced.
-            Rules are tried in order: provider + name, vendor prefix, any provider, and then
-            the same three for the name without a ``-YYYY-MM-DD``/``-YYYYMMDD`` snapshot suffix.
+            The entry and the rule that found it, or ``None`` when the model is unpriced (no
+            entry, or none in force at ``at``, and no fallback). Rules are tried in order: a
+            configured alias, provider + name, vendor prefix, any provider, and then the same
+            for the name without a ``-YYYY-MM-DD``/``-YYYYMMDD`` snapshot suffix; then the fallback.
         """
-        if not model:
-            return None
-        key = (model, provider)
-        if key not in self._cache:
-            self._cache[key] = self._resolve(model.lower(), provider)
-        return self._cache[key]
+        if model:
+            key = (model, provider)
+            if key not in self._cache:
+                self._cache[key] = self._find(model.lower(), provider)
+            found = self._cache[key]
+            if found is not None:
+                entry = self.version_at(found[0], at)
+                if entry is not None:
+                    return Resolution(entry, found[1])
+        if self.fallback is not None:
+            return Resolution(self.fallback, "fallback")
+        return None
 
-    def _resolve(self, name: str, provider: str | None) -> Resolution | None:
+    def _find(self, name: str, provider: str | None) -> tuple[str, str] | None:
+        configured = self.aliases.get(name)
+        if configured is not None:
+            found = self._lookup(configured.lower(), provider)
+            return (found[0], "configured_alias") if found else None
         found = self._lookup(name, provider)
         if found is not None:
             return found
@@ -157,18 +234,17 @@ class PriceCatalog:
         if base != name:
             found = self._lookup(base, provider)
             if found is not None:
-                return Resolution(found.entry, "snapshot")
+                return found[0], "snapshot"
         return None
 
-    def _lookup(self, name: str, provider: str | None) -> Resolution | None:
+    def _lookup(self, name: str, provider: str | None) -> tuple[str, str] | None:
         if provider is not None and (provider, name) in self._by_name:
-            entry, how = self._by_name[(provider, name)]
-            return Resolution(entry, how)
+            return self._by_name[(provider, name)]
         vendor, sep, rest = name.partition("/")
         if sep and (vendor, rest) in self._by_name:
-            return Resolution(self._by_name[(vendor, rest)][0], "vendor_prefix")
+            return self._by_name[(vendor, rest)][0], "vendor_prefix"
         if name in self._by_model:
-            return Resolution(self._by_model[name], "other_provider")
+            return self._by_model[name], "other_provider"
         return None
 
 
@@ -177,22 +253,41 @@ def default_catalog_path() -> Path:
     return Path(str(resources.files("tokenward.pricing") / "catalog" / "default.yaml"))
 
 
-def load_catalog(paths: Iterable[str | Path] = (), *, builtin: bool = True) -> PriceCatalog:
-    """Load the built-in catalog, then each file in ``paths`` in order; later entries win.
+def load_catalog(
+    paths: Iterable[str | Path] = (),
+    *,
+    builtin: bool = True,
+    aliases: Mapping[str, str] | None = None,
+    fallback: Mapping[str, Any] | None = None,
+) -> PriceCatalog:
+    """Load the built-in catalog, then each file in ``paths`` in order; later versions win.
 
     Args:
         paths: extra price files.
         builtin: start from the built-in catalog (false: only ``paths``).
+        aliases: served name -> catalog model name (Azure deployments, house aliases).
+        fallback: rates (USD per 1M tokens) for models nothing else prices; such rows are
+            marked as priced by the fallback.
 
     Raises:
         CatalogError: a file is unreadable, not YAML, or an entry is invalid; the message
             names the file, the entry id and the field.
     """
-    catalog = PriceCatalog()
+    catalog = PriceCatalog(aliases={k.lower(): v for k, v in (aliases or {}).items()})
     files = [default_catalog_path()] if builtin else []
     for path in (*files, *map(Path, paths)):
-        for entry in _read_file(path):
-            catalog.entries[entry.id] = entry
+        for entry in read_file(path):
+            catalog._put(entry)
+    if fallback is not None:
+        raw = {
+            "id": "fallback",
+            "provider": "*",
+            "model": "*",
+            "source": "configuration",
+            "checked": dt.date(1970, 1, 1),
+            **fallback,
+        }
+        catalog.fallback = parse_entry(Path("config: pricing.fallback"), 0, raw)
     catalog._reindex()
     return catalog
 
@@ -212,7 +307,12 @@ def _construct_decimal(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> Decima
 _DecimalLoader.add_constructor("tag:yaml.org,2002:float", _construct_decimal)
 
 
-def _read_file(path: Path) -> list[PriceEntry]:
+def read_file(path: Path) -> list[PriceEntry]:
+    """Parse and validate one price file.
+
+    Raises:
+        CatalogError: unreadable, not YAML, or an invalid entry (message names file, entry, field).
+    """
     try:
         document = yaml.load(path.read_text(encoding="utf-8"), Loader=_DecimalLoader)  # noqa: S506
     except (OSError, yaml.YAMLError) as exc:
@@ -220,25 +320,92 @@ def _read_file(path: Path) -> list[PriceEntry]:
     if not isinstance(document, Mapping) or not isinstance(document.get("entries"), list):
         raise CatalogError(f"{path}: expected a mapping with an 'entries' list")
     entries = []
-    seen: set[str] = set()
+    seen: set[tuple[str, dt.datetime | None]] = set()
     for index, raw in enumerate(document["entries"]):
-        entry = _parse_entry(path, index, raw)
-        if entry.id in seen:
-            raise CatalogError(f"{path}: entry {entry.id!r}: duplicate id")
-        seen.add(entry.id)
+        entry = parse_entry(path, index, raw)
+        if (entry.id, entry.effective) in seen:
+            raise CatalogError(f"{path}: entry {entry.id!r}: duplicate id and effective date")
+        seen.add((entry.id, entry.effective))
         entries.append(entry)
     return entries
 
 
-def _parse_entry(path: Path, index: int, raw: Any) -> PriceEntry:
+class _Fail:
+    def __init__(self, path: Path, label: str) -> None:
+        self.path, self.label = path, label
+
+    def __call__(self, field_name: str, problem: str) -> CatalogError:
+        return CatalogError(f"{self.path}: entry {self.label!r}: field {field_name!r}: {problem}")
+
+
+def _decimal(fail: _Fail, name: str, value: Any, places: int, *, positive: bool = False) -> Decimal:
+    if isinstance(value, bool) or not isinstance(value, int | Decimal):
+        raise fail(name, f"must be a number, got {value!r}")
+    number = Decimal(value)
+    if not number.is_finite() or number < 0 or (positive and number == 0):
+        raise fail(name, f"must be a finite number {'> 0' if positive else '>= 0'}, got {value}")
+    exponent = number.normalize().as_tuple().exponent
+    if isinstance(exponent, int) and -exponent > places:
+        raise fail(name, f"at most {places} decimal places, got {value}")
+    return number
+
+
+def _rates(fail: _Fail, prefix: str, raw: Mapping[str, Any]) -> dict[str, Decimal]:
+    return {
+        name: _decimal(fail, f"{prefix}{name}", raw[name], _MAX_RATE_DECIMALS)
+        for name in RATE_NAMES
+        if raw.get(name) is not None
+    }
+
+
+def _adjustment(fail: _Fail, prefix: str, raw: Any, allowed: frozenset[str]) -> Adjustment:
+    if not isinstance(raw, Mapping):
+        raise fail(prefix.rstrip("."), "must be a mapping of rates or a multiplier")
+    unknown = sorted(set(raw) - allowed - set(RATE_NAMES) - {"multiplier"})
+    if unknown:
+        raise fail(prefix + unknown[0], "unknown field")
+    rates = _rates(fail, prefix, raw)
+    multiplier = raw.get("multiplier")
+    if rates and multiplier is not None:
+        raise fail(prefix + "multiplier", "give either rates or a multiplier, not both")
+    if not rates and multiplier is None:
+        raise fail(prefix.rstrip("."), "needs rates or a multiplier")
+    if multiplier is not None:
+        return Adjustment(
+            multiplier=_decimal(fail, prefix + "multiplier", multiplier, _MAX_MULTIPLIER_DECIMALS, positive=True)
+        )
+    return Adjustment(rates=tuple(sorted(rates.items())))
+
+
+def _time(fail: _Fail, name: str, value: Any) -> dt.time:
+    if isinstance(value, int) and not isinstance(value, bool):  # YAML 1.1 reads 16:30 as 990 (base 60)
+        value = f"{value // 60:02d}:{value % 60:02d}"
+    try:
+        return dt.time.fromisoformat(str(value))
+    except ValueError as exc:
+        raise fail(name, f"must be a time like '16:30', got {value!r}") from exc
+
+
+def _effective(fail: _Fail, value: Any) -> dt.datetime | None:
+    if value is None:
+        return None
+    if isinstance(value, dt.datetime):
+        return value if value.tzinfo else value.replace(tzinfo=dt.UTC)
+    if isinstance(value, dt.date):
+        return dt.datetime(value.year, value.month, value.day, tzinfo=dt.UTC)
+    raise fail("effective", f"must be a date or datetime, got {value!r}")
+
+
+def parse_entry(path: Path, index: int, raw: Any) -> PriceEntry:
+    """Validate one raw entry mapping from ``path`` into a :class:`PriceEntry`.
+
+    Raises:
+        CatalogError: naming the file, the entry and the field at fault.
+    """
     if not isinstance(raw, Mapping):
         raise CatalogError(f"{path}: entry #{index}: expected a mapping")
-    label = str(raw.get("id", f"#{index}"))
-
-    def fail(field_name: str, problem: str) -> CatalogError:
-        return CatalogError(f"{path}: entry {label!r}: field {field_name!r}: {problem}")
-
-    unknown = sorted(set(raw) - _KNOWN_FIELDS)
+    fail = _Fail(path, str(raw.get("id", f"#{index}")))
+    unknown = sorted(set(raw) - _TOP_FIELDS)
     if unknown:
         raise fail(unknown[0], "unknown field")
     for name in ("id", "provider", "model", "source"):
@@ -250,40 +417,85 @@ def _parse_entry(path: Path, index: int, raw: Any) -> PriceEntry:
     aliases = raw.get("aliases", [])
     if not isinstance(aliases, list) or not all(isinstance(a, str) for a in aliases):
         raise fail("aliases", "must be a list of strings")
-
-    rates: dict[str, Decimal | None] = {}
-    for name in _RATE_FIELDS:
-        value = raw.get(name)
-        if value is None:
-            rates[name] = None
-            continue
-        if isinstance(value, bool) or not isinstance(value, int | Decimal):
-            raise fail(name, f"must be a number (USD per 1M tokens), got {value!r}")
-        rate = Decimal(value)
-        if not rate.is_finite() or rate < 0:
-            raise fail(name, f"must be a finite number >= 0, got {value}")
-        if -rate.normalize().as_tuple().exponent > _MAX_RATE_DECIMALS:  # type: ignore[operator]
-            raise fail(name, f"at most {_MAX_RATE_DECIMALS} decimal places, got {value}")
-        rates[name] = rate
-    if rates["input"] is None or rates["output"] is None:
-        raise fail("input" if rates["input"] is None else "output", "required")
-
-    base_input, base_output = rates["input"], rates["output"]
-    cache_write = rates["cache_write"] if rates["cache_write"] is not None else base_input
+    given = _rates(fail, "", raw)
+    for required in ("input", "output"):
+        if required not in given:
+            raise fail(required, "required")
+    fees = {
+        name: _decimal(fail, name, raw[name], _MAX_RATE_DECIMALS) if raw.get(name) is not None else None
+        for name in ("web_search", "per_request")
+    }
     return PriceEntry(
         id=raw["id"],
         provider=raw["provider"].lower(),
         model=raw["model"],
-        aliases=tuple(aliases),
-        input=base_input,
-        cached_input=rates["cached_input"] if rates["cached_input"] is not None else base_input,
-        cache_write=cache_write,
-        cache_write_1h=rates["cache_write_1h"] if rates["cache_write_1h"] is not None else cache_write,
-        output=base_output,
-        audio_input=rates["audio_input"] if rates["audio_input"] is not None else base_input,
-        audio_output=rates["audio_output"] if rates["audio_output"] is not None else base_output,
-        web_search=rates["web_search"],
+        rates=Rates.build(given),
         source=raw["source"],
         checked=checked,
+        effective=_effective(fail, raw.get("effective")),
+        aliases=tuple(aliases),
+        web_search=fees["web_search"],
+        per_request=fees["per_request"],
+        context_tiers=_context_tiers(fail, raw.get("context_tiers") or []),
+        service_tiers=_service_tiers(fail, raw.get("service_tiers") or {}),
+        windows=_windows(fail, raw.get("windows") or []),
         note=str(raw.get("note", "")),
     )
+
+
+def _context_tiers(fail: _Fail, raw: Any) -> tuple[ContextTier, ...]:
+    if not isinstance(raw, list):
+        raise fail("context_tiers", "must be a list")
+    tiers = []
+    for i, item in enumerate(raw):
+        prefix = f"context_tiers[{i}]."
+        if not isinstance(item, Mapping) or not isinstance(item.get("above"), int) or item["above"] <= 0:
+            raise fail(prefix + "above", "required, a positive token count")
+        counts = item.get("counts", ["input"])
+        if not isinstance(counts, list) or not counts or any(c not in ("input", "output", "total") for c in counts):
+            raise fail(prefix + "counts", "a list of input, output, total")
+        inclusive = item.get("inclusive", False)
+        if not isinstance(inclusive, bool):
+            raise fail(prefix + "inclusive", "must be true (>=) or false (>)")
+        adjustment = _adjustment(fail, prefix, item, frozenset({"above", "counts", "inclusive"}))
+        tiers.append(ContextTier(item["above"], adjustment, tuple(counts), inclusive))
+    return tuple(sorted(tiers, key=lambda t: t.threshold, reverse=True))
+
+
+def _service_tiers(fail: _Fail, raw: Any) -> tuple[tuple[str, Adjustment], ...]:
+    if not isinstance(raw, Mapping):
+        raise fail("service_tiers", "must be a mapping of tier name to rates or a multiplier")
+    return tuple(
+        (str(name).lower(), _adjustment(fail, f"service_tiers.{name}.", value, frozenset()))
+        for name, value in raw.items()
+    )
+
+
+def _windows(fail: _Fail, raw: Any) -> tuple[Window, ...]:
+    if not isinstance(raw, list):
+        raise fail("windows", "must be a list")
+    windows = []
+    for i, item in enumerate(raw):
+        prefix = f"windows[{i}]."
+        if not isinstance(item, Mapping) or not isinstance(item.get("name"), str):
+            raise fail(prefix + "name", "required, a string")
+        weekdays = item.get("weekdays", list(_WEEKDAYS))
+        if not isinstance(weekdays, list) or any(str(d).lower() not in _WEEKDAYS for d in weekdays):
+            raise fail(prefix + "weekdays", f"a list of {', '.join(_WEEKDAYS)}")
+        zone = str(item.get("timezone", "UTC"))
+        try:
+            ZoneInfo(zone)
+        except (ZoneInfoNotFoundError, ValueError) as exc:
+            raise fail(prefix + "timezone", f"unknown time zone {zone!r}") from exc
+        adjustment = _adjustment(fail, prefix, item, frozenset({"name", "start", "end", "weekdays", "timezone"}))
+        windows.append(
+            Window(
+                name=item["name"],
+                start=_time(fail, prefix + "start", item.get("start")),
+                end=_time(fail, prefix + "end", item.get("end")),
+                adjustment=adjustment,
+                weekdays=frozenset(str(d).lower() for d in weekdays),
+                timezone=zone,
+            )
+        )
+    return tuple(windows)

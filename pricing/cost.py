@@ -1,74 +1,134 @@
 """Money: turn a canonical :class:`~tokenward.pricing.usage.Usage` into an exact cost.
 
-Pure and exact: no clock, no I/O, no floats. Each token class is priced exactly once
-(``shared/fixtures/field-cases.md`` B09, B10): uncached input at ``input``, cache hits at
-``cached_input``, default-TTL cache writes at ``cache_write``, one-hour writes at
-``cache_write_1h``, output (reasoning included) at ``output``; audio input and output at their
-own rates when the usage splits them out; server-side web searches per call.
+Pure and exact: no clock reads, no I/O, no floats. The rules apply in a fixed order, each to
+the WHOLE request (never only to the tokens past a threshold, field case B20):
+
+1. the entry's base rates (USD per 1M tokens);
+2. the highest context tier the request passes (cliff; input counted with cache reads and
+   writes, field case B19);
+3. the service tier the response says was served (``service_tier``, or ``fast`` for
+   Anthropic's ``usage.speed``); the standard tiers (``default``, ``standard``, ``auto``,
+   ``on_demand``) use the base rates;
+4. the first time window containing the request's start (DeepSeek's off-peak hours).
+
+Each token class is then priced exactly once (field cases B09, B10): uncached input, cache hits,
+default-TTL and one-hour cache writes, output (reasoning apart only where it has its own rate),
+audio and image subsets at their rates, web searches and request fees per call. Amounts are
+exact decimals, rounded half-even only below 1e-12 USD (a multiplier can add decimal places).
 """
 
 from __future__ import annotations
 
+import datetime as dt
 from dataclasses import dataclass
-from decimal import Decimal
+from decimal import ROUND_HALF_EVEN, Decimal
 
-from tokenward.pricing.catalog import PriceEntry, Resolution
+from tokenward.pricing.catalog import Resolution
+from tokenward.pricing.rates import Rates
 from tokenward.pricing.usage import Usage
 
-__all__ = ["Cost", "CostLine", "price"]
+__all__ = ["STANDARD_TIERS", "Cost", "CostLine", "price"]
 
 _PER_MILLION = Decimal(1_000_000)
+_PICO = Decimal("1e-12")
+
+STANDARD_TIERS = frozenset({"", "default", "standard", "auto", "on_demand"})
+"""Served tier names that mean the standard (base) rates."""
 
 
 @dataclass(frozen=True, slots=True)
 class CostLine:
-    """One priced component: ``quantity`` tokens (or calls) at ``rate`` USD per 1M tokens (per call)."""
+    """One priced component: ``quantity`` tokens (or calls) at ``rate`` (USD per 1M tokens, or per
+    call for ``web_search`` and ``request``), the ``amount`` in USD, and the ``rule`` that set the rate."""
 
     component: str
     quantity: int
     rate: Decimal
     amount: Decimal
+    rule: str = "base"
 
 
 @dataclass(frozen=True, slots=True)
 class Cost:
     """The exact cost of one exchange in USD, with its line items and the entry that priced it.
 
-    ``unpriced_calls`` counts per-call tool uses the entry has no rate for (listed, not billed as $0).
+    ``entry_id`` is the entry's version id; ``unpriced_calls`` counts web searches the entry has
+    no fee for (listed, not billed as $0); ``notes`` explain anything priced by assumption.
     """
 
     total: Decimal
     lines: tuple[CostLine, ...]
     entry_id: str
     resolved_by: str
+    rules: tuple[str, ...] = ()
     unpriced_calls: int = 0
+    notes: tuple[str, ...] = ()
 
 
-def price(usage: Usage, resolution: Resolution) -> Cost:
+def price(
+    usage: Usage,
+    resolution: Resolution,
+    *,
+    at: dt.datetime | None = None,
+    service_tier: str | None = None,
+) -> Cost:
     """Price ``usage`` with the entry in ``resolution``.
 
     Args:
-        usage: canonical token counts; negative derived counts (broken invariants) are priced
-            as 0 for that component rather than producing a negative cost.
-        resolution: the price entry (USD per 1M tokens) and how it was resolved.
+        usage: canonical token counts; a derived count that comes out negative (broken
+            invariants, flagged elsewhere) prices as 0 rather than producing a negative cost.
+        resolution: the price entry version and how it was resolved.
+        at: the request's start (aware), for time windows; ``None`` applies no window.
+        service_tier: the tier the response says was served.
 
     Returns:
-        A :class:`Cost` whose ``total`` is the exact sum of its line amounts (at most 12
-        decimal places, given the catalog's 6-decimal rates). Zero-quantity lines are omitted.
+        A :class:`Cost` whose ``total`` is the exact sum of its line amounts.
     """
-    entry: PriceEntry = resolution.entry
-    audio_in = max(usage.audio_input_tokens, 0)
+    entry = resolution.entry
+    rates: Rates = entry.rates
+    rules: list[str] = []
+    notes: list[str] = []
+    for tier in entry.context_tiers:
+        if tier.fires(usage.input_tokens, usage.output_tokens):
+            rates = tier.adjustment.apply(rates)
+            rules.append(tier.name)
+            break
+    tier_name = (service_tier or "").lower()
+    if tier_name not in STANDARD_TIERS:
+        adjustment = entry.service_tier(tier_name)
+        if adjustment is None:
+            notes.append(f"served tier {tier_name!r} has no price in {entry.version_id}: standard rates used")
+        else:
+            rates = adjustment.apply(rates)
+            rules.append(f"tier:{tier_name}")
+    if at is not None:
+        for window in entry.windows:
+            if window.contains(at):
+                rates = window.adjustment.apply(rates)
+                rules.append(f"window:{window.name}")
+                break
+    rule = "+".join(rules) or "base"
+
+    audio_in, image_in = max(usage.audio_input_tokens, 0), max(usage.image_input_tokens, 0)
     audio_out = max(usage.audio_output_tokens, 0)
-    text_uncached = usage.uncached_input_tokens - audio_in
+    split_reasoning = rates.reasoning != rates.output
+    reasoning = max(usage.reasoning_tokens, 0) if split_reasoning else 0
     write_1h = usage.cache_write_1h_tokens
+    candidates = [
+        ("input", usage.uncached_input_tokens - audio_in - image_in, rates.input),
+        ("audio_input", audio_in, rates.audio_input),
+        ("image_input", image_in, rates.image_input),
+        ("cached_input", usage.cached_input_tokens, rates.cached_input),
+        ("cache_write", usage.cache_write_tokens - write_1h, rates.cache_write),
+        ("cache_write_1h", write_1h, rates.cache_write_1h),
+        ("output", usage.output_tokens - audio_out - reasoning, rates.output),
+        ("reasoning", reasoning, rates.reasoning),
+        ("audio_output", audio_out, rates.audio_output),
+    ]
     lines = [
-        _line("input", text_uncached, entry.input),
-        _line("audio_input", audio_in, entry.audio_input),
-        _line("cached_input", usage.cached_input_tokens, entry.cached_input),
-        _line("cache_write", usage.cache_write_tokens - write_1h, entry.cache_write),
-        _line("cache_write_1h", write_1h, entry.cache_write_1h),
-        _line("output", usage.output_tokens - audio_out, entry.output),
-        _line("audio_output", audio_out, entry.audio_output),
+        CostLine(name, tokens, rate, _exact(tokens * rate / _PER_MILLION), rule)
+        for name, tokens, rate in candidates
+        if tokens > 0
     ]
     unpriced_calls = 0
     if usage.web_search_requests > 0:
@@ -77,12 +137,14 @@ def price(usage: Usage, resolution: Resolution) -> Cost:
         else:
             amount = entry.web_search * usage.web_search_requests
             lines.append(CostLine("web_search", usage.web_search_requests, entry.web_search, amount))
-    kept = tuple(line for line in lines if line is not None)
-    total = sum((line.amount for line in kept), Decimal(0))
-    return Cost(total, kept, entry.id, resolution.how, unpriced_calls)
+    if entry.per_request:
+        lines.append(CostLine("request", 1, entry.per_request, entry.per_request))
+    total = sum((line.amount for line in lines), Decimal(0))
+    return Cost(total, tuple(lines), entry.version_id, resolution.how, tuple(rules), unpriced_calls, tuple(notes))
 
 
-def _line(component: str, tokens: int, rate: Decimal) -> CostLine | None:
-    if tokens <= 0:
-        return None
-    return CostLine(component, tokens, rate, tokens * rate / _PER_MILLION)
+def _exact(amount: Decimal) -> Decimal:
+    exponent = amount.as_tuple().exponent
+    if isinstance(exponent, int) and exponent < -12:
+        return amount.quantize(_PICO, rounding=ROUND_HALF_EVEN)
+    return amount

@@ -11,6 +11,7 @@ waits for estimates in flight and flushes everything on graceful shutdown.
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import logging
 from collections.abc import Callable
 from decimal import Decimal
@@ -45,6 +46,8 @@ class PriceStatus:
     USAGE_UNKNOWN = "usage_unknown"
     """The request may have reached the provider (timeout, dropped connection) but no usage came
     back: the provider may bill it; ``cost_usd`` is NULL."""
+    FALLBACK = "fallback"
+    """No price is known for the model; ``cost_usd`` uses the configured fallback rates."""
     DEFERRED = "deferred"
     """The provider reports this request's usage later (background Responses): ``cost_usd`` is NULL."""
 
@@ -93,21 +96,31 @@ def build_row(
     elif metered is None:
         status = PriceStatus.NOT_BILLED
     else:
-        resolution = catalog.resolve(served or ex.requested_model, ex.provider)
+        at = dt.datetime.fromtimestamp(ex.started_at, dt.UTC)
+        resolution = catalog.resolve(served or ex.requested_model, ex.provider, at)
         if resolution is None:
             status = PriceStatus.UNPRICED
         else:
-            status = PriceStatus.PRICED
-            cost = price(usage, resolution)
+            status = PriceStatus.FALLBACK if resolution.how == "fallback" else PriceStatus.PRICED
+            cost = price(usage, resolution, at=at, service_tier=ex.service_tier)
     cost_usd: Decimal | None = cost.total if cost is not None else (Decimal(0) if status == "not_billed" else None)
-    lines = None
+    lines: list[dict[str, Any]] | None = None
     if cost is not None:
         lines = [
-            {"component": ln.component, "quantity": ln.quantity, "rate": ln.rate, "amount": ln.amount}
+            {"component": ln.component, "quantity": ln.quantity, "rate": ln.rate, "amount": ln.amount, "rule": ln.rule}
             for ln in cost.lines
         ]
         if cost.unpriced_calls:
-            lines.append({"component": "web_search", "quantity": cost.unpriced_calls, "rate": None, "amount": None})
+            lines.append(
+                {
+                    "component": "web_search",
+                    "quantity": cost.unpriced_calls,
+                    "rate": None,
+                    "amount": None,
+                    "rule": "no fee in catalog",
+                }
+            )
+        lines += [{"note": note} for note in cost.notes]
     violations = usage.violations() if metered is not None else []
     if violations:
         log.warning("request %s: usage breaks invariants: %s", ex.request_id, "; ".join(violations))

@@ -27,19 +27,18 @@ def test_builtin_catalog_loads_and_every_entry_is_sourced():
     for entry in catalog.entries.values():
         assert entry.source.startswith("http"), entry.id
         assert isinstance(entry.checked, dt.date)
-        assert entry.input >= 0 and entry.output >= 0
-    gpt4o = catalog.entries["openai/gpt-4o"]
+        assert entry.rates.input >= 0 and entry.rates.output >= 0
+    gpt4o = catalog.entries["openai/gpt-4o"].rates
     assert (gpt4o.input, gpt4o.cached_input, gpt4o.output) == (Decimal("2.50"), Decimal("1.25"), Decimal("10.00"))
 
 
 def test_yaml_floats_become_exact_decimals(tmp_path):
     catalog = load_catalog([write(tmp_path, f"entries:\n  - {ENTRY}\n")])
-    entry = catalog.entries["x/m"]
-    assert entry.input == Decimal("0.15") and type(entry.input) is Decimal
-    # defaults: no cache discount unless given
-    assert (
-        entry.cached_input == entry.input and entry.cache_write == entry.input and entry.cache_write_1h == entry.input
-    )
+    rates = catalog.entries["x/m"].rates
+    assert rates.input == Decimal("0.15") and type(rates.input) is Decimal
+    # defaults: no cache discount unless given; reasoning priced as output
+    assert rates.cached_input == rates.input == rates.cache_write == rates.cache_write_1h == rates.image_input
+    assert rates.reasoning == rates.output == rates.audio_output == Decimal("0.6")
 
 
 @pytest.mark.parametrize(
@@ -75,8 +74,8 @@ def test_validation_errors_name_file_entry_and_field(tmp_path, entry, message):
 def test_broken_yaml_and_duplicates(tmp_path):
     with pytest.raises(CatalogError, match="cannot read"):
         load_catalog([write(tmp_path, "entries: [", "bad.yaml")])
-    with pytest.raises(CatalogError, match="duplicate id"):
-        load_catalog([write(tmp_path, f"entries:\n  - {ENTRY}\n  - {ENTRY}\n", "dup.yaml")])
+    with pytest.raises(CatalogError, match="duplicate id and effective date"):
+        load_catalog([write(tmp_path, f"entries:\n  - {ENTRY}\n  - {ENTRY}\n", "dup.yaml")])  # same effective
 
 
 def test_later_files_override_entries(tmp_path):
@@ -87,8 +86,8 @@ def test_later_files_override_entries(tmp_path):
         "a.yaml",
     )
     catalog = load_catalog([first])
-    assert catalog.entries["openai/gpt-4o"].input == Decimal(9)
-    assert catalog.resolve("gpt-4o-2024-08-06", "openai").entry.input == Decimal(9)
+    assert catalog.entries["openai/gpt-4o"].rates.input == Decimal(9)
+    assert catalog.resolve("gpt-4o-2024-08-06", "openai").entry.rates.input == Decimal(9)
 
 
 def test_resolution_rules_in_order():

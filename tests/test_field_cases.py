@@ -608,15 +608,35 @@ def test_broken_invariants_are_recorded_flagged_and_counted(proxy, simulator):
 def test_groq_compound_inner_models_become_parts(proxy, simulator):
     # shape from pydantic-ai's cassette test_groq_model_web_search_tool.yaml: usage is the total over
     # usage_breakdown.models (138 + 495 + 2378 + 2285 = 5296 in, 4 + 106 + 55 + 222 = 387 out)
-    request = {"model": "groq/compound", "messages": [{"role": "user", "content": "What is the weather in San Francisco today?"}]}
-    inner = [("llama-3.3-70b-versatile", 138, 4), ("meta-llama/llama-4-scout-17b-16e-instruct", 495, 106),
-             ("meta-llama/llama-4-scout-17b-16e-instruct", 2378, 55), ("llama-3.3-70b-versatile", 2285, 222)]
-    body = {"id": "stub", "object": "chat.completion", "model": "groq/compound", "choices": [],
-            "usage": {"prompt_tokens": 5296, "completion_tokens": 387, "total_tokens": 5683, "queue_time": 0.22},
-            "usage_breakdown": {"models": [{"model": m, "usage": {"prompt_tokens": p, "completion_tokens": c,
-                                                                  "total_tokens": p + c}} for m, p, c in inner]}}
+    request = {
+        "model": "groq/compound",
+        "messages": [{"role": "user", "content": "What is the weather in San Francisco today?"}],
+    }
+    inner = [
+        ("llama-3.3-70b-versatile", 138, 4),
+        ("meta-llama/llama-4-scout-17b-16e-instruct", 495, 106),
+        ("meta-llama/llama-4-scout-17b-16e-instruct", 2378, 55),
+        ("llama-3.3-70b-versatile", 2285, 222),
+    ]
+    body = {
+        "id": "stub",
+        "object": "chat.completion",
+        "model": "groq/compound",
+        "choices": [],
+        "usage": {"prompt_tokens": 5296, "completion_tokens": 387, "total_tokens": 5683, "queue_time": 0.22},
+        "usage_breakdown": {
+            "models": [
+                {"model": m, "usage": {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}}
+                for m, p, c in inner
+            ]
+        },
+    }
     register(simulator, "compound", "chat_completions", request, body=body)
-    httpx.post(f"{proxy.url}/v1/chat/completions", json=request, headers={RECORD_HEADER: "compound", "x-tokenward-upstream": "test"})
+    httpx.post(
+        f"{proxy.url}/v1/chat/completions",
+        json=request,
+        headers={RECORD_HEADER: "compound", "x-tokenward-upstream": "test"},
+    )
     rows = proxy.rows(5)
     main = next(r for r in rows if r["row_kind"] == "request")
     parts = sorted((r["served_model"], r["input_tokens"], r["output_tokens"]) for r in rows if r["row_kind"] == "part")

@@ -63,6 +63,8 @@ def observe_body(body: bytes, seen: Observation) -> None:
         tier = usage.get("service_tier")
         if isinstance(tier, str):
             seen.service_tier = tier
+        if usage.get("speed") == "fast":  # fast mode is billed as its own tier
+            seen.service_tier = "fast"
     if isinstance(view.error, dict):
         seen.error = str(view.error.get("message") or view.error.get("type") or "error")
     elif view.type == "error" and seen.error is None:
