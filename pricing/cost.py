@@ -38,8 +38,11 @@ STANDARD_TIERS = frozenset({"", "default", "standard", "auto", "on_demand"})
 
 @dataclass(frozen=True, slots=True)
 class CostLine:
-    """One priced component: ``quantity`` tokens (or calls) at ``rate`` (USD per 1M tokens, or per
-    call for ``web_search`` and ``request``), the ``amount`` in USD, and the ``rule`` that set the rate."""
+    """One priced component of a cost.
+
+    ``quantity`` tokens (or calls) at ``rate`` (USD per 1M tokens, or per call for ``web_search``
+    and ``request``), the ``amount`` in USD, and the ``rule`` that set the rate.
+    """
 
     component: str
     quantity: int
