@@ -32,8 +32,9 @@ __all__ = ["STANDARD_TIERS", "Cost", "CostLine", "price"]
 _PER_MILLION = Decimal(1_000_000)
 _PICO = Decimal("1e-12")
 
-STANDARD_TIERS = frozenset({"", "default", "standard", "auto", "on_demand"})
-"""Served tier names that mean the standard (base) rates."""
+STANDARD_TIERS = frozenset({"", "default", "standard", "auto", "on_demand", "provisioned"})
+"""Served tier names that mean the standard (base) rates (``provisioned``: Google capacity that
+OpenRouter reports and bills at list price)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -63,10 +63,20 @@ def create_app(
         client = AiohttpUpstream()
     forwarder = Forwarder(
         client,
-        Router(config.upstreams),
+        Router(config.upstreams, sends_own_keys=config.auth.mode == "virtual_keys"),
         Authenticator(config.auth.mode, config.virtual_keys),
         recorder,
+        drain_timeout_s=config.server.drain_after_disconnect_s,
     )
+    known = {entry.provider for entry in catalog.entries.values()}
+    for upstream_config in config.upstreams:
+        if upstream_config.catalog_provider not in known:
+            log.info(
+                "upstream %s: no prices for provider %r in the catalog; its models are priced by name "
+                "(vendor/model prefix or the same model at another provider) or stay unpriced",
+                upstream_config.name,
+                upstream_config.catalog_provider,
+            )
 
     @asynccontextmanager
     async def lifespan(_: Litestar) -> AsyncIterator[None]:

@@ -9,6 +9,7 @@ import click
 from tokenward.pricing.catalog import CatalogError
 from tokenward.proxy.config import ConfigError, config_from_args, load_config
 from tokenward.reports.cli import export, ledger, report
+from tokenward.reports.ledger import LedgerError, open_ledger
 
 __all__ = ["main"]
 
@@ -67,8 +68,12 @@ def serve(
         app = create_app(config)
     except CatalogError as exc:
         raise click.ClickException(str(exc)) from exc
+    try:
+        open_ledger(config.ledger.path, wait_s=10).close()
+    except (LedgerError, OSError) as exc:
+        raise click.ClickException(f"cannot open the ledger {config.ledger.path}: {exc}") from exc
     click.echo(
-        f"tokenward listening on http://{config.server.host}:{config.server.port}/v1 "
+        f"starting tokenward on http://{config.server.host}:{config.server.port}/v1 "
         f"(ledger {config.ledger.path}, auth {config.auth.mode})",
         err=True,
     )

@@ -38,17 +38,27 @@ class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class ServerConfig(_Section):
-    """Where the proxy listens."""
+    """Where the proxy listens, and how long it reads on after a client leaves mid-stream.
+
+    ``drain_after_disconnect_s``: when a client hangs up during a streamed reply, the provider
+    still bills what it generates; tokenward keeps reading the upstream (without sending) for up
+    to this many seconds so the usage report is recorded. 0 closes the upstream at once.
+    """
 
     host: str = "127.0.0.1"
     port: int = 4000
+    drain_after_disconnect_s: float = 60.0
 
 
 class LedgerConfig(_Section):
-    """The DuckDB ledger file and how often queued rows are written to it (seconds)."""
+    """The DuckDB ledger file and how often queued rows are written to it (seconds, > 0)."""
 
     path: str = "tokenward.duckdb"
     flush_interval_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.flush_interval_s > 0:
+            raise ValueError("flush_interval_s must be > 0 - at `$.ledger.flush_interval_s`")
 
 
 class AuthConfig(_Section):
@@ -160,9 +170,10 @@ def load_config(path: str | Path) -> Config:
     """
     path = Path(path)
     try:
-        document = yaml.safe_load(path.read_text(encoding="utf-8"))
+        with path.open(encoding="utf-8") as handle:
+            document = yaml.safe_load(handle)
     except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"{path}: cannot read config: {exc}") from exc
+        raise ConfigError(f"cannot read config {path}: {exc}") from exc
     try:
         config = msgspec.convert(document or {}, Config)
     except (msgspec.ValidationError, ValueError) as exc:
@@ -192,6 +203,9 @@ def config_from_args(
     """
     if auth == "virtual_keys":
         raise ConfigError("--auth virtual_keys needs keys from a config file: use --config FILE")
+    parts = urlsplit(upstream)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ConfigError(f"--upstream must be an http(s) URL such as https://api.openai.com/v1, got {upstream!r}")
     try:
         return Config(
             upstreams=[UpstreamConfig(name=provider or "default", base_url=upstream, default=True, provider=provider)],

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import logging
+import time
 from collections.abc import Callable
 from decimal import Decimal
 from typing import Any
@@ -22,7 +23,7 @@ from tokenward.pricing.cost import Cost, price
 from tokenward.pricing.usage import TOKEN_FIELDS, Usage, UsageSource
 from tokenward.proxy.exchange import Exchange
 from tokenward.proxy.metrics import Metrics
-from tokenward.reports.ledger import LedgerBusy, LedgerError, Spool
+from tokenward.reports.ledger import LedgerBusy, LedgerError, Spool, open_ledger
 
 __all__ = ["PriceStatus", "Recorder", "build_row", "build_rows"]
 
@@ -46,6 +47,9 @@ class PriceStatus:
     USAGE_UNKNOWN = "usage_unknown"
     """The request may have reached the provider (timeout, dropped connection) but no usage came
     back: the provider may bill it; ``cost_usd`` is NULL."""
+    PARTIALLY_PRICED = "partially_priced"
+    """Tokens are priced but something is not (a web search with no fee in the catalog, a served
+    tier with no price): ``cost_usd`` is a lower bound; ``cost_lines`` say what is missing."""
     FALLBACK = "fallback"
     """No price is known for the model; ``cost_usd`` uses the configured fallback rates."""
     DEFERRED = "deferred"
@@ -101,8 +105,13 @@ def build_row(
         if resolution is None:
             status = PriceStatus.UNPRICED
         else:
-            status = PriceStatus.FALLBACK if resolution.how == "fallback" else PriceStatus.PRICED
             cost = price(usage, resolution, at=at, service_tier=ex.service_tier)
+            if resolution.how == "fallback":
+                status = PriceStatus.FALLBACK
+            elif cost.unpriced_calls or cost.notes:
+                status = PriceStatus.PARTIALLY_PRICED
+            else:
+                status = PriceStatus.PRICED
     cost_usd: Decimal | None = cost.total if cost is not None else (Decimal(0) if status == "not_billed" else None)
     lines: list[dict[str, Any]] | None = None
     if cost is not None:
@@ -227,20 +236,58 @@ class Recorder:
         self.metrics.pending.set(len(self._rows))
 
     async def start(self) -> None:
-        """Ingest rows a previous run left spooled, then start the writer task."""
+        """Open (create, migrate) the ledger, ingest rows a previous run left spooled, start the writer.
+
+        Raises:
+            LedgerError: the ledger cannot be created or opened (a read-only directory, say): the
+                proxy must not serve traffic it cannot record.
+            OSError: likewise, from the file system.
+        """
+        await asyncio.to_thread(self._open_check)
         await asyncio.to_thread(self._ingest, True)
         self._task = asyncio.create_task(self._run(), name="tokenward-ledger-writer")
 
+    def _open_check(self) -> None:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                open_ledger(self.spool.ledger_path).close()
+                self.spool.directory.mkdir(parents=True, exist_ok=True)
+                return
+            except LedgerBusy:
+                if time.monotonic() > deadline:
+                    return  # held by a reader: rows will wait in the spool
+                time.sleep(0.1)
+
     async def _run(self) -> None:
+        failing = False
         while True:
             await asyncio.sleep(self.flush_interval_s)
-            await self.flush()
+            try:
+                await self.flush()
+            except Exception:  # the writer must survive a full disk or a lost directory
+                if not failing:
+                    log.exception("cannot write ledger rows; %d kept in memory, retrying", len(self._rows))
+                failing = True
+            else:
+                if failing:
+                    log.warning("ledger rows are being written again")
+                failing = False
 
     async def flush(self) -> None:
-        """Write queued rows to the spool and try to move the spool into the ledger."""
+        """Write queued rows to the spool and try to move the spool into the ledger.
+
+        Raises:
+            OSError: the spool could not be written; the rows stay queued for the next try.
+        """
         rows, self._rows = self._rows, []
-        self.metrics.pending.set(0)
-        await asyncio.to_thread(self._write, rows)
+        try:
+            await asyncio.to_thread(self._write, rows)
+        except BaseException:
+            self._rows[:0] = rows
+            raise
+        finally:
+            self.metrics.pending.set(len(self._rows))
 
     def _write(self, rows: list[dict[str, Any]]) -> None:
         if rows:

@@ -29,14 +29,35 @@ _PASSTHROUGH_METHODS = [
 def build_routes(forwarder: Forwarder) -> list[BaseRouteHandler]:
     """Route handlers bound to ``forwarder``.
 
-    One per metered endpoint, a ``/v1`` catch-all, ``/healthz`` and ``/metrics``.
+    One per metered endpoint (other methods on its path pass through), a ``/v1`` catch-all, a
+    404 for everything else, ``/healthz`` and ``/metrics``.
     """
-    handlers: list[BaseRouteHandler] = [_metered_handler(forwarder, path, ep) for path, ep in METERED_ENDPOINTS.items()]
+    handlers: list[BaseRouteHandler] = []
+    for path, endpoint in METERED_ENDPOINTS.items():
+        handlers.append(_metered_handler(forwarder, path, endpoint))
+        handlers.append(_other_methods_handler(forwarder, path))
 
-    @route("/v1/{path:path}", http_method=_PASSTHROUGH_METHODS, name="passthrough", request_max_body_size=None)
+    @route(
+        "/v1/{path:path}",
+        http_method=_PASSTHROUGH_METHODS,
+        name="passthrough",
+        request_max_body_size=None,
+        status_code=200,
+    )
     async def passthrough(request: Request[Any, Any, Any]) -> ASGIApp:
         """Forward any other ``/v1`` request to the upstream unchanged (not metered)."""
         return await forwarder.passthrough(request)
+
+    @route(
+        ["/", "/v1", "/{path:path}"],
+        http_method=_PASSTHROUGH_METHODS,
+        name="not_found",
+        request_max_body_size=None,
+        status_code=200,
+    )
+    async def not_found(request: Request[Any, Any, Any]) -> ASGIApp:
+        """Anything outside the API: a 404 in OpenAI's error shape (and, like every request, a row)."""
+        return forwarder.not_found(request)
 
     @get("/healthz", name="healthz")
     async def healthz() -> dict[str, str]:
@@ -49,8 +70,20 @@ def build_routes(forwarder: Forwarder) -> list[BaseRouteHandler]:
         body = forwarder.recorder.metrics.render()
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    handlers += [passthrough, healthz, metrics]
+    handlers += [passthrough, not_found, healthz, metrics]
     return handlers
+
+
+def _other_methods_handler(forwarder: Forwarder, path: str) -> BaseRouteHandler:
+    async def handler(request: Request[Any, Any, Any]) -> ASGIApp:
+        return await forwarder.passthrough(request)
+
+    handler.__doc__ = f"Forward other methods on ``/v1/{path}`` (e.g. GET to list stored completions), unmetered."
+    methods = [m for m in _PASSTHROUGH_METHODS if m not in (HttpMethod.POST, HttpMethod.OPTIONS)]
+    # status_code only satisfies Litestar's check for DELETE; the relay sends the upstream's status
+    return route(f"/v1/{path}", http_method=methods, name=f"{path}-other", request_max_body_size=None, status_code=200)(
+        handler
+    )
 
 
 def _metered_handler(forwarder: Forwarder, path: str, endpoint: Endpoint) -> BaseRouteHandler:

@@ -39,10 +39,12 @@ class Router:
 
     Args:
         upstreams: the configured upstreams, in priority order.
+        sends_own_keys: tokenward sends each upstream's own key (``virtual_keys`` mode); a
+            missing key is then worth a warning at start.
     """
 
-    def __init__(self, upstreams: list[UpstreamConfig]) -> None:
-        self._routes = [_prepare(u) for u in upstreams]
+    def __init__(self, upstreams: list[UpstreamConfig], *, sends_own_keys: bool = False) -> None:
+        self._routes = [_prepare(u, sends_own_keys) for u in upstreams]
         self._by_name = {route.name: route for route in self._routes}
         defaults = [r for r in self._routes if r.config.default]
         self._default = defaults[0] if defaults else (self._routes[0] if len(self._routes) == 1 else None)
@@ -62,7 +64,12 @@ class Router:
         if explicit is not None:
             route = self._by_name.get(explicit)
             if route is None:
-                raise ProxyError(400, f"Unknown upstream {explicit!r} in x-tokenward-upstream.", "unknown_upstream")
+                names = ", ".join(sorted(self._by_name))
+                raise ProxyError(
+                    400,
+                    f"Unknown upstream {explicit!r} in x-tokenward-upstream; configured: {names}.",
+                    "unknown_upstream",
+                )
             return route
         if model:
             if model not in self._by_model:
@@ -77,12 +84,11 @@ class Router:
         return self._default
 
 
-def _prepare(config: UpstreamConfig) -> Route:
+def _prepare(config: UpstreamConfig, sends_own_keys: bool) -> Route:
     key = config.api_key()
-    if config.api_key_env and key is None:
-        log.warning(
-            "upstream %s: %s is not set; requests in virtual_keys mode will fail", config.name, config.api_key_env
-        )
+    if sends_own_keys and key is None:
+        missing = f"environment variable {config.api_key_env} is not set" if config.api_key_env else "no api_key_env"
+        log.warning("upstream %s: %s; its requests will be refused (virtual_keys mode)", config.name, missing)
     header = (config.api_key_header.lower().encode(), (config.api_key_prefix + key).encode()) if key else None
     timeouts = Timeouts(connect=config.connect_timeout_s, read=config.read_timeout_s)
     return Route(config, config.base_url.rstrip("/"), header, timeouts)

@@ -25,7 +25,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from tokenward.reports import queries
+from tokenward.reports import migrations, queries
 from tokenward.reports.ledger import LedgerError, open_ledger
 
 __all__ = ["export", "ledger", "ledger_path", "parse_when", "print_spend_table", "report"]
@@ -111,8 +111,17 @@ def _open(db: str | None, config: str | None, wait: float) -> Any:
     "--by", default="model,day", show_default=True, help=f"Comma-separated groupings: {', '.join(queries.GROUPINGS)}."
 )
 @click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True)
+@click.option("--drift", is_flag=True, help="Add the provider-reported cost (OpenRouter) and its drift from ours.")
 def report(
-    db: str | None, config: str | None, wait: float, since: str | None, until: str | None, tz: str, by: str, fmt: str
+    db: str | None,
+    config: str | None,
+    wait: float,
+    since: str | None,
+    until: str | None,
+    tz: str,
+    by: str,
+    fmt: str,
+    drift: bool,
 ) -> None:
     """Spend and tokens grouped by model and day (or --by ...) over a time range."""
     zone = _zone(tz)
@@ -129,7 +138,7 @@ def report(
     elif fmt == "csv":
         click.echo(_csv(rows, list(rows[0]) if rows else groups), nl=False)
     else:
-        print_spend_table(rows, groups)
+        print_spend_table(rows, groups, drift=drift)
 
 
 _TABLE_MEASURES = {
@@ -142,38 +151,63 @@ _TABLE_MEASURES = {
 }
 
 
-def print_spend_table(rows: list[dict[str, Any]], groups: list[str], console: Console | None = None) -> None:
+def print_spend_table(
+    rows: list[dict[str, Any]], groups: list[str], console: Console | None = None, *, drift: bool = False
+) -> None:
     """Render :func:`~tokenward.reports.queries.spend` rows as a terminal table with totals.
 
-    Costs show 6 decimals here (CSV and JSON carry the exact 12); unpriced and estimated
-    request counts are printed beside the dollar total, never folded into it.
+    Costs show 6 decimals here (CSV and JSON carry the exact 12); a group with nothing priced
+    shows a dash, and unpriced, unknown-usage and estimated request counts are printed beside
+    the dollar total, never folded into it. ``drift`` adds the provider-reported cost columns.
     """
     console = console or Console(width=None if sys.stdout.isatty() else 160)
-    table = Table(title="tokenward spend", show_footer=bool(rows))
+    if not rows:
+        console.print("no requests in this range")
+        return
+    table = Table(title="tokenward spend", show_footer=True)
     totals = {m: sum(r[m] or 0 for r in rows) for m in _TABLE_MEASURES}
-    total_cost = sum((r["cost_usd"] for r in rows), Decimal(0))
+    priced = [r["cost_usd"] for r in rows if r["cost_usd"] is not None]
+    total_cost = sum(priced, Decimal(0)) if priced else None
     unpriced = sum(r["unpriced_requests"] for r in rows)
     for i, name in enumerate(groups):
         table.add_column(name, footer="total" if i == 0 else "", no_wrap=True)
     for name, title in _TABLE_MEASURES.items():
         table.add_column(title, justify="right", footer=f"{totals[name]:,}")
-    table.add_column("cost (USD)", justify="right", footer=f"${total_cost:,.6f}")
+    table.add_column("cost (USD)", justify="right", footer=_money(total_cost))
     table.add_column("unpriced", justify="right", footer=str(unpriced))
-    for row in rows:
-        table.add_row(
-            *(str(row[g]) for g in groups),
-            *(f"{row[m] or 0:,}" for m in _TABLE_MEASURES),
-            f"${row['cost_usd']:,.6f}",
-            str(row["unpriced_requests"]),
+    if drift:
+        provider = [r["provider_cost_usd"] for r in rows if r["provider_cost_usd"] is not None]
+        drifts = [r["provider_cost_drift_usd"] for r in rows if r["provider_cost_drift_usd"] is not None]
+        table.add_column(
+            "provider says", justify="right", footer=_money(sum(provider, Decimal(0)) if provider else None)
         )
+        table.add_column("drift", justify="right", footer=_money(sum(drifts, Decimal(0)) if drifts else None))
+    for row in rows:
+        cells = [str(row[g]) for g in groups]
+        cells += [f"{row[m] or 0:,}" for m in _TABLE_MEASURES]
+        cells += [_money(row["cost_usd"]), str(row["unpriced_requests"])]
+        if drift:
+            cells += [_money(row["provider_cost_usd"]), _money(row["provider_cost_drift_usd"])]
+        table.add_row(*cells)
     console.print(table)
     if unpriced:
         console.print(
-            f"[yellow]{unpriced} unpriced request(s) are not in the dollar total[/yellow] (add prices, see README)."
+            f"[yellow]{unpriced} request(s) are unpriced or only partly priced[/yellow] and not (fully) in the dollar "
+            "total: add prices (pricing.files) and run `tokenward pricing reprice`."
         )
+    unknown = sum(r["usage_unknown_requests"] for r in rows)
+    if unknown:
+        console.print(f"{unknown} request(s) may have been billed but got no reply, so their usage is unknown.")
+    fallback = sum(r["fallback_priced_requests"] for r in rows)
+    if fallback:
+        console.print(f"{fallback} request(s) are priced at the configured fallback rates.")
     estimated = sum(r["estimated_requests"] for r in rows)
     if estimated:
         console.print(f"{estimated} request(s) have estimated or partial token counts (the upstream reported none).")
+
+
+def _money(value: Decimal | None) -> str:
+    return "-" if value is None else f"${value:,.6f}"
 
 
 @click.command()
@@ -191,13 +225,20 @@ def export(
     fmt: str,
     output: str | None,
 ) -> None:
-    """Per-request ledger rows as JSON lines or CSV, with the canonical field names."""
+    """Per-request ledger rows as JSON lines or CSV, with the canonical field names.
+
+    Times are UTC (ISO 8601); --tz only says how --since/--until are read.
+    """
     zone = _zone(tz)
     conn = _open(db, config, wait)
     count = 0
     try:
         rows = queries.export_rows(conn, since=parse_when(since, zone), until=parse_when(until, zone))
-        with open(output, "w", encoding="utf-8", newline="") if output else _stdout() as out:
+        try:
+            target = open(output, "w", encoding="utf-8", newline="") if output else _stdout()  # noqa: SIM115
+        except OSError as exc:
+            raise click.ClickException(f"cannot write {output}: {exc.strerror or exc}") from exc
+        with target as out:
             if fmt == "csv":
                 writer = csv.DictWriter(out, fieldnames=list(queries.EXPORT_COLUMNS), lineterminator="\n")
                 writer.writeheader()
@@ -225,11 +266,21 @@ def ledger() -> None:
 def migrate_command(db: str | None, config: str | None) -> None:
     """Create the ledger or bring its schema up to date (the proxy does this on start)."""
     path = ledger_path(db, config)
+    existed = Path(path).exists()
     try:
-        open_ledger(path, wait_s=10).close()
-    except LedgerError as exc:
+        conn = open_ledger(path, wait_s=10, migrate_schema=False)
+        try:
+            applied = migrations.migrate(conn)
+        finally:
+            conn.close()
+    except (LedgerError, OSError) as exc:
         raise click.ClickException(str(exc)) from exc
-    click.echo(f"ledger {path} is up to date")
+    if not existed:
+        click.echo(f"created ledger {path} ({len(applied)} migrations applied)")
+    elif applied:
+        click.echo(f"ledger {path}: applied {', '.join(applied)}")
+    else:
+        click.echo(f"ledger {path} is up to date")
 
 
 def _json_default(value: Any) -> Any:
@@ -241,7 +292,18 @@ def _json_default(value: Any) -> Any:
 
 
 def _plain(row: dict[str, Any]) -> dict[str, Any]:
-    return {k: (format(v, "f") if isinstance(v, Decimal) else v) for k, v in row.items()}
+    """CSV cells written the way JSON lines write them: ISO times, lowercase booleans, exact decimals."""
+    return {k: _cell(v) for k, v in row.items()}
+
+
+def _cell(value: Any) -> Any:
+    if isinstance(value, Decimal):
+        return format(value, "f")
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, dt.datetime | dt.date):
+        return value.isoformat()
+    return value
 
 
 def _csv(rows: Iterable[dict[str, Any]], columns: list[str]) -> str:

@@ -103,10 +103,12 @@ def _connect(path: str, read_only: bool) -> duckdb.DuckDBPyConnection:
     return conn
 
 
-def open_ledger(path: str | Path, *, read_only: bool = False, wait_s: float = 0.0) -> duckdb.DuckDBPyConnection:
+def open_ledger(
+    path: str | Path, *, read_only: bool = False, wait_s: float = 0.0, migrate_schema: bool = True
+) -> duckdb.DuckDBPyConnection:
     """Open the ledger file, retrying for up to ``wait_s`` seconds while another process holds it.
 
-    A read-write open creates the file if needed and applies pending migrations. A read-only
+    A read-write open creates the file if needed and (``migrate_schema``) applies pending migrations. A read-only
     open needs an existing, fully migrated file (start the proxy once, or run
     ``tokenward ledger migrate``). Sessions use the UTC time zone.
 
@@ -133,7 +135,7 @@ def open_ledger(path: str | Path, *, read_only: bool = False, wait_s: float = 0.
         if missing:
             conn.close()
             raise LedgerError(f"ledger {path} needs migrations {missing}: run `tokenward ledger migrate`")
-    else:
+    elif migrate_schema:
         migrate(conn)
     return conn
 

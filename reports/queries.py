@@ -1,7 +1,9 @@
 """Report queries over the ledger; each takes an open connection and returns plain rows.
 
-Money stays exact: sums of ``DECIMAL(38, 12)`` come back as ``Decimal``. A dollar total only
-adds priced rows; unpriced and estimated rows are counted beside it, never hidden in a $0.
+Money stays exact: sums of ``DECIMAL(38, 12)`` come back as ``Decimal``. A dollar total adds
+the rows whose cost is known; unpriced rows (cost NULL) are counted beside it, never hidden in
+a $0, and a group with no priced row has a NULL cost. Provider-reported costs (OpenRouter's
+``usage.cost``) are summed beside ours, with the drift between them.
 Tokens and costs add up every row (a request's retried attempts and other-model parts
 included); ``requests`` counts only the one ``request`` row of each request.
 Calendar groupings (``day``) use the given IANA time zone; stored times are UTC.
@@ -39,9 +41,14 @@ _MEASURES = """
     sum(cache_write_tokens) AS cache_write_tokens,
     sum(output_tokens) AS output_tokens,
     sum(reasoning_tokens) AS reasoning_tokens,
-    coalesce(sum(cost_usd) FILTER (WHERE price_status = 'priced'), 0)::DECIMAL(38, 12) AS cost_usd,
-    count(*) FILTER (WHERE price_status = 'unpriced') AS unpriced_requests,
-    count(*) FILTER (WHERE usage_source <> 'reported' AND usage_source <> 'none') AS estimated_requests
+    sum(cost_usd)::DECIMAL(38, 12) AS cost_usd,
+    count(*) FILTER (WHERE price_status IN ('unpriced', 'partially_priced')) AS unpriced_requests,
+    count(*) FILTER (WHERE price_status = 'usage_unknown') AS usage_unknown_requests,
+    count(*) FILTER (WHERE price_status = 'fallback') AS fallback_priced_requests,
+    count(*) FILTER (WHERE usage_source IN ('estimated', 'partial')) AS estimated_requests,
+    sum(provider_cost_usd)::DECIMAL(38, 12) AS provider_cost_usd,
+    sum(provider_cost_usd - cost_usd) FILTER (WHERE provider_cost_usd IS NOT NULL AND cost_usd IS NOT NULL)
+        ::DECIMAL(38, 12) AS provider_cost_drift_usd
 """
 
 
@@ -75,8 +82,10 @@ def spend(
 
     Returns:
         One dict per group, ordered by the group keys: the keys of ``by`` plus ``requests``,
-        token sums (tokens), ``cost_usd`` (``Decimal``, priced rows only), ``unpriced_requests``
-        and ``estimated_requests``.
+        token sums (tokens), ``cost_usd`` (``Decimal``, ``None`` when nothing is priced),
+        ``unpriced_requests`` (unpriced or partially priced), ``usage_unknown_requests``,
+        ``fallback_priced_requests``, ``estimated_requests``, ``provider_cost_usd`` and
+        ``provider_cost_drift_usd`` (provider's figure minus ours, where both exist).
 
     Raises:
         ValueError: unknown grouping, or a naive ``since``/``until``.

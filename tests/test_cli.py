@@ -165,7 +165,7 @@ def test_report_formats_and_time_zones(seeded):
     rows = list(csv.DictReader(io.StringIO(result.output)))
     assert [(r["day"], r["model"], r["requests"], r["cost_usd"], r["unpriced_requests"]) for r in rows] == [
         ("2026-11-03", "gpt-4o", "2", "0.000987500000", "0"),
-        ("2026-11-03", "mistral-large-latest", "1", "0.000000000000", "1"),
+        ("2026-11-03", "mistral-large-latest", "1", "", "1"),  # nothing priced: no cost, not $0
     ]
     utc = runner.invoke(
         main, ["report", "--db", str(seeded), "--by", "day", "--format", "json"], catch_exceptions=False
@@ -173,7 +173,11 @@ def test_report_formats_and_time_zones(seeded):
     assert [(r["day"], r["requests"]) for r in json.loads(utc.output)] == [("2026-11-02", 1), ("2026-11-03", 2)]
     table = runner.invoke(main, ["report", "--db", str(seeded), "--by", "model"], catch_exceptions=False)
     assert "gpt-4o" in table.output and "$0.000988" in table.output
-    assert "1 unpriced request(s) are not in the dollar total" in table.output
+    assert "1 request(s) are unpriced or only partly priced" in table.output
+    mistral_line = next(line for line in table.output.splitlines() if "mistral-large-latest" in line)
+    assert "$" not in mistral_line and " - " in mistral_line
+    empty = runner.invoke(main, ["report", "--db", str(seeded), "--since", "2030-01-01"], catch_exceptions=False)
+    assert "no requests in this range" in empty.output
     window = runner.invoke(
         main,
         ["report", "--db", str(seeded), "--by", "model", "--format", "json", "--since", "2026-11-03T00:00:00+00:00"],
@@ -192,6 +196,9 @@ def test_export_csv_to_file(seeded, tmp_path):
         rows = list(csv.DictReader(handle))
     assert [r["request_id"] for r in rows] == ["r1", "r2", "r3"]
     assert rows[1]["cost_usd"] == "0.000637500000" and rows[2]["cost_usd"] == ""
+    assert rows[0]["stream"] == "false" and rows[0]["started_at"] == "2026-11-02T23:30:00+00:00"
+    bad = CliRunner().invoke(main, ["export", "--db", str(seeded), "-o", str(tmp_path / "no" / "dir" / "x.csv")])
+    assert bad.exit_code != 0 and "cannot write" in bad.output and "Traceback" not in bad.output
 
 
 def test_config_names_the_ledger_and_errors_are_clean(tmp_path, seeded):
@@ -224,6 +231,59 @@ def test_demo_runs_offline_and_prints_the_report(tmp_path):
     result = CliRunner().invoke(main, ["demo", "--db", str(ledger)], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     assert "tokenward spend" in result.output and "gpt-4o-2024-08-06" in result.output
-    assert "unpriced request(s)" in result.output
+    assert "unpriced or only partly priced" in result.output
     assert ledger.exists() and os.path.getsize(ledger) > 0
     assert Path(str(ledger) + ".spool").exists() is False or not any(Path(str(ledger) + ".spool").iterdir())
+
+
+def test_drift_against_the_providers_own_cost(tmp_path):
+    path = tmp_path / "drift.duckdb"
+    now = dt.datetime(2026, 11, 3, 12, 0, tzinfo=dt.UTC).timestamp()
+    Spool(path).write(
+        [
+            make_row(
+                "o1",
+                started_at=now,
+                ended_at=now,
+                served_model="openai/gpt-4.1-mini",
+                cost_usd=Decimal("0.0033176"),
+                provider_cost_usd=Decimal("0.0133176"),
+            ),
+            make_row(
+                "o2",
+                started_at=now,
+                ended_at=now,
+                served_model="openai/gpt-4.1-mini",
+                cost_usd=Decimal("0.001"),
+                provider_cost_usd=Decimal("0.001"),
+            ),
+        ]
+    )
+    Spool(path).ingest()
+    result = CliRunner().invoke(
+        main, ["report", "--db", str(path), "--by", "model", "--format", "json"], catch_exceptions=False
+    )
+    (row,) = json.loads(result.output)
+    # ours 0.0033176 + 0.001; OpenRouter's 0.0133176 + 0.001 (it adds the $0.01 web search fee)
+    assert (row["cost_usd"], row["provider_cost_usd"], row["provider_cost_drift_usd"]) == (
+        "0.004317600000",
+        "0.014317600000",
+        "0.010000000000",
+    )
+    table = CliRunner().invoke(main, ["report", "--db", str(path), "--by", "model", "--drift"], catch_exceptions=False)
+    assert "provider says" in table.output and "$0.010000" in table.output
+
+
+def test_ledger_migrate_says_what_it_did(tmp_path):
+    path = tmp_path / "new.duckdb"
+    created = CliRunner().invoke(main, ["ledger", "migrate", "--db", str(path)], catch_exceptions=False)
+    assert created.output.startswith(f"created ledger {path} (2 migrations applied)")
+    again = CliRunner().invoke(main, ["ledger", "migrate", "--db", str(path)], catch_exceptions=False)
+    assert again.output.strip() == f"ledger {path} is up to date"
+
+
+def test_serve_refuses_a_ledger_it_cannot_write(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    result = tokenward("serve", "--upstream", "http://127.0.0.1:9/v1", "--db", str(blocker / "l.duckdb"), check=False)
+    assert result.returncode != 0 and "cannot open the ledger" in result.stderr and "Traceback" not in result.stderr

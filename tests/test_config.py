@@ -35,6 +35,7 @@ def test_example_config_loads_with_paths_relative_to_the_file():
         ("upstreams: [{name: a, base_url: 'http://x'}]\nvirtual_keys: [{name: k}]", "exactly one of key or key_sha256"),
         ("upstreams: [{name: a, base_url: 'http://x', read_timeout_s: soon}]", "read_timeout_s"),
         ("upstreams: [", "cannot read config"),
+        ("upstreams: [{name: a, base_url: 'http://x'}]\nledger: {flush_interval_s: 0}", "flush_interval_s must be > 0"),
     ],
 )
 def test_invalid_configs_name_the_problem(tmp_path, text, fragment):
@@ -54,5 +55,5 @@ def test_command_line_config():
     )
     with pytest.raises(ConfigError, match="virtual_keys needs keys"):
         config_from_args("https://api.openai.com/v1", auth="virtual_keys")
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match="--upstream must be an http"):
         config_from_args("not a url")

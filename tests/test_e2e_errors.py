@@ -160,13 +160,16 @@ def test_client_disconnect_mid_stream_still_records_usage(start_proxy, sample):
 def test_upstream_cut_mid_stream_bills_no_error_text(start_proxy, sample):
     proxy = start_proxy()
     body = sample[CHAT_STREAM].request["body"]
-    with httpx.stream(
-        "POST",
-        f"{proxy.url}/v1/chat/completions",
-        json=body,
-        headers={RECORD_HEADER: CHAT_STREAM, FAULT_HEADER: "cut:3"},
-    ) as reply:
-        received = b"".join(reply.iter_raw())
+    received = b""
+    with pytest.raises(httpx.RemoteProtocolError):  # the stream breaks off, as it did upstream
+        with httpx.stream(
+            "POST",
+            f"{proxy.url}/v1/chat/completions",
+            json=body,
+            headers={RECORD_HEADER: CHAT_STREAM, FAULT_HEADER: "cut:3"},
+        ) as reply:
+            for piece in reply.iter_raw():
+                received += piece
     assert received.count(b"data: ") == 3
     (row,) = proxy.rows(1)
     assert row["outcome"] == "upstream_failed" and row["usage_source"] == "partial"
@@ -243,3 +246,45 @@ def test_retries_exhausted_relays_the_last_error(start_proxy, simulator, sample)
     assert reply.status_code == 429 and reply.json()["error"]["message"] == "simulated overload"
     (row,) = proxy.rows(1)
     assert (row["outcome"], row["http_status"], row["price_status"]) == ("upstream_error", 429, "not_billed")
+
+
+def test_client_that_leaves_before_the_reply_is_recorded_as_disconnected(start_proxy, simulator):
+    slow = UpstreamConfig(name="openai", base_url=f"{simulator.url}/openai/v1", default=True, read_timeout_s=1.0)
+    proxy = start_proxy(upstreams=[slow])
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            f"{proxy.url}/v1/chat/completions",
+            json={"model": "gpt-4o", "messages": []},
+            headers={RECORD_HEADER: CHAT, FAULT_HEADER: "hang"},
+            timeout=0.3,
+        )
+    (row,) = proxy.rows(1)
+    # nobody received the 504 tokenward would have sent: the row says the client left
+    assert row["outcome"] == "client_disconnected" and "upstream timed out" in row["error"]
+    assert row["price_status"] == "usage_unknown"
+
+
+def test_other_methods_on_metered_paths_and_unknown_paths(start_proxy, simulator):
+    proxy = start_proxy()
+    listed = httpx.get(f"{proxy.url}/v1/chat/completions?limit=1")  # stored completions: passed through
+    assert listed.status_code == 404 and simulator.simulator.requests[-1]["method"] == "GET"
+    assert simulator.simulator.requests[-1]["path"] == "/openai/v1/chat/completions?limit=1"
+    missing = httpx.post(f"{proxy.url}/wp-admin/setup.php")
+    assert_openai_error(missing, 404, "not_found")
+    root = httpx.get(f"{proxy.url}/v1")
+    assert_openai_error(root, 404, "not_found")
+    rows = proxy.rows(3)
+    assert [(r["method"], r["path"], r["endpoint"], r["outcome"]) for r in rows] == [
+        ("GET", "/v1/chat/completions", "passthrough", "upstream_error"),
+        ("POST", "/wp-admin/setup.php", "unknown", "client_error"),
+        ("GET", "/v1", "unknown", "client_error"),
+    ]
+
+
+def test_empty_body_and_unknown_upstream_messages(start_proxy):
+    proxy = start_proxy()
+    empty = assert_openai_error(httpx.post(f"{proxy.url}/v1/chat/completions"), 400, "invalid_json")
+    assert empty["message"] == "The request body is empty: send a JSON object."
+    unknown = httpx.post(f"{proxy.url}/v1/chat/completions", json={"model": "m"}, headers={"x-tokenward-upstream": "x"})
+    assert "configured: " in assert_openai_error(unknown, 400, "unknown_upstream")["message"]
+    assert "openai" in unknown.json()["error"]["message"]

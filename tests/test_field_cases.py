@@ -416,13 +416,16 @@ def test_b25_client_disconnect_keeps_reading_for_the_usage(proxy, simulator):
 
 def test_b25_stream_cut_before_usage_bills_input_and_output_seen(proxy, simulator):
     register(simulator, "B25-cut", "chat_completions", B25_REQUEST, sse=b25_stream(False))
-    with httpx.stream(
-        "POST",
-        f"{proxy.url}/v1/chat/completions",
-        json=B25_REQUEST,
-        headers={RECORD_HEADER: "B25-cut", "x-tokenward-upstream": "test", FAULT_HEADER: "cut:151"},
-    ) as reply:
-        received = b"".join(reply.iter_raw())
+    received = b""
+    with pytest.raises(httpx.RemoteProtocolError):  # the stream breaks off, as it did upstream
+        with httpx.stream(
+            "POST",
+            f"{proxy.url}/v1/chat/completions",
+            json=B25_REQUEST,
+            headers={RECORD_HEADER: "B25-cut", "x-tokenward-upstream": "test", FAULT_HEADER: "cut:151"},
+        ) as reply:
+            for piece in reply.iter_raw():
+                received += piece
     assert received.count(b"data: ") == 151
     row = row_of(proxy)
     # input counted from the request (o200k_base): 12 content tokens ("Write" " a" " " "200" "0" "-word" " story"

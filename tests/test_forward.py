@@ -7,7 +7,8 @@ import json
 import httpx
 import msgspec
 
-from tokenward.proxy.forward import _strip_usage, _with_include_usage
+from tokenward.proxy.forward import _with_include_usage
+from tokenward.proxy.relay import strip_usage as _strip_usage
 from tokenward.proxy.simulator import RECORD_HEADER
 
 CHAT = "tests/models/cassettes/test_openai/test_extra_headers.yaml#0"

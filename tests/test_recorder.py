@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from decimal import Decimal
 from pathlib import Path
 
@@ -11,7 +12,7 @@ from tokenward.pricing.catalog import load_catalog
 from tokenward.pricing.usage import Usage, UsageSource
 from tokenward.proxy.exchange import Exchange, Outcome
 from tokenward.proxy.recorder import Recorder, build_row
-from tokenward.reports.ledger import ROW_COLUMNS, open_ledger
+from tokenward.reports.ledger import ROW_COLUMNS, LedgerError, open_ledger
 
 PRICES = Path(__file__).parent / "fixtures" / "field_case_prices.yaml"
 
@@ -103,3 +104,31 @@ async def test_recorder_records_once_and_flushes_on_stop(tmp_path, catalog):
     rows = conn.execute("SELECT request_id, input_tokens, usage_source FROM requests ORDER BY input_tokens").fetchall()
     conn.close()
     assert rows == [(ex.request_id, 1, "reported"), (late.request_id, 4, "estimated")]
+
+
+async def test_writer_survives_a_failing_spool_and_keeps_the_rows(tmp_path, catalog, caplog):
+    path = tmp_path / "l.duckdb"
+    recorder = Recorder(catalog, str(path), flush_interval_s=0.01)
+    await recorder.start()
+    spool = recorder.spool.directory
+    spool.rmdir()
+    spool.write_text("not a directory")  # the spool can no longer be written
+    ex = make_exchange(requested_model="gpt-4o", usage=Usage(input_tokens=1, output_tokens=1))
+    recorder.finish(ex)
+    await asyncio.sleep(0.1)
+    assert recorder._task is not None and not recorder._task.done()  # the writer is still alive
+    assert len(recorder._rows) == 1 and "cannot write ledger rows" in caplog.text
+    spool.unlink()
+    await asyncio.sleep(0.1)
+    await recorder.stop()
+    conn = open_ledger(path, read_only=True)
+    assert conn.execute("SELECT request_id FROM requests").fetchall() == [(ex.request_id,)]
+    conn.close()
+
+
+async def test_start_refuses_a_ledger_it_cannot_create(tmp_path, catalog):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    recorder = Recorder(catalog, str(blocker / "ledger.duckdb"))
+    with pytest.raises((LedgerError, OSError)):
+        await recorder.start()

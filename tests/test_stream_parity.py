@@ -46,7 +46,7 @@ def sse(events: list[tuple[str | None, dict[str, Any]]]) -> str:
 
 
 def chat_stream(body: dict[str, Any]) -> str:
-    base = {k: body[k] for k in ("id", "model") if k in body} | {"object": "chat.completion.chunk"}
+    base = {k: body[k] for k in ("id", "model", "service_tier") if k in body} | {"object": "chat.completion.chunk"}
     events = []
     for choice in body.get("choices") or []:
         message = choice.get("message") or {}

@@ -1,0 +1,311 @@
+"""The reply relay: an ASGI app sending one upstream reply to the client as it arrives.
+
+Status, headers (minus hop-by-hop ones) and body bytes are the upstream's own; a
+``Content-Encoding`` is relayed as is and decoded on the side for the meter. An SSE reply is
+relayed chunk by chunk as it arrives, never buffered; a JSON reply is sent whole, then
+metered. When tokenward asked for stream usage the client had not asked for, the extra
+usage-only chunk and the ``"usage":null`` members are removed again (:func:`strip_usage`).
+
+The relay watches the client: one that leaves before the reply is complete ends the exchange
+as ``client_disconnected``, and an SSE upstream is then read on (up to ``drain_timeout_s``) so
+that its usage report is still recorded. An upstream that breaks off mid-reply makes the relay
+break off too (no clean end of stream), so the client sees the truncation it would have seen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+from litestar.types import Receive, Scope, Send
+
+from tokenward.proxy.errors import ProxyError, error_body
+from tokenward.proxy.exchange import Exchange, Outcome
+from tokenward.proxy.metering import Meter
+from tokenward.proxy.sse import parse_event
+from tokenward.proxy.upstream import UpstreamError, UpstreamReply
+
+__all__ = ["HOP_BY_HOP", "DisconnectWatch", "Relay", "header", "strip_usage"]
+
+log = logging.getLogger("tokenward.proxy")
+
+HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"proxy-connection",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+    }
+)
+"""Headers that describe one connection, never forwarded (RFC 9110 section 7.6.1)."""
+_REPLY_DROPPED = HOP_BY_HOP | {b"content-length"}
+_USAGE_NULL = (b',"usage":null', b'"usage":null,')
+
+
+def header(headers: list[tuple[bytes, bytes]], name: bytes) -> str | None:
+    """Value of header ``name`` (lower-case) in a raw header list, or ``None``."""
+    for key, value in headers:
+        if key == name:
+            return value.decode("latin-1")
+    return None
+
+
+def strip_usage(block: bytes) -> bytes:
+    """Undo what asking for stream usage added to one event.
+
+    Drops the usage-only chunk, and the ``"usage":null`` member that chunks carry only when usage
+    was asked for.
+    """
+    if b'"usage"' not in block:
+        return block
+    for pattern in _USAGE_NULL:
+        if pattern in block:
+            return block.replace(pattern, b"", 1)
+    _, data = parse_event(block)
+    if data is None or data == b"[DONE]":
+        return block
+    try:
+        chunk = msgspec.json.decode(data)
+    except msgspec.DecodeError:
+        return block
+    if isinstance(chunk, dict) and chunk.get("choices") == [] and isinstance(chunk.get("usage"), dict):
+        return b""
+    return block
+
+
+class DisconnectWatch:
+    """Watches an ASGI ``receive`` for ``http.disconnect`` without blocking the relay.
+
+    Request body messages still arriving (an upstream that answered before reading the whole
+    upload) are consumed and the watch re-armed.
+    """
+
+    __slots__ = ("_receive", "_task")
+
+    def __init__(self, receive: Receive) -> None:
+        self._receive = receive
+        self._task: asyncio.Future[Any] = asyncio.ensure_future(receive())
+
+    def gone(self) -> bool:
+        """Whether the client has disconnected (as far as the event loop has seen so far)."""
+        task = self._task
+        if not task.done():
+            return False
+        if task.cancelled() or task.exception() is not None:
+            return True
+        if task.result().get("type") == "http.disconnect":
+            return True
+        self._task = asyncio.ensure_future(self._receive())
+        return False
+
+    def close(self) -> None:
+        """Stop watching."""
+        if not self._task.done():
+            self._task.cancel()
+
+
+class Relay:
+    """ASGI app sending one upstream reply to the client and metering it as it passes.
+
+    Created by the forwarder; Litestar calls it once with the request's ``receive`` and ``send``.
+    When it is done (whatever happened), it calls ``on_done(relay)`` exactly once, which records
+    the exchange.
+
+    Args:
+        ex: the exchange being relayed.
+        reply: the upstream reply (``None`` for a relay that only sends ``error``).
+        on_done: called once at the end, with this relay.
+        meter: meters the reply (``None``: a pass-through endpoint, not metered).
+        request_body: the request as sent upstream (for a token estimate).
+        watch: a disconnect watch already running (the relay starts one otherwise).
+        drain_timeout_s: after the client leaves mid-stream, how long to read on for usage.
+    """
+
+    def __init__(
+        self,
+        ex: Exchange,
+        reply: UpstreamReply | None,
+        on_done: Callable[[Relay], None],
+        *,
+        meter: Meter | None = None,
+        request_body: bytes = b"",
+        dialect: str = "openai",
+        strip_usage: bool = False,
+        deferred_usage: bool = False,
+        error: ProxyError | None = None,
+        watch: DisconnectWatch | None = None,
+        drain_timeout_s: float = 60.0,
+    ) -> None:
+        self.on_done = on_done
+        self.watch = watch
+        self.drain_timeout_s = drain_timeout_s
+        self.ex = ex
+        self.reply = reply
+        self.meter = meter
+        self.request_body = request_body
+        self.dialect = dialect
+        self.strip_usage = strip_usage
+        self.deferred_usage = deferred_usage
+        self.error = error
+        self.streaming = False
+        self.got_reply = False
+
+    @classmethod
+    def refusal(cls, ex: Exchange, error: ProxyError) -> Relay:
+        """A relay that only sends tokenward's own error reply (the exchange is already recorded)."""
+        return cls(ex, None, lambda _: None, error=error)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Send the reply; runs once per request."""
+        if self.reply is None:
+            await self._send_error(send)
+            return
+        ex, reply = self.ex, self.reply
+        ex.http_status = reply.status
+        headers = [(name, value) for name, value in reply.headers if name not in _REPLY_DROPPED]
+        headers.append((b"x-tokenward-request-id", ex.request_id.encode()))
+        content_type = header(reply.headers, b"content-type") or ""
+        self.streaming = self.meter is not None and content_type.startswith("text/event-stream")
+        listener = self.watch or DisconnectWatch(receive)
+        try:
+            if self.meter is None:
+                await self._relay_raw(send, headers, listener)
+            elif self.streaming:
+                await self._relay_stream(send, headers, listener)
+            else:
+                await self._relay_body(send, headers, listener)
+        except BaseException as exc:
+            ex.end(Outcome.PROXY_ERROR, error=f"relay failed: {type(exc).__name__}: {exc}")
+            if isinstance(exc, Exception):
+                log.exception("relay of %s failed", ex.request_id)
+            raise
+        finally:
+            listener.close()
+            try:
+                await reply.aclose()
+            except BaseException:  # noqa: S110 - closing must not stop the row from being recorded
+                pass
+            self.on_done(self)
+
+    async def _send_error(self, send: Send) -> None:
+        error = self.error
+        assert error is not None
+        body = error_body(error.message, error.type, error.code)
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"x-tokenward-request-id", self.ex.request_id.encode()),
+        ]
+        status = 400 if error.status == 499 else error.status
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    def _end_ok(self) -> None:
+        status = self.ex.http_status or 0
+        self.ex.end(Outcome.OK if status < 400 else Outcome.UPSTREAM_ERROR)
+
+    async def _fail_before_start(self, send: Send, exc: UpstreamError) -> None:
+        failure = exc.failure
+        error = ProxyError(
+            failure.status, f"Upstream {self.ex.upstream!r}: {failure.message}", "upstream_failed", "server_error"
+        )
+        self.ex.end(Outcome.UPSTREAM_FAILED, failure.status, failure.message)
+        self.error = error
+        await self._send_error(send)
+
+    async def _relay_body(self, send: Send, headers: list[tuple[bytes, bytes]], listener: DisconnectWatch) -> None:
+        assert self.reply is not None and self.meter is not None
+        try:
+            body = b"".join([chunk async for chunk in self.reply.chunks()])
+        except UpstreamError as exc:
+            await self._fail_before_start(send, exc)
+            return
+        self.got_reply = True
+        self.meter.feed_body(body)
+        await asyncio.sleep(0)  # let the listener see a disconnect that already happened
+        if listener.gone():
+            self.ex.end(Outcome.CLIENT_DISCONNECTED, error="client disconnected before the reply")
+            return
+        headers.append((b"content-length", str(len(body)).encode()))
+        await send({"type": "http.response.start", "status": self.ex.http_status, "headers": headers})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+        self.ex.mark_first_byte()
+        self._end_ok()
+
+    async def _relay_raw(self, send: Send, headers: list[tuple[bytes, bytes]], listener: DisconnectWatch) -> None:
+        assert self.reply is not None
+        length = header(self.reply.headers, b"content-length")
+        if length is not None:
+            headers.append((b"content-length", length.encode()))
+        await send({"type": "http.response.start", "status": self.ex.http_status, "headers": headers})
+        self.got_reply = True
+        try:
+            async for chunk in self.reply.chunks():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                self.ex.mark_first_byte()
+                if listener.gone():
+                    self.ex.end(Outcome.CLIENT_DISCONNECTED, error="client disconnected during the reply")
+                    return
+        except UpstreamError as exc:
+            self._broke_off(exc)
+            return
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        self._end_ok()
+
+    async def _relay_stream(self, send: Send, headers: list[tuple[bytes, bytes]], listener: DisconnectWatch) -> None:
+        assert self.reply is not None and self.meter is not None
+        meter, ex = self.meter, self.ex
+        strip = self.strip_usage and header(self.reply.headers, b"content-encoding") in (None, "identity")
+        await send({"type": "http.response.start", "status": ex.http_status, "headers": headers})
+        self.got_reply = True
+        chunks = self.reply.chunks()
+        try:
+            async for chunk in chunks:
+                blocks = meter.feed_stream(chunk)
+                if strip:
+                    chunk = b"".join([strip_usage(block) for block in blocks])
+                    if not chunk:
+                        continue
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                ex.mark_first_byte()
+                if listener.gone():
+                    ex.end(Outcome.CLIENT_DISCONNECTED, error="client disconnected during the stream")
+                    await self._drain(chunks)
+                    return
+            tail = meter.end_stream()
+            if strip and tail:
+                await send({"type": "http.response.body", "body": b"".join(map(strip_usage, tail)), "more_body": True})
+        except UpstreamError as exc:
+            meter.end_stream()
+            self._broke_off(exc)
+            return
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        self._end_ok()
+
+    def _broke_off(self, exc: UpstreamError) -> None:
+        """End the exchange for an upstream that broke off mid-reply.
+
+        The client's reply is left unfinished too (the server then closes the connection), as
+        the upstream's was.
+        """
+        self.ex.end(Outcome.UPSTREAM_FAILED, error=exc.failure.message)
+        log.warning("upstream broke off %s mid-reply: %s", self.ex.request_id, exc.failure.message)
+
+    async def _drain(self, chunks: Any) -> None:
+        """Read the rest of an upstream stream nobody receives, for its usage (bounded in time)."""
+        assert self.meter is not None
+        try:
+            async with asyncio.timeout(self.drain_timeout_s):
+                async for chunk in chunks:
+                    self.meter.feed_stream(chunk)
+                self.meter.end_stream()
+        except (TimeoutError, UpstreamError) as exc:
+            log.info("stopped reading %s after the client left: %s", self.ex.request_id, type(exc).__name__)
