@@ -52,6 +52,7 @@ from tokenward.pricing.rates import RATE_NAMES, Adjustment, ContextTier, Rates, 
 __all__ = [
     "CatalogError",
     "PriceCatalog",
+    "builtin_catalog_paths",
     "PriceEntry",
     "Resolution",
     "default_catalog_path",
@@ -194,7 +195,7 @@ class PriceCatalog:
         return versions[index - 1] if index else None
 
     def resolve(
-        self, model: str | None, provider: str | None = None, at: dt.datetime | None = None
+        self, model: str | None, provider: str | None = None, at: dt.datetime | None = None, *, fallback: bool = True
     ) -> Resolution | None:
         """Find the entry version that prices ``model`` served by ``provider`` at instant ``at``.
 
@@ -202,6 +203,7 @@ class PriceCatalog:
             model: the served model name (the response's ``model``), matched case-insensitively.
             provider: the catalog provider of the upstream that served it, if known.
             at: the request's start (aware); ``None`` means now (the latest versions).
+            fallback: whether the configured fallback rates may price an unresolved model.
 
         Returns:
             The entry and the rule that found it, or ``None`` when the model is unpriced (no
@@ -218,7 +220,7 @@ class PriceCatalog:
                 entry = self.version_at(found[0], at)
                 if entry is not None:
                     return Resolution(entry, found[1])
-        if self.fallback is not None:
+        if fallback and self.fallback is not None:
             return Resolution(self.fallback, "fallback")
         return None
 
@@ -249,8 +251,18 @@ class PriceCatalog:
 
 
 def default_catalog_path() -> Path:
-    """Path of the built-in catalog shipped inside the package."""
+    """Path of the curated built-in catalog shipped inside the package."""
     return Path(str(resources.files("tokenward.pricing") / "catalog" / "default.yaml"))
+
+
+def builtin_catalog_paths() -> list[Path]:
+    """The built-in price files, in load order.
+
+    First the prices imported from LiteLLM for providers the curated catalog does not cover,
+    then the curated catalog (which wins where both price a model).
+    """
+    folder = resources.files("tokenward.pricing") / "catalog"
+    return [Path(str(folder / "imported.yaml")), default_catalog_path()]
 
 
 def load_catalog(
@@ -274,7 +286,7 @@ def load_catalog(
             names the file, the entry id and the field.
     """
     catalog = PriceCatalog(aliases={k.lower(): v for k, v in (aliases or {}).items()})
-    files = [default_catalog_path()] if builtin else []
+    files = builtin_catalog_paths() if builtin else []
     for path in (*files, *map(Path, paths)):
         for entry in read_file(path):
             catalog._put(entry)

@@ -52,7 +52,8 @@ class Exchange:
     Responses API request); ``maybe_billed`` one that may have reached the provider although no
     reply (or usage) came back; ``parts`` hold usage spent on other models inside the request.
     ``row_kind`` is ``request`` except for the record of an earlier upstream attempt of a
-    retried request (``attempt``, linked by ``parent_request_id``).
+    retried request (``attempt``, linked by ``parent_request_id``). ``price_fallback`` lets the
+    configured fallback rates price a model with no price (the upstream's ``unpriced: fallback``).
     """
 
     endpoint: str
@@ -77,6 +78,7 @@ class Exchange:
     error: str | None = None
     usage_deferred: bool = False
     maybe_billed: bool = False
+    price_fallback: bool = False
     parts: list[tuple[str, Usage]] = field(default_factory=list)
     row_kind: str = "request"
     parent_request_id: str | None = None

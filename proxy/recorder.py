@@ -19,7 +19,7 @@ from decimal import Decimal
 from typing import Any
 
 from tokenward.pricing.catalog import PriceCatalog
-from tokenward.pricing.cost import Cost, price
+from tokenward.pricing.quote import PriceStatus, Quote, quote
 from tokenward.pricing.usage import TOKEN_FIELDS, Usage, UsageSource
 from tokenward.proxy.exchange import Exchange
 from tokenward.proxy.metrics import Metrics
@@ -30,30 +30,6 @@ __all__ = ["PriceStatus", "Recorder", "build_row", "build_rows"]
 log = logging.getLogger("tokenward.recorder")
 
 _NO_USAGE = Usage(source=UsageSource.NONE)
-
-
-class PriceStatus:
-    """Values of the ledger's ``price_status`` column."""
-
-    PRICED = "priced"
-    """``cost_usd`` is the exact cost of the usage under the catalog entry ``price_entry_id``."""
-    UNPRICED = "unpriced"
-    """Usage was metered but no price is known for the model: ``cost_usd`` is NULL, never 0."""
-    NOT_BILLED = "not_billed"
-    """Nothing billable happened (refused by tokenward, never reached the provider, or an error
-    reply without usage): cost 0."""
-    NOT_METERED = "not_metered"
-    """A transparently forwarded endpoint tokenward does not meter: ``cost_usd`` is NULL."""
-    USAGE_UNKNOWN = "usage_unknown"
-    """The request may have reached the provider (timeout, dropped connection) but no usage came
-    back: the provider may bill it; ``cost_usd`` is NULL."""
-    PARTIALLY_PRICED = "partially_priced"
-    """Tokens are priced but something is not (a web search with no fee in the catalog, a served
-    tier with no price): ``cost_usd`` is a lower bound; ``cost_lines`` say what is missing."""
-    FALLBACK = "fallback"
-    """No price is known for the model; ``cost_usd`` uses the configured fallback rates."""
-    DEFERRED = "deferred"
-    """The provider reports this request's usage later (background Responses): ``cost_usd`` is NULL."""
 
 
 def build_rows(ex: Exchange, catalog: PriceCatalog) -> list[dict[str, Any]]:
@@ -90,7 +66,7 @@ def build_row(
     served = model or ex.served_model
     metered = usage or ex.usage
     usage = metered or _NO_USAGE
-    cost: Cost | None = None
+    q: Quote | None = None
     if ex.endpoint == "passthrough":
         status = PriceStatus.NOT_METERED
     elif metered is None and ex.usage_deferred:
@@ -100,36 +76,17 @@ def build_row(
     elif metered is None:
         status = PriceStatus.NOT_BILLED
     else:
-        at = dt.datetime.fromtimestamp(ex.started_at, dt.UTC)
-        resolution = catalog.resolve(served or ex.requested_model, ex.provider, at)
-        if resolution is None:
-            status = PriceStatus.UNPRICED
-        else:
-            cost = price(usage, resolution, at=at, service_tier=ex.service_tier)
-            if resolution.how == "fallback":
-                status = PriceStatus.FALLBACK
-            elif cost.unpriced_calls or cost.notes:
-                status = PriceStatus.PARTIALLY_PRICED
-            else:
-                status = PriceStatus.PRICED
-    cost_usd: Decimal | None = cost.total if cost is not None else (Decimal(0) if status == "not_billed" else None)
-    lines: list[dict[str, Any]] | None = None
-    if cost is not None:
-        lines = [
-            {"component": ln.component, "quantity": ln.quantity, "rate": ln.rate, "amount": ln.amount, "rule": ln.rule}
-            for ln in cost.lines
-        ]
-        if cost.unpriced_calls:
-            lines.append(
-                {
-                    "component": "web_search",
-                    "quantity": cost.unpriced_calls,
-                    "rate": None,
-                    "amount": None,
-                    "rule": "no fee in catalog",
-                }
-            )
-        lines += [{"note": note} for note in cost.notes]
+        q = quote(
+            catalog,
+            usage,
+            model=served or ex.requested_model,
+            provider=ex.provider,
+            at=dt.datetime.fromtimestamp(ex.started_at, dt.UTC),
+            service_tier=ex.service_tier,
+            fallback=ex.price_fallback,
+        )
+        status = q.status
+    cost_usd: Decimal | None = q.cost_usd if q is not None else (Decimal(0) if status == "not_billed" else None)
     violations = usage.violations() if metered is not None else []
     if violations:
         log.warning("request %s: usage breaks invariants: %s", ex.request_id, "; ".join(violations))
@@ -153,9 +110,9 @@ def build_row(
         "usage_source": str(usage.source),
         "cost_usd": cost_usd,
         "price_status": status,
-        "price_entry_id": cost.entry_id if cost else None,
-        "price_resolved_by": cost.resolved_by if cost else None,
-        "cost_lines": lines,
+        "price_entry_id": q.entry_id if q else None,
+        "price_resolved_by": q.resolved_by if q else None,
+        "cost_lines": q.lines if q else None,
         "provider_cost_usd": ex.provider_cost,
         "service_tier": ex.service_tier,
         "latency_ms": ex.latency_ms,

@@ -101,7 +101,8 @@ def test_resolution_rules_in_order():
     other = catalog.resolve("gpt-4o", "azure")
     assert (other.entry.id, other.how) == ("openai/gpt-4o", "other_provider")
     assert catalog.resolve("claude-sonnet-4-5-20250929", "anthropic").entry.id.startswith("anthropic/claude-sonnet-4-5")
-    assert catalog.resolve("mistral-large-latest", "mistral") is None
+    assert catalog.resolve("mistral-large-latest", "mistral").entry.id == "mistral/mistral-large-latest"
+    assert catalog.resolve("brand-new-model-9", "openai") is None
     assert catalog.resolve(None) is None and catalog.resolve("", "openai") is None
 
 

@@ -1,0 +1,108 @@
+"""Pricing one metered usage against the catalog: the price status, the cost and its lines.
+
+The one place that decides a row's ``price_status``; the proxy's recorder and
+``tokenward pricing reprice`` both call :func:`quote`, so a repriced row is exactly what the
+proxy would have written under the same catalog.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass
+from decimal import Decimal
+from typing import Any
+
+from tokenward.pricing.catalog import PriceCatalog
+from tokenward.pricing.cost import Cost, price
+from tokenward.pricing.usage import Usage
+
+__all__ = ["PriceStatus", "Quote", "quote"]
+
+
+class PriceStatus:
+    """Values of the ledger's ``price_status`` column."""
+
+    PRICED = "priced"
+    """``cost_usd`` is the exact cost of the usage under the catalog entry ``price_entry_id``."""
+    PARTIALLY_PRICED = "partially_priced"
+    """Tokens are priced but something is not (a web search with no fee in the catalog, a served
+    tier with no price): ``cost_usd`` is a lower bound; ``cost_lines`` say what is missing."""
+    FALLBACK = "fallback"
+    """No price is known for the model; ``cost_usd`` uses the configured fallback rates."""
+    UNPRICED = "unpriced"
+    """Usage was metered but no price is known for the model: ``cost_usd`` is NULL, never 0."""
+    NOT_BILLED = "not_billed"
+    """Nothing billable happened (refused by tokenward, never reached the provider, or an error
+    reply without usage): cost 0."""
+    NOT_METERED = "not_metered"
+    """A transparently forwarded endpoint tokenward does not meter: ``cost_usd`` is NULL."""
+    USAGE_UNKNOWN = "usage_unknown"
+    """The request may have reached the provider (timeout, dropped connection) but no usage came
+    back: the provider may bill it; ``cost_usd`` is NULL."""
+    DEFERRED = "deferred"
+    """The provider reports this request's usage later (background Responses): ``cost_usd`` is NULL."""
+
+
+@dataclass(frozen=True, slots=True)
+class Quote:
+    """The priced view of one usage: status, exact cost (``None`` when unpriced), entry, lines."""
+
+    status: str
+    cost_usd: Decimal | None
+    entry_id: str | None
+    resolved_by: str | None
+    lines: list[dict[str, Any]] | None
+    cost: Cost | None
+
+
+def quote(
+    catalog: PriceCatalog,
+    usage: Usage,
+    *,
+    model: str | None,
+    provider: str | None,
+    at: dt.datetime,
+    service_tier: str | None = None,
+    fallback: bool = False,
+) -> Quote:
+    """Price ``usage`` of ``model`` served by ``provider`` for a request that started at ``at``.
+
+    Args:
+        catalog: the prices.
+        usage: canonical token counts.
+        model: the served model (or the requested one when the reply named none).
+        provider: the upstream's catalog provider.
+        at: the request's start (aware): picks the price version in force and the time window.
+        service_tier: the tier the response says was served.
+        fallback: whether the catalog's fallback rates may price an otherwise unpriced model.
+
+    Returns:
+        A :class:`Quote`; ``lines`` are JSON-ready dicts (component, quantity, rate, amount, rule),
+        plus ``{"note": ...}`` items for anything priced by assumption.
+    """
+    resolution = catalog.resolve(model, provider, at, fallback=fallback)
+    if resolution is None:
+        return Quote(PriceStatus.UNPRICED, None, None, None, None, None)
+    cost = price(usage, resolution, at=at, service_tier=service_tier)
+    if resolution.how == "fallback":
+        status = PriceStatus.FALLBACK
+    elif cost.unpriced_calls or cost.notes:
+        status = PriceStatus.PARTIALLY_PRICED
+    else:
+        status = PriceStatus.PRICED
+    lines: list[dict[str, Any]] = [
+        {"component": ln.component, "quantity": ln.quantity, "rate": ln.rate, "amount": ln.amount, "rule": ln.rule}
+        for ln in cost.lines
+    ]
+    if cost.unpriced_calls:
+        lines.append(
+            {
+                "component": "web_search",
+                "quantity": cost.unpriced_calls,
+                "rate": None,
+                "amount": None,
+                "rule": "no fee in catalog",
+            }
+        )
+    lines += [{"note": note} for note in cost.notes]
+    return Quote(status, cost.total, cost.entry_id, cost.resolved_by, lines, cost)

@@ -1,0 +1,57 @@
+"""The ``pricing`` section of the configuration (shared by the proxy and the CLI).
+
+::
+
+    pricing:
+      files: [prices/negotiated.yaml]    # loaded after the built-in catalog; later files win
+      aliases: {prod-gpt4o: gpt-4o}      # served names (Azure deployments, house aliases) -> catalog models
+      unpriced: allow                    # allow | block | fallback (an upstream may override it)
+      fallback: {input: 5.0, output: 15.0}   # USD per 1M tokens, used by `unpriced: fallback`
+      refresh:                           # optional: import price updates on a schedule
+        url: https://example.com/model_prices_and_context_window.json
+        every_hours: 24
+        providers: [openai, anthropic]
+
+``unpriced`` says what happens to a request for a model with no price: ``allow`` forwards it
+and records it as unpriced (cost NULL, never $0, reported and alerted); ``block`` refuses it
+before it reaches the provider (HTTP 400, ``model_not_priced``); ``fallback`` prices it at the
+``fallback`` rates and marks the row so.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+__all__ = ["PricingSettings", "RefreshSettings", "UnpricedPolicy"]
+
+UnpricedPolicy = Literal["allow", "block", "fallback"]
+
+
+class RefreshSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Scheduled price refresh: a LiteLLM-format price map fetched every ``every_hours`` hours.
+
+    Changed prices become new versions effective from the refresh time, appended to ``file``
+    (default: ``<ledger>.prices.yaml``); history is never edited. ``providers`` limits the
+    import (tokenward provider names; empty: every provider the file maps).
+    """
+
+    url: str
+    every_hours: float = 24.0
+    providers: list[str] = []
+    file: str | None = None
+
+
+class PricingSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Extra price files, name aliases, the unpriced-model policy and its fallback rates."""
+
+    files: list[str] = []
+    aliases: dict[str, str] = {}
+    unpriced: UnpricedPolicy = "allow"
+    fallback: dict[str, Any] | None = None
+    refresh: RefreshSettings | None = None
+
+    def __post_init__(self) -> None:
+        if self.unpriced == "fallback" and not self.fallback:
+            raise ValueError("unpriced: fallback needs fallback rates - at `$.pricing.fallback`")
