@@ -58,6 +58,8 @@ __all__ = [
     "default_catalog_path",
     "load_catalog",
     "parse_entry",
+    "read_document",
+    "read_file",
 ]
 
 _TOP_FIELDS = frozenset(
@@ -319,16 +321,25 @@ def _construct_decimal(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> Decima
 _DecimalLoader.add_constructor("tag:yaml.org,2002:float", _construct_decimal)
 
 
+def read_document(path: Path) -> Any:
+    """The YAML document in a price file, with every number an exact ``Decimal`` or ``int``.
+
+    Raises:
+        CatalogError: the file is unreadable or not YAML.
+    """
+    try:
+        return yaml.load(path.read_text(encoding="utf-8"), Loader=_DecimalLoader)  # noqa: S506
+    except (OSError, yaml.YAMLError) as exc:
+        raise CatalogError(f"{path}: cannot read price file: {exc}") from exc
+
+
 def read_file(path: Path) -> list[PriceEntry]:
     """Parse and validate one price file.
 
     Raises:
         CatalogError: unreadable, not YAML, or an invalid entry (message names file, entry, field).
     """
-    try:
-        document = yaml.load(path.read_text(encoding="utf-8"), Loader=_DecimalLoader)  # noqa: S506
-    except (OSError, yaml.YAMLError) as exc:
-        raise CatalogError(f"{path}: cannot read price file: {exc}") from exc
+    document = read_document(path)
     if not isinstance(document, Mapping) or not isinstance(document.get("entries"), list):
         raise CatalogError(f"{path}: expected a mapping with an 'entries' list")
     entries = []

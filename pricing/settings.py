@@ -20,11 +20,15 @@ before it reaches the provider (HTTP 400, ``model_not_priced``); ``fallback`` pr
 
 from __future__ import annotations
 
+from decimal import Decimal
+from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
 
-__all__ = ["PricingSettings", "RefreshSettings", "UnpricedPolicy"]
+from tokenward.pricing.catalog import PriceCatalog, load_catalog
+
+__all__ = ["PricingSettings", "RefreshSettings", "UnpricedPolicy", "build_catalog"]
 
 UnpricedPolicy = Literal["allow", "block", "fallback"]
 
@@ -55,3 +59,18 @@ class PricingSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     def __post_init__(self) -> None:
         if self.unpriced == "fallback" and not self.fallback:
             raise ValueError("unpriced: fallback needs fallback rates - at `$.pricing.fallback`")
+
+
+def build_catalog(settings: PricingSettings, *, refresh_file: str | None = None) -> PriceCatalog:
+    """The catalog a configuration describes: built-in prices, ``files``, then the refresh file.
+
+    Raises:
+        CatalogError: a price file or the fallback rates are invalid.
+    """
+    files = list(settings.files)
+    if refresh_file is not None and Path(refresh_file).exists():
+        files.append(refresh_file)
+    fallback = None
+    if settings.fallback:
+        fallback = {k: Decimal(repr(v)) if isinstance(v, float) else v for k, v in settings.fallback.items()}
+    return load_catalog(files, aliases=settings.aliases, fallback=fallback)

@@ -8,6 +8,7 @@ shutdown the writer flushes every queued row before the upstream client closes.
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -16,7 +17,8 @@ import httpx
 from litestar import Litestar
 from litestar.logging.config import LoggingConfig
 
-from tokenward.pricing.catalog import PriceCatalog, load_catalog
+from tokenward.pricing.catalog import PriceCatalog
+from tokenward.pricing.settings import build_catalog
 from tokenward.proxy.config import Config
 from tokenward.proxy.errors import EXCEPTION_HANDLERS
 from tokenward.proxy.forward import Forwarder
@@ -24,6 +26,7 @@ from tokenward.proxy.keys import Authenticator
 from tokenward.proxy.recorder import Recorder
 from tokenward.proxy.routes import build_routes
 from tokenward.proxy.routing import Router
+from tokenward.proxy.scheduler import create_scheduler, refresh_prices
 from tokenward.proxy.upstream import AiohttpUpstream, HttpxUpstream, UpstreamClient
 
 __all__ = ["create_app"]
@@ -53,7 +56,7 @@ def create_app(
         tokenward.pricing.catalog.CatalogError: a price file is invalid.
     """
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per upstream call costs CPU
-    catalog = catalog if catalog is not None else load_catalog(config.pricing.files)
+    catalog = catalog if catalog is not None else build_catalog(config.pricing, refresh_file=config.refresh_file())
     recorder = Recorder(catalog, config.ledger.path, config.ledger.flush_interval_s)
     if upstream is not None:
         client: UpstreamClient = upstream
@@ -67,6 +70,7 @@ def create_app(
         Authenticator(config.auth.mode, config.virtual_keys),
         recorder,
         drain_timeout_s=config.server.drain_after_disconnect_s,
+        unpriced_policy=config.unpriced_policy,
     )
     known = {entry.provider for entry in catalog.entries.values()}
     for upstream_config in config.upstreams:
@@ -78,13 +82,33 @@ def create_app(
                 upstream_config.catalog_provider,
             )
 
+    scheduler = create_scheduler()
+    refresh = config.pricing.refresh
+    if refresh is not None:
+        scheduler.add_job(
+            refresh_prices,
+            "interval",
+            hours=refresh.every_hours,
+            next_run_time=dt.datetime.now(dt.UTC) + dt.timedelta(seconds=5),
+            kwargs={
+                "settings": refresh,
+                "refresh_file": config.refresh_file(),
+                "current": lambda: recorder.catalog,
+                "rebuild": lambda: build_catalog(config.pricing, refresh_file=config.refresh_file()),
+                "install": lambda new: setattr(recorder, "catalog", new),
+            },
+            id="price-refresh",
+        )
+
     @asynccontextmanager
     async def lifespan(_: Litestar) -> AsyncIterator[None]:
         await recorder.start()
+        scheduler.start()
         log.info("ledger %s, %d upstream(s), auth %s", config.ledger.path, len(config.upstreams), config.auth.mode)
         try:
             yield
         finally:
+            scheduler.shutdown(wait=False)
             await recorder.stop()
             await client.aclose()
 
@@ -99,4 +123,5 @@ def create_app(
     app.state.forwarder = forwarder
     app.state.recorder = recorder
     app.state.config = config
+    app.state.scheduler = scheduler
     return app

@@ -10,6 +10,7 @@ from tokenward.pricing.catalog import CatalogError
 from tokenward.proxy.config import ConfigError, config_from_args, load_config
 from tokenward.reports.cli import export, ledger, report
 from tokenward.reports.ledger import LedgerError, open_ledger
+from tokenward.reports.pricing_cli import pricing
 
 __all__ = ["main"]
 
@@ -92,3 +93,4 @@ def demo(db: str | None) -> None:
 main.add_command(report)
 main.add_command(export)
 main.add_command(ledger)
+main.add_command(pricing)

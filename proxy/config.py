@@ -15,12 +15,13 @@ from urllib.parse import urlsplit
 import msgspec
 import yaml
 
+from tokenward.pricing.settings import PricingSettings, UnpricedPolicy
+
 __all__ = [
     "AuthConfig",
     "Config",
     "ConfigError",
     "LedgerConfig",
-    "PricingConfig",
     "ServerConfig",
     "UpstreamConfig",
     "VirtualKeyConfig",
@@ -79,12 +80,6 @@ class VirtualKeyConfig(_Section):
     key_sha256: str | None = None
 
 
-class PricingConfig(_Section):
-    """Extra price files loaded after the built-in catalog (later files win)."""
-
-    files: list[str] = []
-
-
 class UpstreamConfig(_Section):
     """One provider endpoint.
 
@@ -101,7 +96,8 @@ class UpstreamConfig(_Section):
     ``retries``: how many times tokenward itself retries a request whose body it holds, before any
     reply byte reached the client, when the connection fails or the upstream answers one of
     ``retry_statuses`` (backoff ``retry_backoff_s`` doubling, or the reply's ``Retry-After`` up to
-    30 s). Off by default: client SDKs retry on their own.
+    30 s). Off by default: client SDKs retry on their own. ``unpriced`` overrides the pricing
+    section's policy for requests to a model with no price.
     """
 
     name: str
@@ -115,6 +111,7 @@ class UpstreamConfig(_Section):
     connect_timeout_s: float = 10.0
     read_timeout_s: float = 600.0
     stream_usage: Literal["ask", "always"] = "ask"
+    unpriced: UnpricedPolicy | None = None
     retries: int = 0
     retry_statuses: list[int] = msgspec.field(default_factory=lambda: [429, 500, 502, 503, 504])
     retry_backoff_s: float = 0.5
@@ -141,7 +138,7 @@ class Config(_Section):
     ledger: LedgerConfig = msgspec.field(default_factory=LedgerConfig)
     auth: AuthConfig = msgspec.field(default_factory=AuthConfig)
     virtual_keys: list[VirtualKeyConfig] = []
-    pricing: PricingConfig = msgspec.field(default_factory=PricingConfig)
+    pricing: PricingSettings = msgspec.field(default_factory=PricingSettings)
 
     def __post_init__(self) -> None:
         if not self.upstreams:
@@ -160,6 +157,18 @@ class Config(_Section):
                 raise ValueError(f"give exactly one of key or key_sha256 - at `$.virtual_keys[{i}]`")
         if self.auth.mode == "virtual_keys" and not self.virtual_keys:
             raise ValueError("auth mode virtual_keys needs at least one key - at `$.virtual_keys`")
+        for i, upstream in enumerate(self.upstreams):
+            if upstream.unpriced == "fallback" and not self.pricing.fallback:
+                raise ValueError(f"unpriced: fallback needs pricing.fallback rates - at `$.upstreams[{i}].unpriced`")
+
+    def unpriced_policy(self, upstream: UpstreamConfig) -> UnpricedPolicy:
+        """The unpriced-model policy that applies to requests routed to ``upstream``."""
+        return upstream.unpriced or self.pricing.unpriced
+
+    def refresh_file(self) -> str:
+        """Where scheduled price refreshes append new versions (next to the ledger by default)."""
+        refresh = self.pricing.refresh
+        return refresh.file if refresh is not None and refresh.file else self.ledger.path + ".prices.yaml"
 
 
 def load_config(path: str | Path) -> Config:
@@ -181,6 +190,8 @@ def load_config(path: str | Path) -> Config:
     base = path.resolve().parent
     config.ledger.path = str(base / config.ledger.path)
     config.pricing.files = [str(base / f) for f in config.pricing.files]
+    if config.pricing.refresh is not None and config.pricing.refresh.file is not None:
+        config.pricing.refresh.file = str(base / config.pricing.refresh.file)
     return config
 
 

@@ -36,6 +36,8 @@ class Outcome(enum.StrEnum):
     """tokenward refused malformed input (400)."""
     UNAUTHORIZED = "unauthorized"
     """Missing or unknown virtual key (401)."""
+    REJECTED = "rejected"
+    """tokenward refused the request by policy before forwarding (an unpriced model, a budget)."""
     CLIENT_DISCONNECTED = "client_disconnected"
     """The client went away before the whole reply reached it."""
     PROXY_ERROR = "proxy_error"

@@ -14,7 +14,9 @@ recorder once, including refusals, upstream failures and client disconnects.
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -25,6 +27,7 @@ from litestar.exceptions import ClientException, InternalServerException
 from litestar.types import Scope
 
 from tokenward.pricing.usage import UsageSource
+from tokenward.proxy.config import UpstreamConfig
 from tokenward.proxy.errors import ProxyError
 from tokenward.proxy.exchange import Exchange, Outcome
 from tokenward.proxy.keys import AUTH_HEADERS, Authenticator, presented_key
@@ -60,6 +63,7 @@ METERED_ENDPOINTS = {
 _NOT_FORWARDED = HOP_BY_HOP | {b"host", b"content-length"}
 _UPSTREAM_HEADER = b"x-tokenward-upstream"
 _INCLUDE_USAGE = b'"stream_options":{"include_usage":true}'
+_OUTCOME_BY_CODE = {"model_not_priced": Outcome.REJECTED}
 _OUTCOME_BY_STATUS = {
     400: Outcome.CLIENT_ERROR,
     401: Outcome.UNAUTHORIZED,
@@ -101,6 +105,8 @@ class Forwarder:
         recorder: receives every finished exchange.
         drain_timeout_s: after a client disconnects mid-stream, how long to keep reading the
             upstream for its usage report.
+        unpriced_policy: the unpriced-model policy (``allow``, ``block``, ``fallback``) for an
+            upstream's requests.
     """
 
     def __init__(
@@ -111,12 +117,14 @@ class Forwarder:
         recorder: Recorder,
         *,
         drain_timeout_s: float = 60.0,
+        unpriced_policy: Callable[[UpstreamConfig], str] = lambda _: "allow",
     ) -> None:
         self.client = client
         self.router = router
         self.auth = auth
         self.recorder = recorder
         self.drain_timeout_s = drain_timeout_s
+        self.unpriced_policy = unpriced_policy
 
     async def metered(self, request: Request[Any, Any, Any], endpoint: Endpoint) -> Relay:
         """Forward a metered request; the returned relay meters and records the reply."""
@@ -222,6 +230,17 @@ class Forwarder:
     def _attach(self, ex: Exchange, route: Route, inbound: _Inbound) -> None:
         ex.upstream = route.name
         ex.provider = route.config.catalog_provider
+        policy = self.unpriced_policy(route.config)
+        ex.price_fallback = policy == "fallback"
+        if policy == "block" and ex.endpoint != "passthrough":
+            at = dt.datetime.fromtimestamp(ex.started_at, dt.UTC)
+            if self.recorder.catalog.resolve(ex.requested_model, ex.provider, at, fallback=False) is None:
+                raise ProxyError(
+                    400,
+                    f"tokenward has no price for model {ex.requested_model!r} at upstream {route.name!r}, "
+                    "and requests for unpriced models are blocked: ask your admin to add a price.",
+                    "model_not_priced",
+                )
         if not self.auth.passthrough:
             if route.auth_header is None:
                 raise ProxyError(
@@ -288,7 +307,7 @@ class Forwarder:
             watch.close()
         if isinstance(exc, ProxyError):
             error = exc
-            outcome = _OUTCOME_BY_STATUS.get(exc.status, Outcome.PROXY_ERROR)
+            outcome = _OUTCOME_BY_CODE.get(exc.code) or _OUTCOME_BY_STATUS.get(exc.status, Outcome.PROXY_ERROR)
         elif isinstance(exc, ClientException | InternalServerException) and "disconnect" in str(exc).lower():
             error = ProxyError(499, "client disconnected", "client_disconnected")
             outcome = Outcome.CLIENT_DISCONNECTED

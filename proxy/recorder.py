@@ -128,6 +128,15 @@ def build_row(
     return row
 
 
+def _log_unpriced(row: dict[str, Any]) -> None:
+    log.warning(
+        "first request for unpriced model %r (provider %r, request %s): recorded without a cost; add a price",
+        row["served_model"] or row["requested_model"],
+        row["provider"],
+        row["request_id"],
+    )
+
+
 class Recorder:
     """Queues one row per finished exchange and writes them to the ledger in batches.
 
@@ -136,13 +145,22 @@ class Recorder:
         ledger_path: the DuckDB file.
         flush_interval_s: seconds between writes (rows wait in memory at most this long).
         metrics: counters updated per row (a new set when omitted).
+        on_unpriced: called with the first unpriced row of each (provider, model) this process
+            sees (alerts hook in here); by default a warning is logged.
     """
 
     def __init__(
-        self, catalog: PriceCatalog, ledger_path: str, flush_interval_s: float = 1.0, metrics: Metrics | None = None
+        self,
+        catalog: PriceCatalog,
+        ledger_path: str,
+        flush_interval_s: float = 1.0,
+        metrics: Metrics | None = None,
+        on_unpriced: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         self.catalog = catalog
         self.metrics = metrics or Metrics()
+        self.on_unpriced = on_unpriced or _log_unpriced
+        self._unpriced_seen: set[tuple[str | None, str | None]] = set()
         self.spool = Spool(ledger_path)
         self.flush_interval_s = flush_interval_s
         self._rows: list[dict[str, Any]] = []
@@ -188,6 +206,14 @@ class Recorder:
             rows = build_rows(ex, PriceCatalog())
         for row in rows:
             self.metrics.observe(row)
+            if row["price_status"] == PriceStatus.UNPRICED:
+                key = (row["provider"], row["served_model"] or row["requested_model"])
+                if key not in self._unpriced_seen:
+                    self._unpriced_seen.add(key)
+                    try:
+                        self.on_unpriced(row)
+                    except Exception:
+                        log.exception("unpriced-model hook failed")
         self._rows.extend(rows)
         self.rows_recorded += len(rows)
         self.metrics.pending.set(len(self._rows))

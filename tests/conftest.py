@@ -12,6 +12,7 @@ from typing import Any
 import duckdb
 import pytest
 
+from tokenward.pricing.settings import PricingSettings
 from tokenward.proxy.app import create_app
 from tokenward.proxy.config import AuthConfig, Config, LedgerConfig, UpstreamConfig, VirtualKeyConfig
 from tokenward.proxy.server import running_in_thread
@@ -176,6 +177,7 @@ class ProxyFactory:
         keys: list[VirtualKeyConfig] | None = None,
         transport: Any = None,
         catalog: Any = None,
+        pricing: Any = None,
     ) -> Proxy:
         ledger = self.directory / f"ledger{len(self.contexts)}.duckdb"
         config = Config(
@@ -183,6 +185,7 @@ class ProxyFactory:
             ledger=LedgerConfig(path=str(ledger), flush_interval_s=0.05),
             auth=AuthConfig(mode=auth),  # type: ignore[arg-type]
             virtual_keys=keys or [],
+            pricing=pricing or PricingSettings(),
         )
         app = create_app(config, upstream_transport=transport, catalog=catalog)
         context = running_in_thread(app)
