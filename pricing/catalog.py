@@ -56,6 +56,7 @@ __all__ = [
     "PriceEntry",
     "Resolution",
     "default_catalog_path",
+    "entry_to_dict",
     "load_catalog",
     "parse_entry",
     "read_document",
@@ -250,6 +251,46 @@ class PriceCatalog:
         if name in self._by_model:
             return self._by_model[name], "other_provider"
         return None
+
+
+def entry_to_dict(entry: PriceEntry) -> dict[str, Any]:
+    """A price-file mapping for ``entry`` (every rate written out), which :func:`parse_entry` reads back."""
+
+    def adjustment(value: Adjustment) -> dict[str, Any]:
+        return dict(value.rates) if value.rates else {"multiplier": value.multiplier}
+
+    raw: dict[str, Any] = {"id": entry.id, "provider": entry.provider, "model": entry.model}
+    if entry.aliases:
+        raw["aliases"] = list(entry.aliases)
+    if entry.effective is not None:
+        raw["effective"] = entry.effective
+    raw.update({name: getattr(entry.rates, name) for name in RATE_NAMES})
+    for fee in ("web_search", "per_request"):
+        if getattr(entry, fee) is not None:
+            raw[fee] = getattr(entry, fee)
+    if entry.context_tiers:
+        raw["context_tiers"] = [
+            {"above": t.threshold, "inclusive": t.inclusive, "counts": list(t.counts), **adjustment(t.adjustment)}
+            for t in sorted(entry.context_tiers, key=lambda t: t.threshold)
+        ]
+    if entry.service_tiers:
+        raw["service_tiers"] = {name: adjustment(value) for name, value in entry.service_tiers}
+    if entry.windows:
+        raw["windows"] = [
+            {
+                "name": w.name,
+                "start": w.start.strftime("%H:%M"),
+                "end": w.end.strftime("%H:%M"),
+                "weekdays": [d for d in _WEEKDAYS if d in w.weekdays],
+                "timezone": w.timezone,
+                **adjustment(w.adjustment),
+            }
+            for w in entry.windows
+        ]
+    raw.update(source=entry.source, checked=entry.checked)
+    if entry.note:
+        raw["note"] = entry.note
+    return raw
 
 
 def default_catalog_path() -> Path:

@@ -10,7 +10,7 @@ answer for a given usage or instant; nothing here reads a clock.
 from __future__ import annotations
 
 import datetime as dt
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from decimal import Decimal
 from zoneinfo import ZoneInfo
 
@@ -63,12 +63,26 @@ RATE_NAMES: tuple[str, ...] = tuple(f.name for f in fields(Rates))
 """Every rate name, as used in price files."""
 
 
+_DERIVED = (
+    ("cached_input", "input"),
+    ("cache_write", "input"),
+    ("audio_input", "input"),
+    ("image_input", "input"),
+    ("cache_write_1h", "cache_write"),
+    ("reasoning", "output"),
+    ("audio_output", "output"),
+)
+"""Rates that default to another (see :meth:`Rates.build`), in dependency order."""
+
+
 @dataclass(frozen=True, slots=True)
 class Adjustment:
     """A change of rates: ``rates`` replace the named rates; otherwise ``multiplier`` scales all.
 
-    When a rate named in ``rates`` is the source of other defaults (``input`` for cached input,
-    say), only the named rate changes: give every rate that differs.
+    A rate the adjustment does not name, and that equals the rate it defaults to (``reasoning``
+    equal to ``output``, say), follows that rate: a priority tier that only gives ``input``,
+    ``cached_input`` and ``output`` also moves ``reasoning`` and ``audio_output`` with ``output``.
+    A rate that differs from its default (a real discount) keeps its base value.
     """
 
     rates: tuple[tuple[str, Decimal], ...] = ()
@@ -77,7 +91,12 @@ class Adjustment:
     def apply(self, rates: Rates) -> Rates:
         """The adjusted table."""
         if self.rates:
-            return replace(rates, **dict(self.rates))
+            given = dict(self.rates)
+            values = {name: given.get(name, getattr(rates, name)) for name in RATE_NAMES}
+            for derived, source in _DERIVED:
+                if derived not in given and getattr(rates, derived) == getattr(rates, source):
+                    values[derived] = values[source]
+            return Rates(**values)
         if self.multiplier is not None:
             return Rates(**{name: getattr(rates, name) * self.multiplier for name in RATE_NAMES})
         return rates

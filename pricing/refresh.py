@@ -1,7 +1,9 @@
 """Planning a price refresh: which fetched prices differ from the ones in force (pure).
 
 A refresh never edits history: every changed or new price becomes a new version effective from
-the refresh instant, and rows keep the price that was in force when their request started.
+the refresh instant, and rows keep the price that was in force when their request started. A
+change is a change of base rates or fees; rules the fetched map does not carry (time windows,
+tiers it lacks) are kept from the version in force, and the change line says so.
 """
 
 from __future__ import annotations
@@ -11,12 +13,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tokenward.pricing.catalog import PriceCatalog, PriceEntry, parse_entry
+from tokenward.pricing.catalog import PriceCatalog, PriceEntry, entry_to_dict, parse_entry
 from tokenward.pricing.imports import from_litellm
+from tokenward.pricing.rates import RATE_NAMES
 
 __all__ = ["RefreshPlan", "plan_refresh"]
 
-_COMPARED = ("rates", "web_search", "per_request", "context_tiers", "service_tiers", "windows")
+_COMPARED = ("rates", "web_search", "per_request")
+_RULES = ("context_tiers", "service_tiers", "windows")
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,9 +61,19 @@ def plan_refresh(
             changes.append(f"{candidate.id}: new, input {candidate.rates.input} output {candidate.rates.output}")
             continue
         difference = _difference(current, candidate)
-        if difference:
-            entries.append(raw)
-            changes.append(f"{candidate.id}: {difference}")
+        if not difference:
+            continue
+        merged = {k: v for k, v in entry_to_dict(current).items() if k not in RATE_NAMES}  # rates: all from the map
+        merged.update({k: v for k, v in raw.items() if k not in _RULES})
+        kept = [rule for rule in _RULES if rule in merged and rule not in raw]
+        for rule in _RULES:
+            if rule in raw:
+                merged[rule] = raw[rule]
+        if kept:
+            merged["note"] = f"refreshed from {source}; {', '.join(kept)} kept from {current.version_id}"
+            difference += f" ({', '.join(kept)} kept from the previous version)"
+        entries.append(merged)
+        changes.append(f"{candidate.id}: {difference}")
     return RefreshPlan(entries, changes)
 
 
@@ -76,5 +90,5 @@ def _difference(old: PriceEntry, new: PriceEntry) -> str:
                 if getattr(before, rate) != getattr(after, rate)
             ]
         else:
-            parts.append(f"{name} changed")
+            parts.append(f"{name} {before} -> {after}")
     return ", ".join(parts)

@@ -148,8 +148,14 @@ def test_deepseek_cache_hits_and_reasoning(start_proxy, sample, sdk):
     (row,) = proxy.rows(1)
     assert row["upstream"] == "deepseek" and row["served_model"] == "deepseek-v4-flash"
     assert tokens(row) == (563, 512, 0, 116, 60)
-    # deepseek-v4-flash (peak): miss 51 * 0.44 + hit 512 * 0.014 + out 116 * 1.32 = 182.728 -> $0.000182728
-    assert row["cost_usd"] == Decimal("0.000182728")
+    # deepseek-v4-flash is priced by time of day at the request's start (peak: Mon-Fri 01:00-04:00 and
+    # 06:00-10:00 UTC, twice the off-peak rates); the test runs whenever it runs, so both are worked out:
+    # peak:     miss 51 * 0.44 + hit 512 * 0.014 + out 116 * 1.32 = 182.728 -> $0.000182728
+    # off-peak: miss 51 * 0.22 + hit 512 * 0.007 + out 116 * 0.66 =  91.364 -> $0.000091364
+    start = row["started_at"]
+    peak = start.weekday() < 5 and (1 <= start.hour < 4 or 6 <= start.hour < 10)
+    assert row["cost_usd"] == Decimal("0.000182728" if peak else "0.000091364")
+    assert ('"window:peak' in row["cost_lines"].replace(" ", "")) == peak
 
 
 def test_openrouter_stream_keeps_provider_cost_and_search(start_proxy, sample, sdk):

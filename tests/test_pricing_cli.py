@@ -303,13 +303,16 @@ async def test_scheduled_refresh_adds_versions_without_editing_history(tmp_path)
         now=now,
         transport=transport,
     )
-    assert any(change.startswith("openai/gpt-5.4: input 2.50 -> 2,") for change in changes)
+    assert any(change.startswith("openai/gpt-5.4: input 2.50 -> 2") for change in changes)
+    assert not any(change.startswith("openai/text-embedding-3-small") for change in changes)  # same base price
     (new,) = installed
     usage = Usage(input_tokens=1000, output_tokens=0)
     before = new.resolve("gpt-5.4", "openai", now - dt.timedelta(seconds=1))
     after = new.resolve("gpt-5.4", "openai", now)
     assert (before.entry.rates.input, after.entry.rates.input) == (Decimal("2.50"), Decimal("2"))
     assert after.entry.version_id == "openai/gpt-5.4@2026-12-01T09:00:00Z"
+    # the map's own 272K cliff and service tiers come with the new version
+    assert [t.threshold for t in after.entry.context_tiers] == [272000] and after.entry.service_tiers
     assert price(usage, after).total == Decimal("0.002")
     # a second refresh with the same prices changes nothing
     again = await refresh_prices(
@@ -322,3 +325,24 @@ async def test_scheduled_refresh_adds_versions_without_editing_history(tmp_path)
         transport=transport,
     )
     assert again == [] and len(installed) == 1
+
+
+def test_refresh_keeps_rules_the_fetched_map_lacks():
+    from tokenward.pricing.refresh import plan_refresh
+
+    catalog = load_catalog()
+    now = dt.datetime(2026, 12, 1, tzinfo=dt.UTC)
+    current = catalog.version_at("deepseek/deepseek-v4-flash", now)
+    assert current.windows  # the curated peak windows
+    document = {
+        "deepseek/deepseek-v4-flash": {
+            "litellm_provider": "deepseek",
+            "mode": "chat",
+            "input_cost_per_token": 2.5e-07,
+            "output_cost_per_token": 5e-07,
+        }
+    }
+    plan = plan_refresh(catalog, document, now=now, source="https://prices.example")
+    (entry,) = plan.entries
+    assert [w["name"] for w in entry["windows"]] == [w.name for w in current.windows]
+    assert plan.changes[0].endswith("(windows kept from the previous version)")

@@ -305,3 +305,24 @@ def test_validation_of_rule_fields_names_the_field(tmp_path):
         with pytest.raises(CatalogError) as info:
             load_catalog([Path(path)], builtin=False)
         assert "'x/m'" in str(info.value) and expected in str(info.value), fragment
+
+
+def test_rates_that_default_to_another_follow_it_inside_an_adjustment(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text(
+        "entries:\n"
+        "  - id: t/r\n    provider: t\n    model: r\n    input: 1\n    cached_input: 0.1\n    output: 10\n"
+        "    service_tiers:\n      priority: {input: 2, output: 20}\n"
+        "    source: https://example.com\n    checked: 2026-11-29\n"
+    )
+    entry = load_catalog([path], builtin=False).entries["t/r"]
+    adjusted = entry.service_tier("priority").apply(entry.rates)
+    # reasoning and audio_output defaulted to output, so they follow it to 20; image/audio input and cache
+    # writes follow input to 2; the cached_input discount (0.1, not the input rate) keeps its base value
+    assert (adjusted.reasoning, adjusted.audio_output, adjusted.image_input, adjusted.cache_write) == (
+        Decimal(20),
+        Decimal(20),
+        Decimal(2),
+        Decimal(2),
+    )
+    assert adjusted.cached_input == Decimal("0.1")
