@@ -109,8 +109,10 @@ def create_app(
             yield
         finally:
             scheduler.shutdown(wait=False)
-            await recorder.stop()
-            await client.aclose()
+            try:
+                await recorder.stop()
+            finally:
+                await client.aclose()
 
     app = Litestar(
         route_handlers=build_routes(forwarder),

@@ -166,6 +166,7 @@ class Recorder:
         self._rows: list[dict[str, Any]] = []
         self._estimates: set[asyncio.Future[Any]] = set()
         self._task: asyncio.Task[None] | None = None
+        self._stopping = asyncio.Event()
         self.rows_recorded = 0
 
     def finish(self, ex: Exchange, estimate: Callable[[], Usage] | None = None) -> None:
@@ -244,8 +245,13 @@ class Recorder:
 
     async def _run(self) -> None:
         failing = False
-        while True:
-            await asyncio.sleep(self.flush_interval_s)
+        while not self._stopping.is_set():
+            try:
+                await asyncio.wait_for(self._stopping.wait(), self.flush_interval_s)
+            except TimeoutError:
+                pass
+            if self._stopping.is_set():
+                return  # stop() takes over: it flushes what is left
             try:
                 await self.flush()
             except Exception:  # the writer must survive a full disk or a lost directory
@@ -266,7 +272,7 @@ class Recorder:
         rows, self._rows = self._rows, []
         try:
             await asyncio.to_thread(self._write, rows)
-        except BaseException:
+        except Exception:
             self._rows[:0] = rows
             raise
         finally:
@@ -286,13 +292,14 @@ class Recorder:
             log.exception("cannot write the ledger; rows stay spooled in %s", self.spool.directory)
 
     async def stop(self, wait_busy_s: float = 5.0) -> None:
-        """Stop the writer: await estimates, flush every row, retry a busy ledger for ``wait_busy_s``."""
+        """Stop the writer and write every row.
+
+        A flush under way finishes first; estimates in flight are awaited; a busy ledger is retried
+        for ``wait_busy_s`` seconds (rows that still cannot go in stay spooled for the next start).
+        """
+        self._stopping.set()
         if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+            await self._task
         if self._estimates:
             await asyncio.gather(*self._estimates, return_exceptions=True)
         rows, self._rows = self._rows, []

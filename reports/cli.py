@@ -191,9 +191,10 @@ def print_spend_table(
         table.add_row(*cells)
     console.print(table)
     if unpriced:
+        tokens = sum(r["unpriced_tokens"] for r in rows)
         console.print(
-            f"[yellow]{unpriced} request(s) are unpriced or only partly priced[/yellow] and not (fully) in the dollar "
-            "total: add prices (pricing.files) and run `tokenward pricing reprice`."
+            f"[yellow]{unpriced} request(s) are unpriced or only partly priced[/yellow] ({tokens:,} unpriced tokens), "
+            "not (fully) in the dollar total: add prices (pricing.files), then `tokenward pricing reprice`."
         )
     unknown = sum(r["usage_unknown_requests"] for r in rows)
     if unknown:

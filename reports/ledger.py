@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -143,7 +144,8 @@ def open_ledger(
 class Spool:
     """Rows on their way into the ledger: NDJSON files beside it, bulk-inserted in one go.
 
-    Not thread-safe: one writer (the proxy's writer thread) uses a spool at a time.
+    Thread-safe: writes and ingests are serialised, so the periodic flush still running in a
+    worker thread and the final flush at shutdown never take the same files twice.
 
     Args:
         ledger_path: the DuckDB file.
@@ -154,12 +156,17 @@ class Spool:
         self.directory = Path(self.ledger_path + ".spool")
         self._pid = os.getpid()
         self._seq = 0
+        self._lock = threading.Lock()
 
     def write(self, rows: Iterable[Mapping[str, Any]]) -> Path | None:
         """Write ``rows`` (dicts keyed by :data:`ROW_COLUMNS`) to a new spool file; ``None`` if empty."""
         data = _encoder.encode_lines(list(rows))
         if not data:
             return None
+        with self._lock:
+            return self._write(data)
+
+    def _write(self, data: bytes) -> Path:
         self.directory.mkdir(parents=True, exist_ok=True)
         self._seq += 1
         final = self.directory / f"{time.time_ns()}-{self._pid}-{self._seq}.jsonl"
@@ -189,6 +196,10 @@ class Spool:
             LedgerBusy: another process holds the file; the spool files stay for next time.
             LedgerError: the file cannot be opened or migrated.
         """
+        with self._lock:
+            return self._ingest(recover)
+
+    def _ingest(self, recover: bool) -> int:
         files = self.pending_files(recover=recover)
         if not files:
             return 0

@@ -43,6 +43,7 @@ _MEASURES = """
     sum(reasoning_tokens) AS reasoning_tokens,
     sum(cost_usd)::DECIMAL(38, 12) AS cost_usd,
     count(*) FILTER (WHERE price_status IN ('unpriced', 'partially_priced')) AS unpriced_requests,
+    coalesce(sum(input_tokens + output_tokens) FILTER (WHERE price_status = 'unpriced'), 0) AS unpriced_tokens,
     count(*) FILTER (WHERE price_status = 'usage_unknown') AS usage_unknown_requests,
     count(*) FILTER (WHERE price_status = 'fallback') AS fallback_priced_requests,
     count(*) FILTER (WHERE usage_source IN ('estimated', 'partial')) AS estimated_requests,
@@ -83,7 +84,8 @@ def spend(
     Returns:
         One dict per group, ordered by the group keys: the keys of ``by`` plus ``requests``,
         token sums (tokens), ``cost_usd`` (``Decimal``, ``None`` when nothing is priced),
-        ``unpriced_requests`` (unpriced or partially priced), ``usage_unknown_requests``,
+        ``unpriced_requests`` (unpriced or partially priced), ``unpriced_tokens`` (input + output of
+        the unpriced ones), ``usage_unknown_requests``,
         ``fallback_priced_requests``, ``estimated_requests``, ``provider_cost_usd`` and
         ``provider_cost_drift_usd`` (provider's figure minus ours, where both exist).
 

@@ -173,7 +173,7 @@ def test_report_formats_and_time_zones(seeded):
     assert [(r["day"], r["requests"]) for r in json.loads(utc.output)] == [("2026-11-02", 1), ("2026-11-03", 2)]
     table = runner.invoke(main, ["report", "--db", str(seeded), "--by", "model"], catch_exceptions=False)
     assert "gpt-4o" in table.output and "$0.000988" in table.output
-    assert "1 request(s) are unpriced or only partly priced" in table.output
+    assert "1 request(s) are unpriced or only partly priced (10 unpriced tokens)" in table.output
     mistral_line = next(line for line in table.output.splitlines() if "mistral-large-latest" in line)
     assert "$" not in mistral_line and " - " in mistral_line
     empty = runner.invoke(main, ["report", "--db", str(seeded), "--since", "2030-01-01"], catch_exceptions=False)
