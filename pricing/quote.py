@@ -16,7 +16,7 @@ from tokenward.pricing.catalog import PriceCatalog
 from tokenward.pricing.cost import Cost, price
 from tokenward.pricing.usage import Usage
 
-__all__ = ["PriceStatus", "Quote", "quote"]
+__all__ = ["PriceStatus", "Quote", "quote", "worst_case"]
 
 
 class PriceStatus:
@@ -106,3 +106,28 @@ def quote(
         )
     lines += [{"note": note} for note in cost.notes]
     return Quote(status, cost.total, cost.entry_id, cost.resolved_by, lines, cost)
+
+
+def worst_case(
+    catalog: PriceCatalog,
+    *,
+    model: str | None,
+    provider: str | None,
+    at: dt.datetime,
+    input_tokens: int,
+    max_output_tokens: int,
+    service_tier: str | None = None,
+    fallback: bool = False,
+) -> Decimal | None:
+    """An upper bound (USD) on what a request can cost, for budget reservations.
+
+    Every input token is priced uncached, every output token at the higher of the output and
+    reasoning rates, with the context tier and served tier those counts imply. ``None`` when the
+    model has no price (the request cannot be bounded).
+    """
+    resolution = catalog.resolve(model, provider, at, fallback=fallback)
+    if resolution is None:
+        return None
+    plain = Usage(input_tokens=input_tokens, output_tokens=max_output_tokens)
+    thinking = Usage(input_tokens=input_tokens, output_tokens=max_output_tokens, reasoning_tokens=max_output_tokens)
+    return max(price(u, resolution, at=at, service_tier=service_tier).total for u in (plain, thinking))

@@ -26,9 +26,17 @@ from typing import Any, Literal
 
 import msgspec
 
+from tokenward.pricing.budgets import Budget, Period
 from tokenward.pricing.catalog import PriceCatalog, load_catalog
 
-__all__ = ["PricingSettings", "RefreshSettings", "UnpricedPolicy", "build_catalog"]
+__all__ = [
+    "BudgetSettings",
+    "GuardSettings",
+    "PricingSettings",
+    "RefreshSettings",
+    "UnpricedPolicy",
+    "build_catalog",
+]
 
 UnpricedPolicy = Literal["allow", "block", "fallback"]
 
@@ -74,3 +82,50 @@ def build_catalog(settings: PricingSettings, *, refresh_file: str | None = None)
     if settings.fallback:
         fallback = {k: Decimal(repr(v)) if isinstance(v, float) else v for k, v in settings.fallback.items()}
     return load_catalog(files, aliases=settings.aliases, fallback=fallback)
+
+
+class BudgetSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """One ``budgets:`` entry of the configuration (see :class:`tokenward.pricing.budgets.Budget`).
+
+    ``period``: ``day``, ``week``, ``month``, ``total`` or ``rolling`` (with ``rolling_hours``),
+    aligned to the calendar in ``timezone``. ``notify``: email addresses and webhook names.
+    """
+
+    name: str
+    limit_usd: float | int | str
+    scope: dict[str, str] = {}
+    period: Literal["day", "week", "month", "total", "rolling"] = "month"
+    timezone: str = "UTC"
+    rolling_hours: float | None = None
+    thresholds: list[int] = msgspec.field(default_factory=lambda: [50, 80, 100])
+    action: Literal["alert", "block"] = "alert"
+    notify: list[str] = []
+
+    def to_budget(self) -> Budget:
+        """The budget this entry describes.
+
+        Raises:
+            ValueError: an invalid limit, scope, zone or threshold (message names the budget).
+        """
+        limit = Decimal(repr(self.limit_usd)) if isinstance(self.limit_usd, float) else Decimal(str(self.limit_usd))
+        return Budget(
+            name=self.name,
+            limit_usd=limit,
+            scope=tuple(sorted(self.scope.items())),
+            period=Period(self.period, self.timezone, self.rolling_hours),
+            thresholds=tuple(sorted(set(self.thresholds))),
+            action=self.action,
+            notify=tuple(self.notify),
+        )
+
+
+class GuardSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """How blocking budgets bound a request's cost before it is sent.
+
+    ``default_max_output_tokens``: the output assumed when a request sets no ``max_tokens``
+    (or ``max_completion_tokens`` / ``max_output_tokens``). ``foreign_tokenizer_margin``: the
+    input count is made with OpenAI's tokenizers; for other models it is multiplied by this.
+    """
+
+    default_max_output_tokens: int = 16384
+    foreign_tokenizer_margin: float = 1.25

@@ -22,12 +22,22 @@ from tokenward.pricing.settings import build_catalog
 from tokenward.proxy.config import Config
 from tokenward.proxy.errors import EXCEPTION_HANDLERS
 from tokenward.proxy.forward import Forwarder
+from tokenward.proxy.guard import BudgetGuard
 from tokenward.proxy.keys import Authenticator
 from tokenward.proxy.recorder import Recorder
 from tokenward.proxy.routes import build_routes
 from tokenward.proxy.routing import Router
-from tokenward.proxy.scheduler import create_scheduler, refresh_prices
+from tokenward.proxy.scheduler import (
+    add_alert_jobs,
+    create_scheduler,
+    ledger_session,
+    refresh_prices,
+    reload_keys,
+    run_budget_check_soon,
+)
 from tokenward.proxy.upstream import AiohttpUpstream, HttpxUpstream, UpstreamClient
+from tokenward.reports.alerts import Notifier
+from tokenward.reports.budget_check import load_spend
 
 __all__ = ["create_app"]
 
@@ -40,6 +50,7 @@ def create_app(
     upstream_transport: httpx.AsyncBaseTransport | None = None,
     upstream: UpstreamClient | None = None,
     catalog: PriceCatalog | None = None,
+    notifier: Notifier | None = None,
 ) -> Litestar:
     """Build the proxy application.
 
@@ -48,6 +59,7 @@ def create_app(
         upstream_transport: send upstream through this httpx transport (tests: ``httpx.MockTransport``).
         upstream: replaces the upstream client altogether.
         catalog: replaces the built-in price catalog plus ``config.pricing.files``.
+        notifier: replaces the alert sender built from ``config.alerts``.
 
     Returns:
         A Litestar app; ``app.state.forwarder`` and ``app.state.recorder`` expose its parts.
@@ -57,20 +69,29 @@ def create_app(
     """
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per upstream call costs CPU
     catalog = catalog if catalog is not None else build_catalog(config.pricing, refresh_file=config.refresh_file())
-    recorder = Recorder(catalog, config.ledger.path, config.ledger.flush_interval_s)
+    budgets = config.budget_list()
+    scheduler = create_scheduler()
+    guard = None
+    if budgets:
+        delay = config.ledger.flush_interval_s + 0.5  # after the row that crossed is in the ledger
+        guard = BudgetGuard(budgets, dt.datetime.now(dt.UTC), lambda _: run_budget_check_soon(scheduler, delay))
+    recorder = Recorder(catalog, config.ledger.path, config.ledger.flush_interval_s, guard=guard)
     if upstream is not None:
         client: UpstreamClient = upstream
     elif upstream_transport is not None:
         client = HttpxUpstream(upstream_transport)
     else:
         client = AiohttpUpstream()
+    auth = Authenticator(config.auth.mode, config.virtual_keys)
     forwarder = Forwarder(
         client,
         Router(config.upstreams, sends_own_keys=config.auth.mode == "virtual_keys"),
-        Authenticator(config.auth.mode, config.virtual_keys),
+        auth,
         recorder,
         drain_timeout_s=config.server.drain_after_disconnect_s,
         unpriced_policy=config.unpriced_policy,
+        guard=guard,
+        guard_settings=config.guard,
     )
     known = {entry.provider for entry in catalog.entries.values()}
     for upstream_config in config.upstreams:
@@ -82,7 +103,8 @@ def create_app(
                 upstream_config.catalog_provider,
             )
 
-    scheduler = create_scheduler()
+    session = ledger_session(recorder.spool)
+    add_alert_jobs(scheduler, session, budgets, config.alerts, notifier or Notifier(config.alerts), auth)
     refresh = config.pricing.refresh
     if refresh is not None:
         scheduler.add_job(
@@ -103,6 +125,11 @@ def create_app(
     @asynccontextmanager
     async def lifespan(_: Litestar) -> AsyncIterator[None]:
         await recorder.start()
+        await reload_keys(session, auth)
+        if guard is not None:
+            now = dt.datetime.now(dt.UTC)
+            spent, events = await session(lambda conn: load_spend(conn, budgets, now))
+            guard.load(spent, events)
         scheduler.start()
         log.info("ledger %s, %d upstream(s), auth %s", config.ledger.path, len(config.upstreams), config.auth.mode)
         try:
@@ -126,4 +153,5 @@ def create_app(
     app.state.recorder = recorder
     app.state.config = config
     app.state.scheduler = scheduler
+    app.state.guard = guard
     return app

@@ -8,6 +8,7 @@ import click
 
 from tokenward.pricing.catalog import CatalogError
 from tokenward.proxy.config import ConfigError, config_from_args, load_config
+from tokenward.reports.budgets_cli import alerts, budgets, keys
 from tokenward.reports.cli import export, ledger, report
 from tokenward.reports.ledger import LedgerError, open_ledger
 from tokenward.reports.pricing_cli import pricing
@@ -94,3 +95,6 @@ main.add_command(report)
 main.add_command(export)
 main.add_command(ledger)
 main.add_command(pricing)
+main.add_command(budgets)
+main.add_command(alerts)
+main.add_command(keys)

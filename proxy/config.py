@@ -15,7 +15,9 @@ from urllib.parse import urlsplit
 import msgspec
 import yaml
 
-from tokenward.pricing.settings import PricingSettings, UnpricedPolicy
+from tokenward.pricing.budgets import Budget
+from tokenward.pricing.settings import BudgetSettings, GuardSettings, PricingSettings, UnpricedPolicy
+from tokenward.reports.alerts import AlertSettings
 
 __all__ = [
     "AuthConfig",
@@ -73,11 +75,17 @@ class AuthConfig(_Section):
 
 
 class VirtualKeyConfig(_Section):
-    """A tokenward key: give ``key`` (the secret itself) or, better, ``key_sha256`` (its hex sha256)."""
+    """A tokenward key: give ``key`` (the secret itself) or, better, ``key_sha256`` (its hex sha256).
+
+    ``team`` and ``project`` attribute its usage (budgets and reports group by them). Keys can
+    also be created with ``tokenward keys create`` (stored hashed in the ledger).
+    """
 
     name: str
     key: str | None = None
     key_sha256: str | None = None
+    team: str | None = None
+    project: str | None = None
 
 
 class UpstreamConfig(_Section):
@@ -139,6 +147,9 @@ class Config(_Section):
     auth: AuthConfig = msgspec.field(default_factory=AuthConfig)
     virtual_keys: list[VirtualKeyConfig] = []
     pricing: PricingSettings = msgspec.field(default_factory=PricingSettings)
+    budgets: list[BudgetSettings] = []
+    guard: GuardSettings = msgspec.field(default_factory=GuardSettings)
+    alerts: AlertSettings = msgspec.field(default_factory=AlertSettings)
 
     def __post_init__(self) -> None:
         if not self.upstreams:
@@ -157,9 +168,25 @@ class Config(_Section):
                 raise ValueError(f"give exactly one of key or key_sha256 - at `$.virtual_keys[{i}]`")
         if self.auth.mode == "virtual_keys" and not self.virtual_keys:
             raise ValueError("auth mode virtual_keys needs at least one key - at `$.virtual_keys`")
+        names = [b.name for b in self.budgets]
+        webhooks = {w.name for w in self.alerts.webhooks}
+        for i, settings in enumerate(self.budgets):
+            if names.count(settings.name) > 1:
+                raise ValueError(f"duplicate budget name {settings.name!r} - at `$.budgets[{i}].name`")
+            settings.to_budget()  # raises ValueError naming the budget
+            for target in settings.notify:
+                if "@" not in target and target not in webhooks:
+                    raise ValueError(
+                        f"notify target {target!r} is neither an email address nor a webhook name "
+                        f"- at `$.budgets[{i}].notify`"
+                    )
         for i, upstream in enumerate(self.upstreams):
             if upstream.unpriced == "fallback" and not self.pricing.fallback:
                 raise ValueError(f"unpriced: fallback needs pricing.fallback rates - at `$.upstreams[{i}].unpriced`")
+
+    def budget_list(self) -> list[Budget]:
+        """The configured budgets."""
+        return [b.to_budget() for b in self.budgets]
 
     def unpriced_policy(self, upstream: UpstreamConfig) -> UnpricedPolicy:
         """The unpriced-model policy that applies to requests routed to ``upstream``."""

@@ -29,14 +29,23 @@ class ProxyError(Exception):
         message: human-readable explanation.
         code: machine-readable code (``invalid_json``, ``invalid_api_key``, ...).
         type: OpenAI error type (``invalid_request_error``, ``authentication_error``, ...).
+        headers: extra response headers (budget refusals name the budget and what is left).
     """
 
-    def __init__(self, status: int, message: str, code: str, type: str = "invalid_request_error") -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        code: str,
+        type: str = "invalid_request_error",
+        headers: list[tuple[bytes, bytes]] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.code = code
         self.type = type
+        self.headers = headers or []
 
 
 def error_body(message: str, type: str, code: str | None, param: str | None = None) -> bytes:

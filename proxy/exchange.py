@@ -66,6 +66,11 @@ class Exchange:
     started_at: float = field(default_factory=time.time)
     started_perf: float = field(default_factory=time.perf_counter)
     principal: str = "anonymous"
+    team: str | None = None
+    project: str | None = None
+    end_user: str | None = None
+    tags: tuple[str, ...] = ()
+    session_id: str | None = None
     upstream: str | None = None
     provider: str | None = None
     requested_model: str | None = None
@@ -81,6 +86,7 @@ class Exchange:
     usage_deferred: bool = False
     maybe_billed: bool = False
     price_fallback: bool = False
+    reservation: Any = None
     parts: list[tuple[str, Usage]] = field(default_factory=list)
     row_kind: str = "request"
     parent_request_id: str | None = None
@@ -98,6 +104,11 @@ class Exchange:
             started_at=self.started_at,
             started_perf=self.started_perf,
             principal=self.principal,
+            team=self.team,
+            project=self.project,
+            end_user=self.end_user,
+            tags=self.tags,
+            session_id=self.session_id,
             upstream=self.upstream,
             provider=self.provider,
             requested_model=self.requested_model,

@@ -16,8 +16,10 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from decimal import Decimal
 from functools import partial
 from typing import Any
 
@@ -26,10 +28,15 @@ from litestar import Request
 from litestar.exceptions import ClientException, InternalServerException
 from litestar.types import Scope
 
+from tokenward.pricing.budgets import Budget
+from tokenward.pricing.quote import worst_case
+from tokenward.pricing.settings import GuardSettings
 from tokenward.pricing.usage import UsageSource
+from tokenward.proxy import tokenizer
 from tokenward.proxy.config import UpstreamConfig
 from tokenward.proxy.errors import ProxyError
 from tokenward.proxy.exchange import Exchange, Outcome
+from tokenward.proxy.guard import BudgetGuard, BudgetRefusal
 from tokenward.proxy.keys import AUTH_HEADERS, Authenticator, presented_key
 from tokenward.proxy.metering import Meter, estimate
 from tokenward.proxy.recorder import Recorder
@@ -62,8 +69,11 @@ METERED_ENDPOINTS = {
 
 _NOT_FORWARDED = HOP_BY_HOP | {b"host", b"content-length"}
 _UPSTREAM_HEADER = b"x-tokenward-upstream"
+_TAGS_HEADER = b"x-tokenward-tags"
+_SESSION_HEADER = b"x-tokenward-session"
+_USER_HEADER = b"x-tokenward-user"
 _INCLUDE_USAGE = b'"stream_options":{"include_usage":true}'
-_OUTCOME_BY_CODE = {"model_not_priced": Outcome.REJECTED}
+_OUTCOME_BY_CODE = {"model_not_priced": Outcome.REJECTED, "budget_exceeded": Outcome.REJECTED}
 _OUTCOME_BY_STATUS = {
     400: Outcome.CLIENT_ERROR,
     401: Outcome.UNAUTHORIZED,
@@ -80,6 +90,13 @@ class _RequestHead(msgspec.Struct):
     stream: Any = None
     stream_options: Any = msgspec.UNSET
     background: Any = None
+    user: Any = None
+    metadata: Any = None
+    n: Any = None
+    max_tokens: Any = None
+    max_completion_tokens: Any = None
+    max_output_tokens: Any = None
+    service_tier: Any = None
 
 
 _decode_head = msgspec.json.Decoder(_RequestHead).decode
@@ -107,6 +124,8 @@ class Forwarder:
             upstream for its usage report.
         unpriced_policy: the unpriced-model policy (``allow``, ``block``, ``fallback``) for an
             upstream's requests.
+        guard: budgets and their reservations (``None``: no budgets).
+        guard_settings: how a request's worst-case cost is bounded for blocking budgets.
     """
 
     def __init__(
@@ -118,6 +137,8 @@ class Forwarder:
         *,
         drain_timeout_s: float = 60.0,
         unpriced_policy: Callable[[UpstreamConfig], str] = lambda _: "allow",
+        guard: BudgetGuard | None = None,
+        guard_settings: GuardSettings | None = None,
     ) -> None:
         self.client = client
         self.router = router
@@ -125,6 +146,8 @@ class Forwarder:
         self.recorder = recorder
         self.drain_timeout_s = drain_timeout_s
         self.unpriced_policy = unpriced_policy
+        self.guard = guard
+        self.guard_settings = guard_settings or GuardSettings()
 
     async def metered(self, request: Request[Any, Any, Any], endpoint: Endpoint) -> Relay:
         """Forward a metered request; the returned relay meters and records the reply."""
@@ -173,6 +196,11 @@ class Forwarder:
             raise ProxyError(400, f"We could not parse the JSON body of your request: {exc}", "invalid_json") from exc
         ex.requested_model = head.model if isinstance(head.model, str) else None
         ex.stream = head.stream is True
+        if ex.end_user is None:
+            user = head.user if isinstance(head.user, str) else None
+            if user is None and isinstance(head.metadata, dict):  # Anthropic: metadata.user_id
+                user = head.metadata.get("user_id") if isinstance(head.metadata.get("user_id"), str) else None
+            ex.end_user = user
         route = self.router.pick(ex.requested_model, inbound.upstream)
         self._attach(ex, route, inbound)
         strip_usage = False
@@ -184,6 +212,7 @@ class Forwarder:
         ):
             body = _with_include_usage(body, head.stream_options)
             strip_usage = True
+        budget_headers = await self._admit(ex, head, body, endpoint)
         watch.append(DisconnectWatch(request.receive))  # the body is read: receive now only reports a disconnect
         reply = await self._send(route, scope, inbound.headers, body, ex)
         meter = Meter(endpoint.dialect, header(reply.headers, b"content-encoding"))
@@ -198,6 +227,70 @@ class Forwarder:
             deferred_usage=head.background is True,
             watch=watch[0],
             drain_timeout_s=self.drain_timeout_s,
+            extra_headers=budget_headers,
+        )
+
+    async def _admit(
+        self, ex: Exchange, head: _RequestHead, body: bytes, endpoint: Endpoint
+    ) -> list[tuple[bytes, bytes]]:
+        """Reserve the request's worst-case cost against the blocking budgets in its scope.
+
+        Returns the budget headers for the reply (the tightest budget in scope and what is left).
+
+        Raises:
+            ProxyError: 429 ``budget_exceeded`` when a blocking budget would go over its limit.
+        """
+        guard = self.guard
+        if guard is None:
+            return []
+        attributes = _attributes(ex)
+        now = dt.datetime.fromtimestamp(ex.started_at, dt.UTC)
+        if guard.in_scope(attributes, blocking_only=True):
+            worst = await self._worst_case(ex, head, body, endpoint, now)
+            if worst is not None:
+                try:
+                    ex.reservation = guard.admit(attributes, worst, now)
+                except BudgetRefusal as refusal:
+                    headers = _budget_headers(refusal.budget, refusal.remaining)
+                    raise ProxyError(429, str(refusal), "budget_exceeded", "insufficient_quota", headers) from refusal
+            else:
+                log.warning(
+                    "request %s: model %r has no price, so blocking budgets cannot bound it",
+                    ex.request_id,
+                    ex.requested_model,
+                )
+        tightest = guard.tightest(attributes, now)
+        return _budget_headers(*tightest) if tightest else []
+
+    async def _worst_case(
+        self, ex: Exchange, head: _RequestHead, body: bytes, endpoint: Endpoint, now: dt.datetime
+    ) -> Decimal | None:
+        settings = self.guard_settings
+        counted = await asyncio.to_thread(
+            estimate, endpoint.dialect, body, [], stream=False, model=ex.requested_model, source=UsageSource.ESTIMATED
+        )
+        exact = tokenizer.encoding_name_known(ex.requested_model)
+        input_tokens = (
+            counted.input_tokens if exact else math.ceil(counted.input_tokens * settings.foreign_tokenizer_margin)
+        )
+        limit = next(
+            (
+                v
+                for v in (head.max_completion_tokens, head.max_tokens, head.max_output_tokens)
+                if isinstance(v, int) and not isinstance(v, bool) and v > 0
+            ),
+            settings.default_max_output_tokens,
+        )
+        choices = head.n if isinstance(head.n, int) and not isinstance(head.n, bool) and head.n > 1 else 1
+        return worst_case(
+            self.recorder.catalog,
+            model=ex.requested_model,
+            provider=ex.provider,
+            at=now,
+            input_tokens=input_tokens,
+            max_output_tokens=limit * choices,
+            service_tier=head.service_tier if isinstance(head.service_tier, str) else None,
+            fallback=ex.price_fallback,
         )
 
     def _inbound(self, scope: Scope, ex: Exchange, *, keep_length: bool) -> _Inbound:
@@ -218,13 +311,23 @@ class Forwarder:
             elif name == _UPSTREAM_HEADER:
                 inbound.upstream = value.decode("latin-1")
                 continue
+            elif name == _TAGS_HEADER:
+                ex.tags = tuple(sorted({t.strip() for t in value.decode("utf-8", "replace").split(",") if t.strip()}))
+                continue
+            elif name == _SESSION_HEADER:
+                ex.session_id = value.decode("utf-8", "replace")
+                continue
+            elif name == _USER_HEADER:
+                ex.end_user = value.decode("utf-8", "replace")
+                continue
             elif name == b"accept-encoding":
                 has_encoding = True
             inbound.headers.append((name, value))
         if not has_encoding:
             inbound.headers.append((b"accept-encoding", b"identity"))
         ex.client_request_id = inbound.client_request_id
-        ex.principal = self.auth.principal(inbound.key)
+        identity = self.auth.identify(inbound.key)
+        ex.principal, ex.team, ex.project = identity.principal, identity.team, identity.project
         return inbound
 
     def _attach(self, ex: Exchange, route: Route, inbound: _Inbound) -> None:
@@ -365,6 +468,26 @@ class Forwarder:
             source=source,
         )
         self.recorder.finish(ex, estimate=job)
+
+
+def _attributes(ex: Exchange) -> dict[str, Any]:
+    """A request's budget-scope attributes before the reply (the model is the requested one)."""
+    return {
+        "key": ex.principal,
+        "team": ex.team,
+        "project": ex.project,
+        "end_user": ex.end_user,
+        "model": (ex.requested_model,),
+        "upstream": ex.upstream,
+        "tag": ex.tags,
+    }
+
+
+def _budget_headers(budget: Budget, remaining: Decimal) -> list[tuple[bytes, bytes]]:
+    return [
+        (b"x-tokenward-budget", budget.name.encode()),
+        (b"x-tokenward-budget-remaining-usd", format(remaining, "f").encode()),
+    ]
 
 
 def _retry_after(reply: UpstreamReply) -> float | None:

@@ -10,11 +10,13 @@ hashes. In ``passthrough`` mode the key goes upstream untouched and usage is att
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 from tokenward.proxy.config import VirtualKeyConfig
 from tokenward.proxy.errors import ProxyError
 
-__all__ = ["AUTH_HEADERS", "Authenticator", "fingerprint"]
+__all__ = ["AUTH_HEADERS", "Authenticator", "Identity", "fingerprint"]
 
 AUTH_HEADERS = frozenset({b"authorization", b"x-api-key", b"api-key"})
 """Request headers that can carry a client's key (lower-case, as in ASGI scopes)."""
@@ -34,8 +36,20 @@ def presented_key(name: bytes, value: bytes) -> str | None:
     return text or None
 
 
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """Who is calling: the principal (a virtual key's name, or ``fp-...``) and its team and project."""
+
+    principal: str
+    team: str | None = None
+    project: str | None = None
+
+
+_ANONYMOUS = Identity("anonymous")
+
+
 class Authenticator:
-    """Turns a presented key into a principal name.
+    """Turns a presented key into an :class:`Identity`.
 
     Args:
         mode: ``virtual_keys`` or ``passthrough``.
@@ -44,34 +58,47 @@ class Authenticator:
 
     def __init__(self, mode: str, keys: list[VirtualKeyConfig]) -> None:
         self.mode = mode
-        self._names = {
-            (hashlib.sha256(k.key.encode()).hexdigest() if k.key is not None else (k.key_sha256 or "").lower()): k.name
+        self._configured = {
+            (
+                hashlib.sha256(k.key.encode()).hexdigest() if k.key is not None else (k.key_sha256 or "").lower()
+            ): Identity(k.name, k.team, k.project)
             for k in keys
         }
+        self._by_hash = dict(self._configured)
+
+    def use_stored(self, stored: Iterable[tuple[str, str, str | None, str | None]]) -> None:
+        """Accept the keys created with ``tokenward keys`` too.
+
+        ``stored`` holds ``(name, key_sha256, team, project)`` for each key not revoked; it replaces
+        the stored keys known before (configured keys always stay).
+        """
+        by_hash = {digest.lower(): Identity(name, team, project) for name, digest, team, project in stored}
+        by_hash.update(self._configured)
+        self._by_hash = by_hash
 
     @property
     def passthrough(self) -> bool:
         """Whether client keys go upstream unchanged."""
         return self.mode == "passthrough"
 
-    def principal(self, key: str | None) -> str:
+    def identify(self, key: str | None) -> Identity:
         """Name the caller presenting ``key``.
 
         Raises:
             ProxyError: 401 in ``virtual_keys`` mode when the key is missing or unknown.
         """
         if self.passthrough:
-            return fingerprint(key) if key else "anonymous"
+            return Identity(fingerprint(key)) if key else _ANONYMOUS
         if key is None:
             raise ProxyError(
                 401,
                 "You didn't provide an API key. Send your tokenward virtual key as 'Authorization: Bearer <key>'.",
                 "missing_api_key",
             )
-        name = self._names.get(hashlib.sha256(key.encode()).hexdigest())
-        if name is None:
+        identity = self._by_hash.get(hashlib.sha256(key.encode()).hexdigest())
+        if identity is None:
             shown = key[:4] + "***" + key[-4:] if len(key) > 12 else "***"
             raise ProxyError(
                 401, f"Incorrect API key provided: {shown}. It is not a tokenward virtual key.", "invalid_api_key"
             )
-        return name
+        return identity

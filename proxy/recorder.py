@@ -22,6 +22,7 @@ from tokenward.pricing.catalog import PriceCatalog
 from tokenward.pricing.quote import PriceStatus, Quote, quote
 from tokenward.pricing.usage import TOKEN_FIELDS, Usage, UsageSource
 from tokenward.proxy.exchange import Exchange
+from tokenward.proxy.guard import BudgetGuard
 from tokenward.proxy.metrics import Metrics
 from tokenward.reports.ledger import LedgerBusy, LedgerError, Spool, open_ledger
 
@@ -122,6 +123,11 @@ def build_row(
         "raw_usage": ex.raw_usage,
         "row_kind": ex.row_kind,
         "parent_request_id": ex.parent_request_id,
+        "team": ex.team,
+        "project": ex.project,
+        "end_user": ex.end_user,
+        "tags": list(ex.tags) or None,
+        "session_id": ex.session_id,
     }
     for name in TOKEN_FIELDS:
         row[name] = getattr(usage, name)
@@ -147,6 +153,7 @@ class Recorder:
         metrics: counters updated per row (a new set when omitted).
         on_unpriced: called with the first unpriced row of each (provider, model) this process
             sees (alerts hook in here); by default a warning is logged.
+        guard: budgets to settle each exchange's reservation with and count its cost against.
     """
 
     def __init__(
@@ -156,10 +163,12 @@ class Recorder:
         flush_interval_s: float = 1.0,
         metrics: Metrics | None = None,
         on_unpriced: Callable[[dict[str, Any]], None] | None = None,
+        guard: BudgetGuard | None = None,
     ) -> None:
         self.catalog = catalog
         self.metrics = metrics or Metrics()
         self.on_unpriced = on_unpriced or _log_unpriced
+        self.guard = guard
         self._unpriced_seen: set[tuple[str | None, str | None]] = set()
         self.spool = Spool(ledger_path)
         self.flush_interval_s = flush_interval_s
@@ -205,8 +214,13 @@ class Recorder:
         except Exception:  # never lose the row over a pricing bug
             log.exception("pricing failed for %s; recording it unpriced", ex.request_id)
             rows = build_rows(ex, PriceCatalog())
+        if self.guard is not None:
+            self.guard.release(ex.reservation)
+            ex.reservation = None
         for row in rows:
             self.metrics.observe(row)
+            if self.guard is not None:
+                self.guard.observe(row)
             if row["price_status"] == PriceStatus.UNPRICED:
                 key = (row["provider"], row["served_model"] or row["requested_model"])
                 if key not in self._unpriced_seen:

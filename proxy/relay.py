@@ -127,6 +127,7 @@ class Relay:
         request_body: the request as sent upstream (for a token estimate).
         watch: a disconnect watch already running (the relay starts one otherwise).
         drain_timeout_s: after the client leaves mid-stream, how long to read on for usage.
+        extra_headers: headers tokenward adds to the reply (budget standing).
     """
 
     def __init__(
@@ -143,8 +144,10 @@ class Relay:
         error: ProxyError | None = None,
         watch: DisconnectWatch | None = None,
         drain_timeout_s: float = 60.0,
+        extra_headers: list[tuple[bytes, bytes]] | None = None,
     ) -> None:
         self.on_done = on_done
+        self.extra_headers = extra_headers or []
         self.watch = watch
         self.drain_timeout_s = drain_timeout_s
         self.ex = ex
@@ -172,6 +175,7 @@ class Relay:
         ex.http_status = reply.status
         headers = [(name, value) for name, value in reply.headers if name not in _REPLY_DROPPED]
         headers.append((b"x-tokenward-request-id", ex.request_id.encode()))
+        headers.extend(self.extra_headers)
         content_type = header(reply.headers, b"content-type") or ""
         self.streaming = self.meter is not None and content_type.startswith("text/event-stream")
         listener = self.watch or DisconnectWatch(receive)
@@ -203,6 +207,7 @@ class Relay:
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),
             (b"x-tokenward-request-id", self.ex.request_id.encode()),
+            *error.headers,
         ]
         status = 400 if error.status == 499 else error.status
         await send({"type": "http.response.start", "status": status, "headers": headers})

@@ -5,25 +5,47 @@ jobs coalesce missed runs and never run twice at once (``max_instances=1``).
 
 * Price refresh (``pricing.refresh``): fetch a LiteLLM-format price map, append changed prices
   as new effective-dated versions to the refresh file, and swap the recorder's catalog.
+* Budget check (every ``alerts.evaluate_every_s``, and soon after a threshold is crossed):
+  claim and send the alerts due (:mod:`tokenward.reports.budget_check`).
+* Digest (``alerts.digest``): a daily or weekly spend summary by email.
+* Stored keys: keys created or revoked with ``tokenward keys`` take effect within 30 s.
 """
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from zoneinfo import ZoneInfo
 
 import httpx
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
+from apscheduler.triggers.cron import CronTrigger
 
+from tokenward.pricing.budgets import Budget
 from tokenward.pricing.catalog import PriceCatalog, read_document
 from tokenward.pricing.imports import to_yaml
 from tokenward.pricing.refresh import plan_refresh
 from tokenward.pricing.settings import RefreshSettings
+from tokenward.proxy.keys import Authenticator
+from tokenward.reports.alerts import AlertSettings, Notifier
+from tokenward.reports.budget_check import Session, digest_alert, evaluate_and_notify, record_deliveries
+from tokenward.reports.keys import stored_keys
+from tokenward.reports.ledger import LedgerBusy, Spool
 
-__all__ = ["create_scheduler", "refresh_prices"]
+__all__ = [
+    "add_alert_jobs",
+    "check_budgets",
+    "create_scheduler",
+    "ledger_session",
+    "refresh_prices",
+    "reload_keys",
+    "run_budget_check_soon",
+    "send_digest",
+]
 
 log = logging.getLogger("tokenward.scheduler")
 
@@ -84,3 +106,106 @@ async def refresh_prices(
     for change in plan.changes:
         log.warning("price refresh: %s (effective %s)", change, now.isoformat())
     return plan.changes
+
+
+def ledger_session(spool: Spool) -> Session:
+    """A :data:`~tokenward.reports.budget_check.Session` on the proxy's ledger, between flushes."""
+
+    async def run(work: Callable[[Any], Any]) -> Any:
+        return await asyncio.to_thread(spool.run, work)
+
+    return run
+
+
+async def check_budgets(
+    session: Session,
+    budgets: list[Budget],
+    settings: AlertSettings,
+    notifier: Notifier,
+    *,
+    now: dt.datetime | None = None,
+) -> int:
+    """Evaluate budgets and send the alerts now due (the scheduled job); returns how many were sent.
+
+    A ledger held by a reader is skipped quietly: the next run catches up.
+    """
+    try:
+        sent = await evaluate_and_notify(session, budgets, settings, notifier, now or dt.datetime.now(dt.UTC))
+    except LedgerBusy:
+        log.debug("budget check skipped: ledger busy")
+        return 0
+    except Exception:
+        log.exception("budget check failed")
+        return 0
+    return len(sent)
+
+
+async def send_digest(
+    session: Session,
+    budgets: list[Budget],
+    settings: AlertSettings,
+    notifier: Notifier,
+    *,
+    now: dt.datetime | None = None,
+) -> bool:
+    """Send the configured spend digest once for the period that just ended; true if sent."""
+    digest = settings.digest
+    if digest is None:
+        return False
+    when = now or dt.datetime.now(dt.UTC)
+    try:
+        alert = await session(lambda conn: digest_alert(conn, budgets, digest.to, digest.every, digest.timezone, when))
+        if alert is None:
+            return False
+        deliveries = await notifier.send(alert)
+        await session(lambda conn: record_deliveries(conn, alert, deliveries, when))
+    except Exception:
+        log.exception("spend digest failed")
+        return False
+    return True
+
+
+async def reload_keys(session: Session, auth: Authenticator) -> None:
+    """Pick up keys created or revoked with ``tokenward keys`` (the scheduled job)."""
+    try:
+        rows = await session(lambda conn: stored_keys(conn))
+    except Exception:
+        log.debug("stored keys not reloaded this time", exc_info=True)
+        return
+    auth.use_stored(rows)
+
+
+def add_alert_jobs(
+    scheduler: AsyncIOScheduler,
+    session: Session,
+    budgets: list[Budget],
+    settings: AlertSettings,
+    notifier: Notifier,
+    auth: Authenticator,
+) -> None:
+    """Register the budget check, the digest and the stored-key reload on ``scheduler``."""
+    if budgets or settings.admins:
+        scheduler.add_job(
+            check_budgets,
+            "interval",
+            seconds=settings.evaluate_every_s,
+            id="budgets",
+            args=[session, budgets, settings, notifier],
+        )
+    if settings.digest is not None:
+        hour, minute = (int(part) for part in settings.digest.at.split(":"))
+        trigger = CronTrigger(
+            hour=hour,
+            minute=minute,
+            day_of_week="mon" if settings.digest.every == "weekly" else "*",
+            timezone=ZoneInfo(settings.digest.timezone),
+        )
+        scheduler.add_job(send_digest, trigger, id="digest", args=[session, budgets, settings, notifier])
+    scheduler.add_job(reload_keys, "interval", seconds=30, id="keys", args=[session, auth])
+
+
+def run_budget_check_soon(scheduler: AsyncIOScheduler, delay_s: float) -> None:
+    """Move the next budget check to ``delay_s`` seconds from now (a threshold was just crossed)."""
+    job = scheduler.get_job("budgets")
+    if job is not None and scheduler.running:
+        job.modify(next_run_time=dt.datetime.now(dt.UTC) + dt.timedelta(seconds=delay_s))

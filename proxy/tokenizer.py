@@ -16,7 +16,14 @@ from importlib import resources
 import tiktoken
 from tiktoken.model import encoding_name_for_model
 
-__all__ = ["SHA256", "TokenizerDataError", "count_tokens", "encoding_for_model", "get_encoding"]
+__all__ = [
+    "SHA256",
+    "TokenizerDataError",
+    "count_tokens",
+    "encoding_for_model",
+    "encoding_name_known",
+    "get_encoding",
+]
 
 SHA256 = {
     "o200k_base": "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d",
@@ -103,6 +110,16 @@ def encoding_for_model(model: str | None) -> str:
         if name in SHA256:
             return name
     return "o200k_base"
+
+
+def encoding_name_known(model: str | None) -> bool:
+    """Whether tiktoken knows ``model``'s own encoding (an OpenAI model: counts are exact)."""
+    if not model:
+        return False
+    try:
+        return encoding_name_for_model(model.rpartition("/")[2]) in SHA256
+    except KeyError:
+        return False
 
 
 def count_tokens(text: str, encoding: str = "o200k_base") -> int:

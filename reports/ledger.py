@@ -17,9 +17,9 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import duckdb
 import msgspec
@@ -35,6 +35,7 @@ __all__ = [
 ]
 
 log = logging.getLogger("tokenward.ledger")
+T = TypeVar("T")
 
 ROW_COLUMNS: dict[str, str] = {
     "request_id": "VARCHAR",
@@ -77,6 +78,11 @@ ROW_COLUMNS: dict[str, str] = {
     "raw_usage": "JSON",
     "row_kind": "VARCHAR",
     "parent_request_id": "VARCHAR",
+    "team": "VARCHAR",
+    "project": "VARCHAR",
+    "end_user": "VARCHAR",
+    "tags": "VARCHAR[]",
+    "session_id": "VARCHAR",
 }
 """A spooled row's keys and their types as read from JSON. ``started_at``/``ended_at`` are UTC
 epoch seconds (converted to ``TIMESTAMPTZ`` on insert); costs are decimal strings (exact)."""
@@ -174,6 +180,20 @@ class Spool:
         partial.write_bytes(data)
         partial.replace(final)  # readers never see half a file
         return final
+
+    def run(self, work: Callable[[duckdb.DuckDBPyConnection], T]) -> T:
+        """Run ``work`` on a read-write connection, between flushes (blocking; call from a thread).
+
+        Raises:
+            LedgerBusy: another process holds the file.
+            LedgerError: the file cannot be opened.
+        """
+        with self._lock:
+            conn = open_ledger(self.ledger_path)
+            try:
+                return work(conn)
+            finally:
+                conn.close()
 
     def pending_files(self, *, recover: bool = False) -> list[Path]:
         """Spool files of this process, plus (``recover``) those left by processes no longer running."""

@@ -117,3 +117,66 @@ def m002_row_kinds(conn: duckdb.DuckDBPyConnection) -> None:
     """
     conn.execute("ALTER TABLE requests ADD COLUMN row_kind VARCHAR DEFAULT 'request'")
     conn.execute("ALTER TABLE requests ADD COLUMN parent_request_id VARCHAR")
+
+
+@migration
+def m003_attribution_budgets_alerts(conn: duckdb.DuckDBPyConnection) -> None:
+    """Who spent it (team, project, end user, tags, session), stored keys, and sent alerts.
+
+    ``virtual_keys`` holds keys created with ``tokenward keys create`` (sha256 only, never the
+    key). ``budget_alerts`` holds one claim per (budget, period start, kind, threshold): the row
+    that wins the insert is the only one ever sent, so restarts and replicas do not resend
+    (field case B37). ``alert_deliveries`` logs every delivery attempt per channel.
+    """
+    for column, kind in (
+        ("team", "VARCHAR"),
+        ("project", "VARCHAR"),
+        ("end_user", "VARCHAR"),
+        ("tags", "VARCHAR[]"),
+        ("session_id", "VARCHAR"),
+    ):
+        conn.execute(f"ALTER TABLE requests ADD COLUMN {column} {kind}")
+    conn.execute(
+        """
+        CREATE TABLE virtual_keys (
+            name        VARCHAR PRIMARY KEY,
+            key_sha256  VARCHAR NOT NULL UNIQUE,
+            team        VARCHAR,
+            project     VARCHAR,
+            created_at  TIMESTAMPTZ NOT NULL,
+            revoked_at  TIMESTAMPTZ
+        )
+        """
+    )
+    conn.execute(
+        """
+        CREATE TABLE budget_alerts (
+            budget        VARCHAR NOT NULL,
+            period_start  TIMESTAMPTZ NOT NULL,
+            kind          VARCHAR NOT NULL,
+            threshold     INTEGER NOT NULL,
+            created_at    TIMESTAMPTZ NOT NULL,
+            status        VARCHAR NOT NULL,
+            attempts      INTEGER NOT NULL DEFAULT 0,
+            last_error    VARCHAR,
+            detail        JSON,
+            PRIMARY KEY (budget, period_start, kind, threshold)
+        )
+        """
+    )
+    conn.execute(
+        """
+        CREATE TABLE alert_deliveries (
+            budget        VARCHAR NOT NULL,
+            period_start  TIMESTAMPTZ NOT NULL,
+            kind          VARCHAR NOT NULL,
+            threshold     INTEGER NOT NULL,
+            channel       VARCHAR NOT NULL,
+            target        VARCHAR NOT NULL,
+            attempted_at  TIMESTAMPTZ NOT NULL,
+            ok            BOOLEAN NOT NULL,
+            attempts      INTEGER NOT NULL,
+            error         VARCHAR
+        )
+        """
+    )

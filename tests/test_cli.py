@@ -277,7 +277,7 @@ def test_drift_against_the_providers_own_cost(tmp_path):
 def test_ledger_migrate_says_what_it_did(tmp_path):
     path = tmp_path / "new.duckdb"
     created = CliRunner().invoke(main, ["ledger", "migrate", "--db", str(path)], catch_exceptions=False)
-    assert created.output.startswith(f"created ledger {path} (2 migrations applied)")
+    assert created.output.startswith(f"created ledger {path} (3 migrations applied)")
     again = CliRunner().invoke(main, ["ledger", "migrate", "--db", str(path)], catch_exceptions=False)
     assert again.output.strip() == f"ledger {path} is up to date"
 

@@ -1,0 +1,194 @@
+"""Budgets: limits in USD on a scope of traffic over a period, and what they say at an instant.
+
+Pure: no clock reads (every function takes ``now``), no I/O. A budget's **period** is a window
+of time aligned to the calendar in a named time zone (a day from local midnight to local
+midnight, DST included: a 23- or 25-hour day; an ISO week from Monday; a calendar month), a
+rolling window of the last N hours, or ``total`` (no reset). Windows are returned as aware UTC
+instants, so comparisons never mix local and UTC time (field case B34).
+
+A budget's **scope** is a set of attribution conditions a ledger row must all meet: ``key``
+(the virtual key's name, or a passthrough key's ``fp-`` fingerprint), ``team``, ``project``,
+``end_user``, ``model`` (the requested or the served name), ``upstream``, ``tag`` (one of the
+row's tags). No condition: all traffic.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Mapping
+from dataclasses import dataclass
+from decimal import Decimal
+from typing import Literal
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+__all__ = ["SCOPE_DIMENSIONS", "Budget", "BudgetStatus", "Period", "evaluate"]
+
+SCOPE_DIMENSIONS = ("key", "team", "project", "end_user", "model", "upstream", "tag")
+"""Attribution dimensions a budget scope can constrain."""
+
+PeriodKind = Literal["day", "week", "month", "total", "rolling"]
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+_FOREVER = dt.datetime(9999, 1, 1, tzinfo=dt.UTC)
+
+
+@dataclass(frozen=True, slots=True)
+class Period:
+    """When a budget's spend resets.
+
+    Args:
+        kind: ``day``, ``week`` (ISO, from Monday), ``month``, ``total`` or ``rolling``.
+        timezone: IANA zone the calendar periods follow.
+        rolling_hours: the window length of a ``rolling`` period.
+
+    Raises:
+        ValueError: unknown kind or zone, or a rolling period without a positive length.
+    """
+
+    kind: PeriodKind = "month"
+    timezone: str = "UTC"
+    rolling_hours: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("day", "week", "month", "total", "rolling"):
+            raise ValueError(f"unknown period {self.kind!r}")
+        try:
+            ZoneInfo(self.timezone)
+        except (ZoneInfoNotFoundError, ValueError) as exc:
+            raise ValueError(f"unknown time zone {self.timezone!r}") from exc
+        if self.kind == "rolling" and not (self.rolling_hours and self.rolling_hours > 0):
+            raise ValueError("a rolling period needs rolling_hours > 0")
+
+    def window(self, now: dt.datetime) -> tuple[dt.datetime, dt.datetime]:
+        """The ``[start, end)`` window containing the aware instant ``now``, as UTC instants.
+
+        For ``rolling`` the window is ``[now - rolling_hours, now)`` and never "resets";
+        for ``total`` it is unbounded.
+
+        Raises:
+            ValueError: ``now`` is naive.
+        """
+        if now.tzinfo is None:
+            raise ValueError("a period window needs an aware datetime")
+        if self.kind == "total":
+            return _EPOCH, _FOREVER
+        if self.kind == "rolling":
+            assert self.rolling_hours is not None
+            return (now - dt.timedelta(hours=self.rolling_hours)).astimezone(dt.UTC), now.astimezone(dt.UTC)
+        zone = ZoneInfo(self.timezone)
+        local = now.astimezone(zone).date()
+        if self.kind == "day":
+            first, following = local, local + dt.timedelta(days=1)
+        elif self.kind == "week":
+            first = local - dt.timedelta(days=local.weekday())
+            following = first + dt.timedelta(days=7)
+        else:
+            first = local.replace(day=1)
+            following = (first + dt.timedelta(days=32)).replace(day=1)
+        return _midnight(first, zone), _midnight(following, zone)
+
+
+def _midnight(day: dt.date, zone: ZoneInfo) -> dt.datetime:
+    """Local midnight of ``day`` as a UTC instant (zoneinfo resolves DST gaps forward)."""
+    return dt.datetime(day.year, day.month, day.day, tzinfo=zone).astimezone(dt.UTC)
+
+
+@dataclass(frozen=True, slots=True)
+class Budget:
+    """A limit in USD on a scope of traffic over a period.
+
+    Args:
+        name: unique name (used in alerts, refusals and the ``x-tokenward-budget`` header).
+        limit_usd: the limit, exact.
+        scope: dimension -> value conditions (see :data:`SCOPE_DIMENSIONS`); empty: all traffic.
+        period: when spend resets.
+        thresholds: percentages of the limit that trigger an alert when crossed.
+        action: ``alert`` only, or ``block`` (requests that could exceed the limit are refused).
+        notify: email addresses and webhook names to alert.
+
+    Raises:
+        ValueError: a non-positive limit, an unknown scope dimension, a threshold outside 1-1000.
+    """
+
+    name: str
+    limit_usd: Decimal
+    scope: tuple[tuple[str, str], ...] = ()
+    period: Period = Period()
+    thresholds: tuple[int, ...] = (50, 80, 100)
+    action: Literal["alert", "block"] = "alert"
+    notify: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.limit_usd > 0:
+            raise ValueError(f"budget {self.name!r}: limit_usd must be > 0")
+        for dimension, _ in self.scope:
+            if dimension not in SCOPE_DIMENSIONS:
+                raise ValueError(
+                    f"budget {self.name!r}: unknown scope {dimension!r} (use {', '.join(SCOPE_DIMENSIONS)})"
+                )
+        if any(not 0 < t <= 1000 for t in self.thresholds):
+            raise ValueError(f"budget {self.name!r}: thresholds are percentages between 1 and 1000")
+
+    @property
+    def blocking(self) -> bool:
+        """Whether requests that could exceed the limit are refused."""
+        return self.action == "block"
+
+    def describe_scope(self) -> str:
+        """``team=a, model=gpt-4o`` (or ``all traffic``)."""
+        return ", ".join(f"{k}={v}" for k, v in self.scope) or "all traffic"
+
+    def matches(self, attributes: Mapping[str, object]) -> bool:
+        """Whether a request or row with these attributes is in scope.
+
+        ``attributes`` maps each dimension to a value, or to a collection of values any of which
+        may match (a row's tags; its requested and served model names).
+        """
+        for dimension, wanted in self.scope:
+            value = attributes.get(dimension)
+            if isinstance(value, list | tuple | set | frozenset):
+                if wanted not in value:
+                    return False
+            elif value != wanted:
+                return False
+        return True
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetStatus:
+    """A budget at an instant: spend (USD) in the period, the share of the limit, the forecast."""
+
+    budget: Budget
+    start: dt.datetime
+    end: dt.datetime
+    spent: Decimal
+    percent: Decimal
+    crossed: tuple[int, ...]
+    forecast: Decimal | None
+
+    @property
+    def remaining(self) -> Decimal:
+        """USD left before the limit (never negative)."""
+        return max(self.budget.limit_usd - self.spent, Decimal(0))
+
+    @property
+    def forecast_exceeds(self) -> bool:
+        """Whether spend is projected past the limit before the period ends."""
+        return self.forecast is not None and self.forecast > self.budget.limit_usd
+
+
+def evaluate(budget: Budget, spent: Decimal, now: dt.datetime) -> BudgetStatus:
+    """Where ``budget`` stands at ``now`` with ``spent`` USD in its current period.
+
+    The forecast extends the period's average burn rate so far to its end (calendar periods
+    only; ``None`` for ``total`` and ``rolling``, and in the period's first minute).
+    """
+    start, end = budget.period.window(now)
+    percent = (spent / budget.limit_usd * 100).quantize(Decimal("0.01"))
+    crossed = tuple(t for t in sorted(budget.thresholds) if spent * 100 >= budget.limit_usd * t)
+    forecast = None
+    if budget.period.kind in ("day", "week", "month"):
+        elapsed = (now - start).total_seconds()
+        if elapsed >= 60:
+            total = (end - start).total_seconds()
+            forecast = (spent * Decimal(total) / Decimal(elapsed)).quantize(Decimal("0.000001"))
+    return BudgetStatus(budget, start, end, spent, percent, crossed, forecast)

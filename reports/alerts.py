@@ -1,0 +1,223 @@
+"""Alert messages and their delivery: email over SMTP and Slack-compatible webhooks.
+
+An :class:`Alert` is rendered once (subject, plain text, HTML, and a JSON payload for webhooks)
+and sent to each of its targets by the :class:`Notifier`: an address containing ``@`` goes
+by email, anything else names a configured webhook. Each delivery is retried with exponential
+backoff; the outcome of every target is returned (and stored by the caller), never raised, so a
+failing mail server cannot stop anything else. Secrets come from environment variables.
+
+Configuration (the ``alerts:`` section)::
+
+    alerts:
+      evaluate_every_s: 60
+      smtp: {host: smtp.example.com, port: 587, security: starttls, sender: tokenward@example.com,
+             username_env: SMTP_USER, password_env: SMTP_PASSWORD}
+      webhooks: [{name: slack-ops, url_env: SLACK_WEBHOOK_URL}]
+      admins: [ops@example.com]          # unpriced models, failed deliveries, refusals
+      digest: {every: daily, at: "08:00", timezone: Europe/Paris, to: [lead@example.com]}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import html
+import logging
+import os
+from dataclasses import dataclass, field
+from email.message import EmailMessage
+from typing import Any, Literal
+
+import aiosmtplib
+import httpx
+import msgspec
+
+__all__ = [
+    "Alert",
+    "AlertSettings",
+    "Delivery",
+    "DigestSettings",
+    "Notifier",
+    "SmtpSettings",
+    "WebhookSettings",
+    "html_document",
+    "html_text",
+]
+
+log = logging.getLogger("tokenward.alerts")
+
+
+class SmtpSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """An SMTP server: ``security`` is ``starttls``, ``ssl`` (implicit TLS) or ``none``."""
+
+    host: str
+    port: int = 587
+    security: Literal["starttls", "ssl", "none"] = "starttls"
+    sender: str = "tokenward@localhost"
+    username_env: str | None = None
+    password_env: str | None = None
+    timeout_s: float = 30.0
+
+
+class WebhookSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A webhook receiving Slack-compatible JSON: its URL, or the environment variable holding it."""
+
+    name: str
+    url: str | None = None
+    url_env: str | None = None
+
+    def resolved_url(self) -> str | None:
+        """The URL to post to (``None`` when the environment variable is unset)."""
+        return self.url or (os.environ.get(self.url_env) if self.url_env else None)
+
+
+class DigestSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A spend digest sent ``daily`` or ``weekly`` (Mondays) at ``at`` local time in ``timezone``."""
+
+    to: list[str]
+    every: Literal["daily", "weekly"] = "daily"
+    at: str = "08:00"
+    timezone: str = "UTC"
+
+
+class AlertSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The ``alerts:`` section: channels, who hears about operational problems, and the digest.
+
+    ``admins`` receive alerts that belong to no budget: a model with no price, alert deliveries
+    that failed, budget refusals. ``retries``/``backoff_s``: a delivery is tried ``retries + 1``
+    times, waiting ``backoff_s``, then twice that, ...
+    """
+
+    evaluate_every_s: float = 60.0
+    smtp: SmtpSettings | None = None
+    webhooks: list[WebhookSettings] = []
+    admins: list[str] = []
+    digest: DigestSettings | None = None
+    retries: int = 3
+    backoff_s: float = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class Alert:
+    """One message to send: its identity (budget, period start, kind, threshold), text, targets."""
+
+    budget: str
+    period_start: Any
+    kind: str
+    threshold: int
+    subject: str
+    text: str
+    html: str
+    targets: tuple[str, ...]
+    payload: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """How sending one alert to one target went."""
+
+    channel: str
+    target: str
+    ok: bool
+    attempts: int
+    error: str | None = None
+
+
+class Notifier:
+    """Sends alerts by email and webhook with retries; never raises.
+
+    Args:
+        settings: channels and retry policy.
+        transport: httpx transport for webhooks (tests).
+    """
+
+    def __init__(self, settings: AlertSettings, *, transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self.settings = settings
+        self._webhooks = {w.name: w for w in settings.webhooks}
+        self._transport = transport
+
+    async def send(self, alert: Alert) -> list[Delivery]:
+        """Deliver ``alert`` to every target; one :class:`Delivery` per target."""
+        results = []
+        emails = [t for t in alert.targets if "@" in t]
+        if emails:
+            results += await self._retry("email", ",".join(emails), lambda: self._email(alert, emails))
+        for name in (t for t in alert.targets if "@" not in t):
+            hook = self._webhooks.get(name)
+            if hook is None:
+                results.append(Delivery("webhook", name, False, 0, f"no webhook named {name!r} is configured"))
+                continue
+            results += await self._retry("webhook", name, lambda hook=hook: self._webhook(alert, hook))
+        return results
+
+    async def _retry(self, channel: str, target: str, attempt: Any) -> list[Delivery]:
+        delay = self.settings.backoff_s
+        error = None
+        for number in range(1, self.settings.retries + 2):
+            try:
+                await attempt()
+                return [Delivery(channel, target, True, number)]
+            except Exception as exc:  # any failure is retried, then reported
+                error = f"{type(exc).__name__}: {exc}"
+                log.warning("alert delivery by %s to %s failed (attempt %d): %s", channel, target, number, error)
+                if number <= self.settings.retries:
+                    await asyncio.sleep(delay)
+                    delay *= 2
+        return [Delivery(channel, target, False, self.settings.retries + 1, error)]
+
+    async def _email(self, alert: Alert, recipients: list[str]) -> None:
+        smtp = self.settings.smtp
+        if smtp is None:
+            raise RuntimeError("no SMTP server is configured (alerts.smtp)")
+        message = EmailMessage()
+        message["From"] = smtp.sender
+        message["To"] = ", ".join(recipients)
+        message["Subject"] = alert.subject
+        message.set_content(alert.text)
+        message.add_alternative(alert.html, subtype="html")
+        username = os.environ.get(smtp.username_env) if smtp.username_env else None
+        password = os.environ.get(smtp.password_env) if smtp.password_env else None
+        await aiosmtplib.send(
+            message,
+            hostname=smtp.host,
+            port=smtp.port,
+            use_tls=smtp.security == "ssl",
+            start_tls=True if smtp.security == "starttls" else False,
+            username=username,
+            password=password,
+            timeout=smtp.timeout_s,
+        )
+
+    async def _webhook(self, alert: Alert, hook: WebhookSettings) -> None:
+        url = hook.resolved_url()
+        if not url:
+            raise RuntimeError(f"webhook {hook.name!r} has no URL (set {hook.url_env or 'url'})")
+        body = {"text": f"*{alert.subject}*\n{alert.text}", "tokenward": alert.payload}
+        async with httpx.AsyncClient(transport=self._transport, timeout=30) as client:
+            response = await client.post(url, json=body)
+            response.raise_for_status()
+
+
+def html_document(title: str, rows: list[tuple[str, str]], sections: list[tuple[str, list[tuple[str, str]]]]) -> str:
+    """A small self-contained HTML mail body: a heading, a key/value table, titled tables."""
+
+    def table(items: list[tuple[str, str]]) -> str:
+        cells = "".join(
+            f"<tr><td style='padding:2px 12px 2px 0'>{html.escape(k)}</td>"
+            f"<td style='padding:2px 0'><b>{html.escape(v)}</b></td></tr>"
+            for k, v in items
+        )
+        return f"<table>{cells}</table>"
+
+    parts = [f"<h2 style='font-family:sans-serif'>{html.escape(title)}</h2>", table(rows)]
+    for heading, items in sections:
+        if items:
+            parts += [f"<h3 style='font-family:sans-serif'>{html.escape(heading)}</h3>", table(items)]
+    return "<html><body style='font-family:sans-serif'>" + "".join(parts) + "</body></html>"
+
+
+def html_text(title: str, text: str) -> str:
+    """An HTML mail body showing a plain-text message as is."""
+    return (
+        f"<html><body><h2 style='font-family:sans-serif'>{html.escape(title)}</h2>"
+        f"<pre style='font-family:monospace'>{html.escape(text)}</pre></body></html>"
+    )

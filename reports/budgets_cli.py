@@ -1,0 +1,263 @@
+"""``tokenward budgets``, ``tokenward alerts`` and ``tokenward keys``: budgets, alerts, stored keys.
+
+These commands read the ``budgets`` and ``alerts`` sections of ``--config FILE`` and use the
+ledger it names (or ``--db``). They run the same evaluation as the proxy's scheduled job, so a
+threshold alert claimed here is never sent again by the proxy, and the other way round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+from zoneinfo import ZoneInfo
+
+import click
+import msgspec
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+from tokenward.pricing.budgets import Budget
+from tokenward.pricing.settings import BudgetSettings
+from tokenward.reports.alerts import Alert, AlertSettings, Notifier, html_text
+from tokenward.reports.budget_check import evaluate_and_notify, status_of
+from tokenward.reports.cli import ledger_path, parse_when
+from tokenward.reports.keys import create_key, list_keys, revoke_key
+from tokenward.reports.ledger import LedgerError, open_ledger
+
+__all__ = ["alerts", "budgets", "keys"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _console() -> Console:
+    return Console(width=None if sys.stdout.isatty() else 150)
+
+
+def load_sections(config: str | None) -> tuple[list[Budget], AlertSettings]:
+    """The budgets and alert settings of ``config`` (none and defaults without a config).
+
+    Raises:
+        click.BadParameter: the file cannot be read or a section is invalid.
+    """
+    if not config:
+        return [], AlertSettings()
+    try:
+        document = yaml.safe_load(Path(config).read_text(encoding="utf-8")) or {}
+        entries = msgspec.convert(document.get("budgets") or [], list[BudgetSettings])
+        settings = msgspec.convert(document.get("alerts") or {}, AlertSettings)
+        return [entry.to_budget() for entry in entries], settings
+    except (OSError, yaml.YAMLError, msgspec.ValidationError, ValueError) as exc:
+        raise click.BadParameter(f"cannot read {config}: {exc}", param_hint="--config") from exc
+
+
+def _options(fn: F) -> F:
+    fn = click.option("--wait", default=10.0, show_default=True, help="Seconds to wait while the proxy is writing.")(fn)
+    fn = click.option("--db", type=click.Path(dir_okay=False), help="Ledger DuckDB file (default: the config's).")(fn)
+    fn = click.option(
+        "--config",
+        "config",
+        type=click.Path(exists=True, dir_okay=False),
+        help="Config file with the budgets and alerts sections.",
+    )(fn)
+    return fn
+
+
+def _open(db: str | None, config: str | None, wait: float, *, read_only: bool) -> Any:
+    try:
+        return open_ledger(ledger_path(db, config), read_only=read_only, wait_s=wait)
+    except LedgerError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+def _instant(text: str | None) -> dt.datetime:
+    return parse_when(text, ZoneInfo("UTC")) if text else dt.datetime.now(dt.UTC)
+
+
+@click.group()
+def budgets() -> None:
+    """Budgets: where each stands, and the alerts they owe."""
+
+
+@budgets.command()
+@_options
+@click.option("--at", "at_text", help="Evaluate at this instant (ISO datetime; default now).")
+def status(config: str | None, db: str | None, wait: float, at_text: str | None) -> None:
+    """Spend of every budget in its current period, with the limit and the forecast."""
+    configured, _ = load_sections(config)
+    if not configured:
+        raise click.ClickException("no budgets configured (add a budgets: section to --config)")
+    now = _instant(at_text)
+    conn = _open(db, config, wait, read_only=True)
+    try:
+        statuses = [status_of(conn, budget, now) for budget in configured]
+    finally:
+        conn.close()
+    table = Table("budget", "scope", "period", "spent", "limit", "%", "left", "forecast", "at limit", title="budgets")
+    for s in statuses:
+        zone = ZoneInfo(s.budget.period.timezone)
+        period = (
+            "total"
+            if s.budget.period.kind == "total"
+            else (f"{s.start.astimezone(zone):%Y-%m-%d %H:%M} to {s.end.astimezone(zone):%Y-%m-%d %H:%M} {zone.key}")
+        )
+        table.add_row(
+            s.budget.name,
+            s.budget.describe_scope(),
+            period,
+            f"${s.spent:,.4f}",
+            f"${s.budget.limit_usd:,.2f}",
+            f"{s.percent}",
+            f"${s.remaining:,.4f}",
+            "-" if s.forecast is None else f"${s.forecast:,.2f}",
+            s.budget.action,
+        )
+    _console().print(table)
+
+
+@budgets.command()
+@_options
+@click.option("--dry-run", is_flag=True, help="Show the alerts due; claim and send nothing.")
+@click.option("--at", "at_text", help="Evaluate at this instant (ISO datetime; default now).")
+def check(config: str | None, db: str | None, wait: float, dry_run: bool, at_text: str | None) -> None:
+    """Evaluate budgets now and send the alerts due (as the proxy does on its schedule)."""
+    configured, settings = load_sections(config)
+    now = _instant(at_text)
+    conn = _open(db, config, wait, read_only=dry_run)
+
+    async def session(work: Callable[[Any], Any]) -> Any:
+        return work(conn)
+
+    try:
+        sent = asyncio.run(evaluate_and_notify(session, configured, settings, Notifier(settings), now, dry_run=dry_run))
+    finally:
+        conn.close()
+    if not sent:
+        click.echo("no alerts due")
+    for alert, deliveries in sent:
+        outcome = (
+            "would send"
+            if dry_run
+            else ", ".join(f"{d.channel} {d.target}: {'ok' if d.ok else 'FAILED ' + str(d.error)}" for d in deliveries)
+        )
+        click.echo(f"{alert.subject} -> {', '.join(alert.targets)} ({outcome})")
+
+
+@click.group()
+def alerts() -> None:
+    """Alerts: delivery history, and a test message."""
+
+
+@alerts.command()
+@_options
+@click.option("--limit", default=50, show_default=True)
+def history(config: str | None, db: str | None, wait: float, limit: int) -> None:
+    """Alerts claimed, newest first, with every delivery attempt and its result."""
+    conn = _open(db, config, wait, read_only=True)
+    try:
+        rows = conn.execute(
+            "SELECT a.created_at, a.budget, a.kind, a.threshold, a.status, a.attempts, a.last_error, "
+            "string_agg(d.channel || ' ' || d.target || ': ' || CASE WHEN d.ok THEN 'ok' ELSE 'failed' END, '; ') "
+            "FROM budget_alerts a LEFT JOIN alert_deliveries d USING (budget, period_start, kind, threshold) "
+            "GROUP BY ALL ORDER BY a.created_at DESC LIMIT ?",
+            [limit],
+        ).fetchall()
+    finally:
+        conn.close()
+    table = Table("claimed at", "budget", "kind", "threshold", "status", "attempts", "deliveries", "last error")
+    for created, budget, kind, threshold, state, attempts, error, deliveries in rows:
+        table.add_row(
+            created.isoformat(timespec="seconds"),
+            budget,
+            kind,
+            str(threshold or ""),
+            state,
+            str(attempts),
+            deliveries or "",
+            error or "",
+        )
+    _console().print(table if rows else "no alerts yet")
+
+
+@alerts.command(name="test")
+@click.option("--to", "targets", multiple=True, required=True, help="Email address or webhook name (repeatable).")
+@click.option(
+    "--config", "config", type=click.Path(exists=True, dir_okay=False), help="Config with the alerts section."
+)
+def test_command(targets: tuple[str, ...], config: str | None) -> None:
+    """Send a test alert through the configured SMTP server and webhooks."""
+    _, settings = load_sections(config)
+    subject = "[tokenward] test alert"
+    text = f"{subject}\n\nIf you can read this, tokenward can reach you ({dt.datetime.now(dt.UTC).isoformat()})."
+    alert = Alert("test", dt.datetime.now(dt.UTC), "test", 0, subject, text, html_text(subject, text), targets)
+    deliveries = asyncio.run(Notifier(settings).send(alert))
+    for delivery in deliveries:
+        click.echo(f"{delivery.channel} {delivery.target}: {'ok' if delivery.ok else 'FAILED: ' + str(delivery.error)}")
+    if not all(d.ok for d in deliveries):
+        sys.exit(1)
+
+
+@click.group()
+def keys() -> None:
+    """Virtual keys stored in the ledger (in addition to those in the config)."""
+
+
+@keys.command()
+@_options
+@click.argument("name")
+@click.option("--team", help="Team the key's usage is attributed to.")
+@click.option("--project", help="Project the key's usage is attributed to.")
+def create(config: str | None, db: str | None, wait: float, name: str, team: str | None, project: str | None) -> None:
+    """Create a key NAME and print it (shown this once; only its sha256 is stored)."""
+    conn = _open(db, config, wait, read_only=False)
+    try:
+        key = create_key(conn, name, team=team, project=project, now=dt.datetime.now(dt.UTC))
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from exc
+    finally:
+        conn.close()
+    click.echo(key)
+    click.echo(
+        f"key {name!r} created; it is shown only now. The proxy accepts it within 30 s (auth mode virtual_keys).",
+        err=True,
+    )
+
+
+@keys.command(name="list")
+@_options
+def list_command(config: str | None, db: str | None, wait: float) -> None:
+    """Stored keys (names, attribution, state; never the keys)."""
+    conn = _open(db, config, wait, read_only=True)
+    try:
+        rows = list_keys(conn)
+    finally:
+        conn.close()
+    table = Table("name", "team", "project", "created", "state")
+    for name, team, project, created, revoked in rows:
+        table.add_row(
+            name,
+            team or "",
+            project or "",
+            created.isoformat(timespec="seconds"),
+            f"revoked {revoked.isoformat(timespec='seconds')}" if revoked else "live",
+        )
+    _console().print(table if rows else "no stored keys")
+
+
+@keys.command()
+@_options
+@click.argument("name")
+def revoke(config: str | None, db: str | None, wait: float, name: str) -> None:
+    """Revoke the stored key NAME (the proxy refuses it within 30 s)."""
+    conn = _open(db, config, wait, read_only=False)
+    try:
+        done = revoke_key(conn, name, now=dt.datetime.now(dt.UTC))
+    finally:
+        conn.close()
+    if not done:
+        raise click.ClickException(f"no live stored key named {name!r}")
+    click.echo(f"key {name!r} revoked")
