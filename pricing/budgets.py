@@ -153,9 +153,13 @@ class Budget:
         return True
 
 
+FORECAST_AFTER = 0.1
+"""Share of a period that must have gone before a forecast can raise an alert."""
+
+
 @dataclass(frozen=True, slots=True)
 class BudgetStatus:
-    """A budget at an instant: spend (USD) in the period, the share of the limit, the forecast."""
+    """A budget at instant ``at``: spend (USD) in the period, the share of the limit, the forecast."""
 
     budget: Budget
     start: dt.datetime
@@ -164,6 +168,7 @@ class BudgetStatus:
     percent: Decimal
     crossed: tuple[int, ...]
     forecast: Decimal | None
+    at: dt.datetime
 
     @property
     def remaining(self) -> Decimal:
@@ -172,8 +177,14 @@ class BudgetStatus:
 
     @property
     def forecast_exceeds(self) -> bool:
-        """Whether spend is projected past the limit before the period ends."""
-        return self.forecast is not None and self.forecast > self.budget.limit_usd
+        """Whether spend is projected past the limit before the period ends.
+
+        Only once :data:`FORECAST_AFTER` of the period has gone: a burst in a month's first
+        hours says little about its end.
+        """
+        if self.forecast is None or self.forecast <= self.budget.limit_usd:
+            return False
+        return (self.at - self.start) >= (self.end - self.start) * FORECAST_AFTER
 
 
 def evaluate(budget: Budget, spent: Decimal, now: dt.datetime) -> BudgetStatus:
@@ -191,4 +202,4 @@ def evaluate(budget: Budget, spent: Decimal, now: dt.datetime) -> BudgetStatus:
         if elapsed >= 60:
             total = (end - start).total_seconds()
             forecast = (spent * Decimal(total) / Decimal(elapsed)).quantize(Decimal("0.000001"))
-    return BudgetStatus(budget, start, end, spent, percent, crossed, forecast)
+    return BudgetStatus(budget, start, end, spent, percent, crossed, forecast, now)

@@ -486,7 +486,7 @@ def _attributes(ex: Exchange) -> dict[str, Any]:
 def _budget_headers(budget: Budget, remaining: Decimal) -> list[tuple[bytes, bytes]]:
     return [
         (b"x-tokenward-budget", budget.name.encode()),
-        (b"x-tokenward-budget-remaining-usd", format(remaining, "f").encode()),
+        (b"x-tokenward-budget-remaining-usd", format(remaining.normalize(), "f").encode()),
     ]
 
 

@@ -64,8 +64,9 @@ class BudgetRefusal(Exception):
         self.budget, self.remaining, self.needed, self.resets = budget, remaining, needed, resets
         scope = budget.describe_scope()
         super().__init__(
-            f"Budget {budget.name!r} ({scope}) has ${format(remaining, 'f')} left of ${format(budget.limit_usd, 'f')} "
-            f"this period; this request may cost up to ${format(needed, 'f')}. "
+            f"Budget {budget.name!r} ({scope}) has ${format(remaining.normalize(), 'f')} left of "
+            f"${format(budget.limit_usd.normalize(), 'f')} this period; this request may cost up to "
+            f"${format(needed.normalize(), 'f')}. "
             + ("It does not reset." if budget.period.kind == "total" else f"It resets at {resets.isoformat()}.")
         )
 

@@ -16,7 +16,7 @@ Fault injection, by request header ``x-tokenward-sim-fault``: ``hang`` (never an
 ``reset`` (close the connection without answering), ``gzip`` (gzip the body), ``cut:N``
 (send N events, then close the connection), ``delay:MS`` (wait MS between events),
 ``flaky:N:STATUS`` (answer the first N requests for that recording with STATUS, or reset the
-connection when STATUS is ``reset``; then replay).
+connection when STATUS is ``reset``; then replay), ``wait:MS`` (answer after MS milliseconds).
 """
 
 from __future__ import annotations
@@ -177,6 +177,8 @@ class Simulator:
                 if outcome != "reset":
                     error = {"error": {"message": "simulated overload", "type": "server_error", "code": None}}
                     return web.json_response(error, status=int(outcome), headers={"retry-after": "0"})
+        if fault.startswith("wait:"):  # answer after a pause (keeps concurrent requests in flight)
+            await asyncio.sleep(float(fault.split(":")[1]) / 1000)
         if fault == "hang":
             while request.transport is not None and not request.transport.is_closing():
                 await asyncio.sleep(0.05)

@@ -20,6 +20,7 @@ Configuration (the ``alerts:`` section)::
 from __future__ import annotations
 
 import asyncio
+import email.policy
 import html
 import logging
 import os
@@ -68,6 +69,9 @@ class WebhookSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     def resolved_url(self) -> str | None:
         """The URL to post to (``None`` when the environment variable is unset)."""
         return self.url or (os.environ.get(self.url_env) if self.url_env else None)
+
+
+_SMTP_POLICY = email.policy.SMTP.clone(max_line_length=998)  # RFC 5322 2.1.1's hard limit
 
 
 class DigestSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -176,8 +180,12 @@ class Notifier:
         message.add_alternative(alert.html, subtype="html")
         username = os.environ.get(smtp.username_env) if smtp.username_env else None
         password = os.environ.get(smtp.password_env) if smtp.password_env else None
+        # Serialised here rather than by aiosmtplib: the stdlib folds a long subject starting
+        # with "[" right after "Subject:", which some parsers read back with a leading space.
         await aiosmtplib.send(
-            message,
+            message.as_bytes(policy=_SMTP_POLICY),
+            sender=smtp.sender,
+            recipients=recipients,
             hostname=smtp.host,
             port=smtp.port,
             use_tls=smtp.security == "ssl",

@@ -206,7 +206,7 @@ def _budget_alert(
     headline = {
         "threshold": f"crossed {', '.join(f'{t}%' for t in thresholds)}",
         "forecast": f"projected to reach {money(status.forecast or 0)} by {resets}",
-        "refusing": "limit reached: requests are being refused",
+        "refusing": "requests are being refused",
     }[kind]
     subject = f"[tokenward] budget {budget.name}: {status.percent}% of {money(budget.limit_usd)} ({headline})"
     facts = [

@@ -17,6 +17,7 @@ from tokenward.proxy.app import create_app
 from tokenward.proxy.config import AuthConfig, Config, LedgerConfig, UpstreamConfig, VirtualKeyConfig
 from tokenward.proxy.server import running_in_thread
 from tokenward.proxy.simulator import Recording, SimulatorServer, load_recordings, sample_recordings_path
+from tokenward.reports.alerts import AlertSettings
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 CORPUS = SHARED / "fixtures" / "recorded" / "exchanges.jsonl"
@@ -178,6 +179,9 @@ class ProxyFactory:
         transport: Any = None,
         catalog: Any = None,
         pricing: Any = None,
+        budgets: Any = None,
+        alerts: Any = None,
+        notifier: Any = None,
     ) -> Proxy:
         ledger = self.directory / f"ledger{len(self.contexts)}.duckdb"
         config = Config(
@@ -186,8 +190,10 @@ class ProxyFactory:
             auth=AuthConfig(mode=auth),  # type: ignore[arg-type]
             virtual_keys=keys or [],
             pricing=pricing or PricingSettings(),
+            budgets=budgets or [],
+            alerts=alerts or AlertSettings(),
         )
-        app = create_app(config, upstream_transport=transport, catalog=catalog)
+        app = create_app(config, upstream_transport=transport, catalog=catalog, notifier=notifier)
         context = running_in_thread(app)
         url = context.__enter__()
         self.contexts.append(context)

@@ -1,0 +1,335 @@
+"""Budget alerts over real SMTP (aiosmtpd): sent once, on time, across restarts; failures visible."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import email
+import email.policy
+import json
+import socket
+import time
+from decimal import Decimal
+from pathlib import Path
+
+import httpx
+import pytest
+from aiosmtpd.controller import Controller
+from click.testing import CliRunner
+
+from tokenward.pricing.settings import BudgetSettings
+from tokenward.proxy.cli import main
+from tokenward.reports.alerts import AlertSettings, DigestSettings, Notifier, SmtpSettings, WebhookSettings
+from tokenward.reports.budget_check import evaluate_and_notify
+from tokenward.reports.ledger import Spool, open_ledger
+
+from .test_ledger import make_row
+
+UTC = dt.UTC
+RECORD_HEADER = "x-tokenward-sim-record"
+
+
+class Inbox:
+    """Collects the mails an aiosmtpd server receives."""
+
+    def __init__(self) -> None:
+        self.messages: list[email.message.EmailMessage] = []
+
+    async def handle_DATA(self, server, session, envelope):  # noqa: N802 - aiosmtpd's hook name
+        self.messages.append(email.message_from_bytes(envelope.content, policy=email.policy.default))
+        return "250 OK"
+
+    def wait_for(self, count: int, timeout: float = 10.0) -> list[email.message.EmailMessage]:
+        deadline = time.monotonic() + timeout
+        while len(self.messages) < count and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return list(self.messages)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def smtp():
+    inbox = Inbox()
+    controller = Controller(inbox, hostname="127.0.0.1", port=free_port())
+    controller.start()
+    yield inbox, controller.port
+    controller.stop()
+
+
+def settings_for(port: int, **extra) -> AlertSettings:
+    return AlertSettings(
+        smtp=SmtpSettings(host="127.0.0.1", port=port, security="none", sender="tokenward@test"),
+        retries=1,
+        backoff_s=0.01,
+        **extra,
+    )
+
+
+def seed(path: Path, rows: list[dict]) -> None:
+    Spool(path).write(rows)
+    Spool(path).ingest()
+
+
+def cost_row(request_id: str, when: str, cost: str, model: str = "gpt-4o", key: str = "agent", **extra) -> dict:
+    started = dt.datetime.fromisoformat(when).timestamp()
+    return make_row(
+        request_id,
+        started_at=started,
+        ended_at=started + 1,
+        served_model=model,
+        principal=key,
+        team="research",
+        cost_usd=Decimal(cost),
+        **extra,
+    )
+
+
+def run_check(path: Path, budgets, settings, now: str, *, notifier=None, dry_run=False):
+    conn = open_ledger(path)
+
+    async def session(work):
+        return work(conn)
+
+    try:
+        return asyncio.run(
+            evaluate_and_notify(
+                session,
+                budgets,
+                settings,
+                notifier or Notifier(settings),
+                dt.datetime.fromisoformat(now),
+                dry_run=dry_run,
+            )
+        )
+    finally:
+        conn.close()
+
+
+MONTHLY = BudgetSettings(
+    name="research-monthly",
+    limit_usd=100,
+    scope={"team": "research"},
+    period="month",
+    timezone="Europe/Paris",
+    notify=["lead@example.com"],
+).to_budget()
+
+
+def test_threshold_mail_has_the_facts_in_text_and_html(tmp_path, smtp):
+    inbox, port = smtp
+    path = tmp_path / "l.duckdb"
+    seed(
+        path,
+        [
+            cost_row("a", "2026-11-10T09:00:00+00:00", "40.00"),
+            cost_row("b", "2026-11-12T09:00:00+00:00", "15.50", model="claude-sonnet-4-5", key="batch"),
+        ],
+    )
+    sent = run_check(path, [MONTHLY], settings_for(port), "2026-11-12T10:00:00+00:00")
+    # the spend rate also heads past the limit this month: that is its own, separate alert
+    assert [(a.kind, a.threshold) for a, _ in sent] == [("threshold", 50), ("forecast", 0)]
+    mail, forecast = sorted(inbox.wait_for(2), key=lambda m: "projected" in m["Subject"])
+    assert forecast["Subject"] == (
+        "[tokenward] budget research-monthly: 55.50% of $100.00 "
+        "(projected to reach $145.31 by 2026-12-01T00:00:00+01:00)"
+    )
+    assert mail["To"] == "lead@example.com" and mail["From"] == "tokenward@test"
+    assert mail["Subject"] == "[tokenward] budget research-monthly: 55.50% of $100.00 (crossed 50%)"
+    text = mail.get_body(("plain",)).get_content()
+    html = mail.get_body(("html",)).get_content()
+    for fact in (
+        "Scope: team=research",
+        "Spent: $55.50 (55.50%)",
+        "Limit: $100.00",
+        "Remaining: $44.50",
+        "Resets: 2026-12-01T00:00:00+01:00",
+        "gpt-4o: $40.00",
+        "claude-sonnet-4-5: $15.50",
+        "agent: $40.00",
+        "batch: $15.50",
+    ):
+        assert fact in text, fact
+    # 11 d 11 h (275 h) of a 720-hour month (Paris) gone: 55.50 x 720 / 275 = $145.309 forecast
+    assert "Forecast for the period: $145.31" in text
+    assert "<table>" in html and "research-monthly" in html
+    # nothing more to say at the next evaluation
+    assert run_check(path, [MONTHLY], settings_for(port), "2026-11-12T11:00:00+00:00") == []
+    assert len(inbox.wait_for(3, timeout=0.3)) == 2
+
+
+def test_two_thresholds_crossed_by_one_request_make_one_mail_each_threshold_once(tmp_path, smtp):
+    inbox, port = smtp
+    path = tmp_path / "l.duckdb"
+    seed(path, [cost_row("small", "2026-11-02T09:00:00+00:00", "40.00")])
+    assert run_check(path, [MONTHLY], settings_for(port), "2026-11-02T10:00:00+00:00") == []
+    seed(path, [cost_row("big", "2026-11-02T11:00:00+00:00", "45.00")])  # 40 % -> 85 %: past 50 and 80
+    sent = run_check(path, [MONTHLY], settings_for(port), "2026-11-02T11:01:00+00:00")
+    assert [(a.kind, a.threshold) for a, _ in sent] == [("threshold", 80)]
+    (mail,) = inbox.wait_for(1)
+    assert "(crossed 50%, 80%)" in mail["Subject"]
+    conn = open_ledger(path, read_only=True)
+    claims = conn.execute("SELECT kind, threshold, status FROM budget_alerts ORDER BY threshold").fetchall()
+    conn.close()
+    assert [c for c in claims if c[0] == "threshold"] == [("threshold", 50, "sent"), ("threshold", 80, "sent")]
+    assert run_check(path, [MONTHLY], settings_for(port), "2026-11-02T12:00:00+00:00") == []
+
+
+def test_b37_replicas_and_restarts_do_not_resend(tmp_path, smtp):
+    inbox, port = smtp
+    path = tmp_path / "l.duckdb"
+    budget = BudgetSettings(
+        name="key-6000",
+        limit_usd=6000,
+        scope={"key": "agent"},
+        period="total",
+        thresholds=[50, 80],
+        notify=["owner@example.com"],
+    ).to_budget()
+    seed(path, [cost_row("a", "2026-11-01T09:00:00+00:00", "2990")])
+    seed(path, [cost_row("b", "2026-11-01T10:00:00+00:00", "30")])  # $2990 -> $3020: crosses 50 %
+    # two replicas evaluate the same ledger: the claim is a row, so only one of them sends
+    first = run_check(path, [budget], settings_for(port), "2026-11-01T10:00:05+00:00")
+    second = run_check(path, [budget], settings_for(port), "2026-11-01T10:00:05+00:00")
+    assert len(first) == 1 and second == []
+    seed(path, [cost_row("c", "2026-11-02T10:00:00+00:00", "1960")])  # $4980: 83 %
+    # a restart at 83 %: the 80 % crossing is new, the 50 % one is not sent again
+    sent = run_check(path, [budget], settings_for(port), "2026-11-02T10:00:05+00:00")
+    assert [(a.kind, a.threshold) for a, _ in sent] == [("threshold", 80)]
+    assert run_check(path, [budget], settings_for(port), "2026-11-03T10:00:00+00:00") == []
+    mails = inbox.wait_for(2)
+    assert [m["Subject"].rsplit("(", 1)[1] for m in mails] == ["crossed 50%)", "crossed 80%)"]
+
+
+def test_failed_delivery_is_retried_and_reported(tmp_path, smtp):
+    inbox, port = smtp
+    path = tmp_path / "l.duckdb"
+    seed(path, [cost_row("a", "2026-11-10T09:00:00+00:00", "60.00")])
+    posted = []
+    hooks = httpx.MockTransport(lambda request: (posted.append(json.loads(request.content)), httpx.Response(200))[1])
+    broken = settings_for(
+        free_port(), admins=["ops-hook"], webhooks=[WebhookSettings(name="ops-hook", url="https://hooks.example/x")]
+    )
+    sent = run_check(path, [MONTHLY], broken, "2026-11-10T10:00:00+00:00", notifier=Notifier(broken, transport=hooks))
+    # each alert that could not be mailed is reported to the admins (here a webhook) at once
+    assert [a.kind for a, _ in sent] == ["threshold", "delivery_failed", "forecast", "delivery_failed"]
+    for _, deliveries in sent[0::2]:
+        assert not deliveries[0].ok and deliveries[0].attempts == 2  # retried once, then reported
+    assert all(deliveries[0].ok for _, deliveries in sent[1::2])
+    assert posted[0]["text"].startswith("*[tokenward] alert delivery failing:")  # Slack-compatible
+    history = CliRunner().invoke(main, ["alerts", "history", "--db", str(path)], catch_exceptions=False)
+    assert "pending" in history.output and "failed" in history.output and "research-monthly" in history.output
+    # the mail server is back: the pending alert goes out once, and the failure alert is not repeated
+    working = settings_for(
+        port, admins=["ops-hook"], webhooks=[WebhookSettings(name="ops-hook", url="https://hooks.example/x")]
+    )
+    again = run_check(
+        path, [MONTHLY], working, "2026-11-10T10:05:00+00:00", notifier=Notifier(working, transport=hooks)
+    )
+    assert [(a.kind, d[0].ok) for a, d in again] == [("threshold", True), ("forecast", True)]
+    assert len(inbox.wait_for(2)) == 2 and len(posted) == 2
+    assert run_check(path, [MONTHLY], working, "2026-11-10T10:10:00+00:00") == []
+
+
+def test_forecast_refusals_and_unpriced_models(tmp_path, smtp):
+    inbox, port = smtp
+    path = tmp_path / "l.duckdb"
+    blocking = BudgetSettings(
+        name="daily-cap", limit_usd=10, period="day", thresholds=[100], action="block", notify=["lead@example.com"]
+    ).to_budget()
+    seed(
+        path,
+        [
+            cost_row("a", "2026-11-10T01:00:00+00:00", "4.00"),  # $4 by 06:00: on course for $16 by midnight
+            make_row(
+                "r",
+                started_at=dt.datetime.fromisoformat("2026-11-10T05:00:00+00:00").timestamp(),
+                ended_at=0.0,
+                outcome="rejected",
+                price_status="not_billed",
+                cost_usd=Decimal(0),
+                error="Budget 'daily-cap' (all traffic) has $0 left",
+            ),
+            make_row(
+                "u",
+                started_at=dt.datetime.fromisoformat("2026-11-10T02:00:00+00:00").timestamp(),
+                ended_at=0.0,
+                provider="acme",
+                served_model="acme-9",
+                price_status="unpriced",
+                cost_usd=None,
+                input_tokens=5,
+            ),
+        ],
+    )
+    sent = run_check(path, [blocking], settings_for(port, admins=["ops@example.com"]), "2026-11-10T06:00:00+00:00")
+    kinds = sorted((a.kind, a.targets) for a, _ in sent)
+    assert kinds == [
+        ("forecast", ("lead@example.com",)),
+        ("refusing", ("lead@example.com",)),
+        ("unpriced_model", ("ops@example.com",)),
+    ]
+    subjects = sorted(m["Subject"] for m in inbox.wait_for(3))
+    assert subjects[0] == (
+        "[tokenward] budget daily-cap: 40.00% of $10.00 (projected to reach $16.00 by 2026-11-11T00:00:00+00:00)"
+    )
+    assert subjects[1] == "[tokenward] budget daily-cap: 40.00% of $10.00 (requests are being refused)"
+    assert subjects[2] == "[tokenward] no price for model acme-9 (acme): 1 request(s) recorded without a cost"
+
+
+def test_digest_is_sent_once_per_period(tmp_path, smtp):
+    from tokenward.proxy.scheduler import ledger_session, send_digest
+
+    inbox, port = smtp
+    path = tmp_path / "l.duckdb"
+    seed(
+        path, [cost_row("a", "2026-11-09T10:00:00+00:00", "12.50"), cost_row("b", "2026-11-09T11:00:00+00:00", "0.25")]
+    )
+    settings = settings_for(port, digest=DigestSettings(to=["lead@example.com"], every="daily", at="08:00"))
+    session = ledger_session(Spool(path))
+    now = dt.datetime(2026, 11, 10, 8, 0, tzinfo=UTC)
+    assert asyncio.run(send_digest(session, [MONTHLY], settings, Notifier(settings), now=now))
+    assert not asyncio.run(send_digest(session, [MONTHLY], settings, Notifier(settings), now=now))  # once
+    (mail,) = inbox.wait_for(1)
+    assert mail["Subject"] == "[tokenward] daily spend 2026-11-09: $12.75 over 2 requests"
+    assert "research-monthly: $12.75 of $100.00 (12.75%)" in mail.get_body(("plain",)).get_content()
+
+
+def test_alerts_test_command(smtp, tmp_path):
+    inbox, port = smtp
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        f"upstreams: [{{name: a, base_url: 'http://x'}}]\n"
+        f"alerts: {{smtp: {{host: 127.0.0.1, port: {port}, security: none}}}}\n"
+    )
+    result = CliRunner().invoke(
+        main, ["alerts", "test", "--to", "me@example.com", "--config", str(config)], catch_exceptions=False
+    )
+    assert result.output.strip() == "email me@example.com: ok"
+    assert inbox.wait_for(1)[0]["Subject"] == "[tokenward] test alert"
+
+
+def test_proxy_mails_soon_after_a_threshold_is_crossed(start_proxy, simulator, smtp, monkeypatch):
+    from .test_budgets import budget_proxy, long_prompt_request, register
+
+    monkeypatch.setenv("SIM_UPSTREAM_KEY", "sk-upstream")
+    inbox, port = smtp
+    request = long_prompt_request(1000, 1000)
+    register(simulator, "alerting", request, prompt_tokens=1007, completion_tokens=1000)
+    # each request: $0.0125175; the budget is $0.05, so the 50 % alert fires on the second request
+    budget = BudgetSettings(name="tiny", limit_usd="0.05", period="day", notify=["lead@example.com"])
+    proxy = budget_proxy(start_proxy, simulator, [budget], alerts=settings_for(port, evaluate_every_s=3600))
+    for _ in range(2):
+        reply = httpx.post(
+            f"{proxy.url}/v1/chat/completions",
+            json=request,
+            headers={"authorization": "Bearer tw-agent-key-0001", RECORD_HEADER: "alerting"},
+        )
+        assert reply.status_code == 200
+    # the scheduled check runs every hour here, but a crossing brings it forward (after the next flush)
+    (mail,) = inbox.wait_for(1, timeout=15)
+    assert mail["Subject"] == "[tokenward] budget tiny: 50.07% of $0.05 (crossed 50%)"

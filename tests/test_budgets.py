@@ -1,0 +1,322 @@
+"""Budget periods in named time zones, and hard limits that concurrency cannot overshoot."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import json
+from decimal import Decimal
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tokenward.pricing.budgets import Budget, Period, evaluate
+from tokenward.pricing.catalog import load_catalog
+from tokenward.pricing.settings import BudgetSettings
+from tokenward.proxy.config import UpstreamConfig, VirtualKeyConfig
+from tokenward.proxy.simulator import FAULT_HEADER, RECORD_HEADER, Recording
+from tokenward.reports.ledger import Spool
+
+from .test_ledger import make_row
+
+PRICES = Path(__file__).parent / "fixtures" / "field_case_prices.yaml"
+UTC = dt.UTC
+
+
+def at(text: str) -> dt.datetime:
+    return dt.datetime.fromisoformat(text)
+
+
+def test_b34_daily_window_resets_at_local_midnight_not_utc():
+    period = Period("day", "Asia/Shanghai")
+    # 23:50 local (15:50Z) is still the old day; 00:10 local (16:10Z) is the new one
+    assert period.window(at("2026-11-29T15:50:00+00:00")) == (
+        at("2026-11-28T16:00:00+00:00"),
+        at("2026-11-29T16:00:00+00:00"),
+    )
+    assert period.window(at("2026-11-29T16:10:00+00:00")) == (
+        at("2026-11-29T16:00:00+00:00"),
+        at("2026-11-30T16:00:00+00:00"),
+    )
+    budget = Budget("daily", Decimal(100), period=period, action="block")
+    # $100 spent by 21:30 local: at 23:50 local the day is used up; at 00:10 the new window starts at 0
+    assert evaluate(budget, Decimal(100), at("2026-11-29T15:50:00+00:00")).remaining == 0
+    assert evaluate(budget, Decimal(0), at("2026-11-29T16:10:00+00:00")).start == at("2026-11-29T16:00:00+00:00")
+
+
+def test_days_across_dst_changes_are_23_and_25_hours():
+    new_york = Period("day", "America/New_York")
+    spring_start, spring_end = new_york.window(at("2026-03-08T12:00:00+00:00"))
+    assert (spring_start, spring_end) == (at("2026-03-08T05:00:00+00:00"), at("2026-03-09T04:00:00+00:00"))
+    assert spring_end - spring_start == dt.timedelta(hours=23)
+    fall_start, fall_end = new_york.window(at("2026-11-01T12:00:00+00:00"))
+    assert (fall_start, fall_end) == (at("2026-11-01T04:00:00+00:00"), at("2026-11-02T05:00:00+00:00"))
+    assert fall_end - fall_start == dt.timedelta(hours=25)
+
+
+def test_weeks_months_totals_and_rolling_windows():
+    paris = "Europe/Paris"
+    # a Sunday evening in Paris belongs to the ISO week that began on Monday 2026-11-23
+    assert Period("week", paris).window(at("2026-11-29T20:00:00+00:00"))[0] == at("2026-11-22T23:00:00+00:00")
+    # month end and a leap-free February: January 31 23:30 local is still January
+    jan = Period("month", paris).window(at("2027-01-31T22:30:00+00:00"))
+    assert jan == (at("2026-12-31T23:00:00+00:00"), at("2027-01-31T23:00:00+00:00"))
+    feb = Period("month", paris).window(at("2027-02-15T00:00:00+00:00"))
+    assert feb[1] - feb[0] == dt.timedelta(days=28)
+    assert Period("total").window(at("2026-11-29T00:00:00+00:00"))[0].year == 1970
+    rolling = Period("rolling", rolling_hours=720)  # a 30-day window that moves with time
+    start, end = rolling.window(at("2026-11-29T12:00:00+00:00"))
+    assert (start, end) == (at("2026-10-30T12:00:00+00:00"), at("2026-11-29T12:00:00+00:00"))
+    with pytest.raises(ValueError, match="rolling_hours"):
+        Period("rolling")
+    with pytest.raises(ValueError, match="unknown time zone"):
+        Period("day", "Mars/Olympus")
+
+
+def test_thresholds_and_forecast():
+    budget = Budget("m", Decimal(100), period=Period("month"), thresholds=(50, 80, 100))
+    # 10 days into a 30-day month, $40 spent: 40 %, 50 % not crossed; forecast $120 over the limit
+    status = evaluate(budget, Decimal(40), at("2026-11-11T00:00:00+00:00"))
+    assert (status.percent, status.crossed, status.forecast, status.forecast_exceeds) == (
+        Decimal("40.00"),
+        (),
+        Decimal("120.000000"),
+        True,
+    )
+    assert evaluate(budget, Decimal(80), at("2026-11-20T00:00:00+00:00")).crossed == (50, 80)
+    # 2 days in (under a tenth of the month), $10 projects to $150, but that is too early to alert
+    early = evaluate(budget, Decimal(10), at("2026-11-03T00:00:00+00:00"))
+    assert (early.forecast, early.forecast_exceeds) == (Decimal("150.000000"), False)
+    at_limit = evaluate(budget, Decimal(10), at("2026-11-04T00:00:00+00:00"))  # 3 days: $100, not past it
+    assert (at_limit.forecast, at_limit.forecast_exceeds) == (Decimal("100.000000"), False)
+    assert evaluate(budget, Decimal(12), at("2026-11-04T00:00:00+00:00")).forecast_exceeds is True  # $120
+
+
+def test_b35_spend_stays_until_the_window_ends(tmp_path):
+    """A 30-day rolling budget's spend is what the ledger holds in the window: no reset job wipes it."""
+    from tokenward.reports.budget_check import status_of
+    from tokenward.reports.ledger import open_ledger
+
+    path = tmp_path / "l.duckdb"
+    created = at("2026-11-29T10:00:00+00:00").timestamp()
+    Spool(path).write(
+        [
+            make_row(
+                f"c{i}", started_at=created + i, ended_at=created + i, end_user="cust-0042", cost_usd=Decimal(cost)
+            )
+            for i, cost in enumerate(("1.00", "1.10", "1.00"))
+        ]
+    )
+    Spool(path).ingest()
+    budget = BudgetSettings(
+        name="cust-0042", limit_usd=20, scope={"end_user": "cust-0042"}, period="rolling", rolling_hours=720
+    ).to_budget()
+    conn = open_ledger(path, read_only=True)
+    try:
+        assert status_of(conn, budget, at("2026-11-29T10:10:00+00:00")).spent == Decimal("3.10")
+        assert status_of(conn, budget, at("2026-12-28T09:00:00+00:00")).spent == Decimal("3.10")
+        assert status_of(conn, budget, at("2026-12-29T10:00:05+00:00")).spent == Decimal(0)
+    finally:
+        conn.close()
+
+
+# --- hard limits through the real proxy ---------------------------------------------------------
+
+
+def long_prompt_request(n_tokens: int, max_tokens: int) -> dict:
+    """A chat request whose input is n_tokens + 7 tokens in o200k_base: "hello" + (n-1) x " hello"
+    (one token each), 1 for the role "user", 3 per message, 3 for the reply's priming."""
+    return {
+        "model": "gpt-4o",
+        "max_tokens": max_tokens,
+        "messages": [{"role": "user", "content": "hello" + " hello" * (n_tokens - 1)}],
+    }
+
+
+def register(simulator, name: str, request: dict, prompt_tokens: int, completion_tokens: int) -> None:
+    body = {
+        "id": name,
+        "object": "chat.completion",
+        "model": "gpt-4o",
+        "choices": [],
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
+    }
+    simulator.simulator.add(
+        Recording(
+            name,
+            "test",
+            "openai",
+            "chat_completions",
+            False,
+            {"body": request},
+            {"status": 200, "content_type": "application/json", "body": body},
+            None,
+        )
+    )
+
+
+@pytest.fixture(autouse=True)
+def upstream_key(monkeypatch):
+    monkeypatch.setenv("SIM_UPSTREAM_KEY", "sk-upstream")
+
+
+def budget_proxy(start_proxy, simulator, budgets, *, seed_rows=(), **extra):
+    factory = start_proxy
+    ledger = factory.directory / f"ledger{len(factory.contexts)}.duckdb"
+    if seed_rows:
+        Spool(ledger).write(list(seed_rows))
+        Spool(ledger).ingest()
+    upstream = UpstreamConfig(
+        name="test", base_url=f"{simulator.url}/test/v1", default=True, provider="test", api_key_env="SIM_UPSTREAM_KEY"
+    )
+    return factory(
+        upstreams=[upstream],
+        auth="virtual_keys",
+        keys=[VirtualKeyConfig(name="agent", key="tw-agent-key-0001", team="research")],
+        catalog=load_catalog([PRICES], builtin=False),
+        budgets=budgets,
+        **extra,
+    )
+
+
+async def send_many(url: str, request: dict, record: str, count: int) -> list[httpx.Response]:
+    headers = {"authorization": "Bearer tw-agent-key-0001", RECORD_HEADER: record, FAULT_HEADER: "wait:300"}
+    async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=count)) as client:
+        return await asyncio.gather(
+            *(client.post(f"{url}/v1/chat/completions", json=request, headers=headers) for _ in range(count))
+        )
+
+
+def test_b32_concurrent_requests_cannot_all_pass_on_the_same_spend(start_proxy, simulator):
+    # $1.00 budget, $0.90 already spent; each request: 3000-token document + max_tokens 2000
+    # worst case: (3007 * 2.50 + 2000 * 10.00) / 1M = $0.0275175; 0.90 + 3 x 0.0275175 <= 1.00 < + 4 x
+    request = long_prompt_request(3000, 2000)
+    register(simulator, "b32", request, prompt_tokens=3007, completion_tokens=1750)
+    seed = make_row(
+        "earlier",
+        started_at=dt.datetime.now(UTC).timestamp() - 60,
+        ended_at=dt.datetime.now(UTC).timestamp(),
+        principal="agent",
+        team="research",
+        cost_usd=Decimal("0.90"),
+    )
+    budget = BudgetSettings(
+        name="research-daily", limit_usd=1.00, scope={"team": "research"}, period="day", action="block"
+    )
+    proxy = budget_proxy(start_proxy, simulator, [budget], seed_rows=[seed])
+    replies = asyncio.run(send_many(proxy.url, request, "b32", 8))
+    statuses = sorted(r.status_code for r in replies)
+    assert statuses == [200] * 3 + [429] * 5
+    refusal = next(r for r in replies if r.status_code == 429)
+    error = refusal.json()["error"]
+    assert (error["code"], error["type"]) == ("budget_exceeded", "insufficient_quota")
+    assert "research-daily" in error["message"] and refusal.headers["x-tokenward-budget"] == "research-daily"
+    rows = proxy.rows(9)
+    admitted = [r for r in rows if r["outcome"] == "ok" and r["request_id"] != "earlier"]
+    # actual cost each: 3007 * 2.50 + 1750 * 10.00 = 25017.5 -> $0.0250175; total 0.90 + 3 x that = $0.9750525
+    assert [r["cost_usd"] for r in admitted] == [Decimal("0.0250175")] * 3
+    assert sum(r["cost_usd"] for r in rows if r["cost_usd"]) == Decimal("0.9750525")
+    assert sum(r["outcome"] == "rejected" for r in rows) == 5
+    ok = next(r for r in replies if r.status_code == 200)
+    # after the three settle: 1.00 - 0.9750525 left (the header was computed while they were in flight)
+    assert ok.headers["x-tokenward-budget"] == "research-daily"
+
+
+def test_hundred_concurrent_requests_against_room_for_ten(start_proxy, simulator):
+    # each request costs exactly its worst case: 1007 input tokens at $2.50 + 1000 output at $10.00
+    # = (2517.5 + 10000) / 1M = $0.0125175; the budget holds exactly ten of them
+    request = long_prompt_request(1000, 1000)
+    register(simulator, "hundred", request, prompt_tokens=1007, completion_tokens=1000)
+    budget = BudgetSettings(name="exactly-ten", limit_usd="0.125175", period="total", action="block")
+    proxy = budget_proxy(start_proxy, simulator, [budget])
+    replies = asyncio.run(send_many(proxy.url, request, "hundred", 100))
+    assert sum(r.status_code == 200 for r in replies) == 10
+    assert sum(r.status_code == 429 for r in replies) == 90
+    rows = proxy.rows(100)
+    spent = sum(r["cost_usd"] for r in rows if r["cost_usd"])
+    assert spent == Decimal("0.125175")  # never above the limit, and every affordable request went through
+    # once the ten have settled, nothing is left: one more is refused
+    late = asyncio.run(send_many(proxy.url, request, "hundred", 1))[0]
+    assert late.status_code == 429 and late.headers["x-tokenward-budget-remaining-usd"] == "0"
+
+
+def test_reservations_are_released_on_errors(start_proxy, simulator, sample):
+    request = long_prompt_request(10, 100)
+    register(simulator, "released", request, prompt_tokens=17, completion_tokens=100)
+    # worst case (17 * 2.50 + 100 * 10.00) / 1M = $0.0010425; room for one at a time
+    budget = BudgetSettings(name="one-at-a-time", limit_usd="0.0015", period="total", action="block")
+    proxy = budget_proxy(start_proxy, simulator, [budget])
+    headers = {"authorization": "Bearer tw-agent-key-0001", RECORD_HEADER: "released"}
+    failed = httpx.post(
+        f"{proxy.url}/v1/chat/completions", json=request, headers={**headers, FAULT_HEADER: "flaky:1:503"}
+    )
+    assert failed.status_code == 503  # the upstream refused: nothing billed, reservation released
+    ok = httpx.post(f"{proxy.url}/v1/chat/completions", json=request, headers=headers)
+    assert ok.status_code == 200
+    # 17 * 2.50 + 100 * 10.00 = 1042.5 -> $0.0010425 spent; $0.0004575 left: the next worst case does not fit
+    assert ok.headers["x-tokenward-budget-remaining-usd"] in ("0.0004575", "0.0015")
+    proxy.rows(2)
+    again = httpx.post(f"{proxy.url}/v1/chat/completions", json=request, headers=headers)
+    assert again.status_code == 429
+
+
+def test_attribution_from_keys_headers_and_the_user_field(start_proxy, simulator):
+    request = dict(long_prompt_request(5, 10), user="customer-7")
+    register(simulator, "attrib", request, prompt_tokens=12, completion_tokens=10)
+    budget = BudgetSettings(name="tagged", limit_usd=10, scope={"tag": "nightly"}, period="month")
+    proxy = budget_proxy(start_proxy, simulator, [budget])
+    reply = httpx.post(
+        f"{proxy.url}/v1/chat/completions",
+        json=request,
+        headers={
+            "authorization": "Bearer tw-agent-key-0001",
+            RECORD_HEADER: "attrib",
+            "x-tokenward-tags": "nightly, batch-7",
+            "x-tokenward-session": "run-42",
+        },
+    )
+    assert reply.status_code == 200 and reply.headers["x-tokenward-budget"] == "tagged"
+    sent = simulator.simulator.requests[-1]["headers"]
+    assert "x-tokenward-tags" not in sent and "x-tokenward-session" not in sent
+    (row,) = proxy.rows(1)
+    assert (row["principal"], row["team"], row["end_user"], row["tags"], row["session_id"]) == (
+        "agent",
+        "research",
+        "customer-7",
+        ["batch-7", "nightly"],
+        "run-42",
+    )
+    # the budget in scope of the tag counts it: 12 * 2.50 + 10 * 10.00 = 130 -> $0.00013
+    snapshot = next(s for s in proxy.app.state.guard.snapshot(dt.datetime.now(UTC)) if s["budget"] == "tagged")
+    assert snapshot["spent_usd"] == Decimal("0.00013")
+
+
+def test_budget_config_is_validated(tmp_path):
+    from tokenward.proxy.config import ConfigError, load_config
+
+    path = tmp_path / "c.yaml"
+    cases = {
+        "budgets: [{name: b, limit_usd: 0}]": "limit_usd must be > 0",
+        "budgets: [{name: b, limit_usd: 5, scope: {color: red}}]": "unknown scope 'color'",
+        "budgets: [{name: b, limit_usd: 5, timezone: Mars/Olympus}]": "unknown time zone",
+        "budgets: [{name: b, limit_usd: 5}, {name: b, limit_usd: 6}]": "duplicate budget name",
+        "budgets: [{name: b, limit_usd: 5, notify: [slack]}]": "neither an email address nor a webhook",
+    }
+    for text, expected in cases.items():
+        path.write_text(f"upstreams: [{{name: a, base_url: 'http://x'}}]\n{text}\n")
+        with pytest.raises(ConfigError, match=expected):
+            load_config(path)
+    path.write_text(
+        json.dumps(
+            {
+                "upstreams": [{"name": "a", "base_url": "http://x"}],
+                "budgets": [{"name": "ok", "limit_usd": 5, "notify": ["a@example.com"]}],
+            }
+        )
+    )
+    assert load_config(path).budget_list()[0].limit_usd == Decimal(5)

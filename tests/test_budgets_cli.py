@@ -1,0 +1,122 @@
+"""`tokenward budgets` and `tokenward keys`: what an operator runs next to a live proxy."""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+
+import duckdb
+import httpx
+from click.testing import CliRunner
+
+from tokenward.pricing.settings import BudgetSettings
+from tokenward.proxy.cli import main
+
+from .test_alerts import cost_row, seed
+from .test_budgets import budget_proxy, long_prompt_request, register
+from .test_budgets import upstream_key as upstream_key  # noqa: F401 - fixture: the simulator's upstream key
+
+RECORD_HEADER = "x-tokenward-sim-record"
+CONFIG = """\
+upstreams: [{name: a, base_url: "http://upstream.invalid"}]
+budgets:
+  - {name: research-monthly, limit_usd: 100, scope: {team: research}, period: month, timezone: Europe/Paris,
+     notify: [lead@example.com]}
+  - {name: agent-daily, limit_usd: 20, scope: {key: agent}, period: day, action: block}
+"""
+
+
+def invoke(*args: str) -> str:
+    result = CliRunner().invoke(main, list(args), catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def test_budgets_status_shows_spend_limit_and_forecast(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text(CONFIG)
+    db = tmp_path / "l.duckdb"
+    seed(
+        db,
+        [
+            cost_row("a", "2026-11-10T09:00:00+00:00", "40.00"),
+            cost_row("b", "2026-11-12T09:00:00+00:00", "15.50", key="batch"),
+            cost_row("c", "2026-10-31T22:30:00+00:00", "99.00"),
+        ],
+    )  # 23:30 in Paris: October's
+    output = invoke("budgets", "status", "--config", str(config), "--db", str(db), "--at", "2026-11-12T10:00:00+00:00")
+    research = next(line for line in output.splitlines() if "research-monthly" in line)
+    # $55.50 of $100 in the Paris month; forecast 55.50 x 720 h / 275 h = $145.31
+    for figure in ("team=research", "$55.5000", "$100.00", "55.50", "$44.5000", "$145.31", "alert"):
+        assert figure in research, figure
+    assert "2026-11-01 00:00 to 2026-12-01 00:00 Europe/Paris" in output
+    daily = next(line for line in output.splitlines() if "agent-daily" in line)
+    # only "a" is the agent's, and it was on 2026-11-10: the UTC day of 2026-11-12 has $0 so far
+    for figure in ("key=agent", "$0.0000", "$20.00", "0.00", "$20.0000", "block"):
+        assert figure in daily, figure
+
+
+def test_budgets_check_dry_run_claims_nothing(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text(CONFIG)
+    db = tmp_path / "l.duckdb"
+    seed(db, [cost_row("a", "2026-11-10T09:00:00+00:00", "85.00")])
+    output = invoke(
+        "budgets", "check", "--dry-run", "--config", str(config), "--db", str(db), "--at", "2026-11-12T10:00:00+00:00"
+    )
+    assert (
+        "[tokenward] budget research-monthly: 85.00% of $100.00 (crossed 50%, 80%) -> lead@example.com (would send)"
+    ) in output
+    conn = duckdb.connect(str(db), read_only=True)
+    assert conn.execute("SELECT count(*) FROM budget_alerts").fetchone() == (0,)
+    conn.close()
+
+
+def test_budgets_status_needs_budgets(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("upstreams: [{name: a, base_url: 'http://x'}]\n")
+    result = CliRunner().invoke(
+        main, ["budgets", "status", "--config", str(config), "--db", str(tmp_path / "l.duckdb")]
+    )
+    assert result.exit_code == 1 and "no budgets configured" in result.output
+
+
+def test_keys_created_on_the_command_line_work_in_the_running_proxy(start_proxy, simulator):
+    request = long_prompt_request(10, 5)
+    register(simulator, "keys", request, prompt_tokens=17, completion_tokens=5)
+    budget = BudgetSettings(name="ops-daily", limit_usd=5, scope={"team": "ops"}, period="day")
+    proxy = budget_proxy(start_proxy, simulator, [budget])
+    db = str(proxy.ledger)
+
+    def call(key: str) -> httpx.Response:
+        return httpx.post(
+            f"{proxy.url}/v1/chat/completions",
+            json=request,
+            headers={"authorization": f"Bearer {key}", RECORD_HEADER: "keys"},
+        )
+
+    def reload_now() -> None:
+        # the proxy re-reads stored keys every 30 s; bring that job forward instead of waiting
+        job = proxy.app.state.scheduler.get_job("keys")
+        job.modify(next_run_time=dt.datetime.now(dt.UTC))
+        time.sleep(0.5)
+
+    key = invoke("keys", "create", "bot", "--team", "ops", "--project", "triage", "--db", db).splitlines()[0]
+    assert key.startswith("tw-") and len(key) > 40
+    assert call(key).status_code == 401  # not yet loaded
+    reload_now()
+    reply = call(key)
+    assert reply.status_code == 200
+    (row,) = proxy.rows(expect=1, where="WHERE principal = 'bot'")
+    # 17 input x $2.50 + 5 output x $10.00 per 1M tokens = $0.0000925, attributed to the key's team
+    assert (row["team"], row["project"], row["input_tokens"], row["output_tokens"]) == ("ops", "triage", 17, 5)
+    assert str(row["cost_usd"].normalize()) == "0.0000925"
+    listing = invoke("keys", "list", "--db", db)
+    assert "bot" in listing and "ops" in listing and "live" in listing and key not in listing
+    assert "revoked" in invoke("keys", "revoke", "bot", "--db", db)
+    reload_now()
+    refused = call(key)
+    assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+    assert "revoked" in invoke("keys", "list", "--db", db)
+    duplicate = CliRunner().invoke(main, ["keys", "create", "bot", "--db", db])
+    assert duplicate.exit_code == 1 and "a key named 'bot' exists already" in duplicate.output
