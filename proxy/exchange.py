@@ -66,6 +66,7 @@ class Exchange:
     started_at: float = field(default_factory=time.time)
     started_perf: float = field(default_factory=time.perf_counter)
     principal: str = "anonymous"
+    key_id: str | None = None
     team: str | None = None
     project: str | None = None
     end_user: str | None = None
@@ -104,6 +105,7 @@ class Exchange:
             started_at=self.started_at,
             started_perf=self.started_perf,
             principal=self.principal,
+            key_id=self.key_id,
             team=self.team,
             project=self.project,
             end_user=self.end_user,

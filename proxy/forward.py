@@ -327,7 +327,8 @@ class Forwarder:
             inbound.headers.append((b"accept-encoding", b"identity"))
         ex.client_request_id = inbound.client_request_id
         identity = self.auth.identify(inbound.key)
-        ex.principal, ex.team, ex.project = identity.principal, identity.team, identity.project
+        ex.principal, ex.key_id = identity.principal, identity.key_id
+        ex.team, ex.project = identity.team, identity.project
         return inbound
 
     def _attach(self, ex: Exchange, route: Route, inbound: _Inbound) -> None:

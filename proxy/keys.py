@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from tokenward.proxy.config import VirtualKeyConfig
 from tokenward.proxy.errors import ProxyError
 
-__all__ = ["AUTH_HEADERS", "Authenticator", "Identity", "fingerprint"]
+__all__ = ["AUTH_HEADERS", "Authenticator", "Identity", "fingerprint", "key_id"]
 
 AUTH_HEADERS = frozenset({b"authorization", b"x-api-key", b"api-key"})
 """Request headers that can carry a client's key (lower-case, as in ASGI scopes)."""
@@ -36,11 +36,18 @@ def presented_key(name: bytes, value: bytes) -> str | None:
     return text or None
 
 
+def key_id(digest: str) -> str:
+    """Stable id of a virtual key from its sha256 hex digest: ``vk-`` + 12 hex digits."""
+    return "vk-" + digest[:12]
+
+
 @dataclass(frozen=True, slots=True)
 class Identity:
-    """Who is calling: the principal (a virtual key's name, or ``fp-...``) and its team and project."""
+    """Who is calling: the principal (a virtual key's name, or ``fp-...``), the key's stable id
+    (``vk-...`` or ``fp-...``; ``None`` without a key), and its team and project."""
 
     principal: str
+    key_id: str | None = None
     team: str | None = None
     project: str | None = None
 
@@ -58,12 +65,11 @@ class Authenticator:
 
     def __init__(self, mode: str, keys: list[VirtualKeyConfig]) -> None:
         self.mode = mode
-        self._configured = {
-            (
-                hashlib.sha256(k.key.encode()).hexdigest() if k.key is not None else (k.key_sha256 or "").lower()
-            ): Identity(k.name, k.team, k.project)
+        digests = [
+            (hashlib.sha256(k.key.encode()).hexdigest() if k.key is not None else (k.key_sha256 or "").lower(), k)
             for k in keys
-        }
+        ]
+        self._configured = {d: Identity(k.name, key_id(d), k.team, k.project) for d, k in digests}
         self._by_hash = dict(self._configured)
 
     def use_stored(self, stored: Iterable[tuple[str, str, str | None, str | None]]) -> None:
@@ -72,7 +78,10 @@ class Authenticator:
         ``stored`` holds ``(name, key_sha256, team, project)`` for each key not revoked; it replaces
         the stored keys known before (configured keys always stay).
         """
-        by_hash = {digest.lower(): Identity(name, team, project) for name, digest, team, project in stored}
+        by_hash = {
+            digest.lower(): Identity(name, key_id(digest.lower()), team, project)
+            for name, digest, team, project in stored
+        }
         by_hash.update(self._configured)
         self._by_hash = by_hash
 
@@ -88,7 +97,10 @@ class Authenticator:
             ProxyError: 401 in ``virtual_keys`` mode when the key is missing or unknown.
         """
         if self.passthrough:
-            return Identity(fingerprint(key)) if key else _ANONYMOUS
+            if not key:
+                return _ANONYMOUS
+            fp = fingerprint(key)
+            return Identity(fp, fp)
         if key is None:
             raise ProxyError(
                 401,

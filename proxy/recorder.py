@@ -123,6 +123,7 @@ def build_row(
         "raw_usage": ex.raw_usage,
         "row_kind": ex.row_kind,
         "parent_request_id": ex.parent_request_id,
+        "key_id": ex.key_id,
         "team": ex.team,
         "project": ex.project,
         "end_user": ex.end_user,

@@ -78,6 +78,7 @@ ROW_COLUMNS: dict[str, str] = {
     "raw_usage": "JSON",
     "row_kind": "VARCHAR",
     "parent_request_id": "VARCHAR",
+    "key_id": "VARCHAR",
     "team": "VARCHAR",
     "project": "VARCHAR",
     "end_user": "VARCHAR",

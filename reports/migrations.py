@@ -121,7 +121,10 @@ def m002_row_kinds(conn: duckdb.DuckDBPyConnection) -> None:
 
 @migration
 def m003_attribution_budgets_alerts(conn: duckdb.DuckDBPyConnection) -> None:
-    """Who spent it (team, project, end user, tags, session), stored keys, and sent alerts.
+    """Who spent it (key id, team, project, end user, tags, session), stored keys, and sent alerts.
+
+    ``key_id`` is stable while a key's name may change: ``vk-`` (a virtual key) or ``fp-`` (a
+    provider key in passthrough mode) plus 12 hex digits of the key's sha256.
 
     ``virtual_keys`` holds keys created with ``tokenward keys create`` (sha256 only, never the
     key). ``budget_alerts`` holds one claim per (budget, period start, kind, threshold): the row
@@ -129,6 +132,7 @@ def m003_attribution_budgets_alerts(conn: duckdb.DuckDBPyConnection) -> None:
     (field case B37). ``alert_deliveries`` logs every delivery attempt per channel.
     """
     for column, kind in (
+        ("key_id", "VARCHAR"),
         ("team", "VARCHAR"),
         ("project", "VARCHAR"),
         ("end_user", "VARCHAR"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import time
 
 import duckdb
@@ -111,6 +112,7 @@ def test_keys_created_on_the_command_line_work_in_the_running_proxy(start_proxy,
     # 17 input x $2.50 + 5 output x $10.00 per 1M tokens = $0.0000925, attributed to the key's team
     assert (row["team"], row["project"], row["input_tokens"], row["output_tokens"]) == ("ops", "triage", 17, 5)
     assert str(row["cost_usd"].normalize()) == "0.0000925"
+    assert row["key_id"] == "vk-" + hashlib.sha256(key.encode()).hexdigest()[:12]  # the key is never stored
     listing = invoke("keys", "list", "--db", db)
     assert "bot" in listing and "ops" in listing and "live" in listing and key not in listing
     assert "revoked" in invoke("keys", "revoke", "bot", "--db", db)

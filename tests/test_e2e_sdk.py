@@ -66,6 +66,7 @@ def test_sync_call_is_metered_and_priced(start_proxy, sample, sdk):
     assert row["price_status"] == "priced" and row["price_entry_id"] == "openai/gpt-4o"
     assert row["price_resolved_by"] == "snapshot"
     assert row["principal"].startswith("fp-") and "sk-test-key" not in str(row)
+    assert row["key_id"] == row["principal"]  # passthrough: the key's fingerprint is its id
     assert row["latency_ms"] > 0 and row["ttfb_ms"] > 0
 
 
