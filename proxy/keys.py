@@ -43,8 +43,11 @@ def key_id(digest: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Identity:
-    """Who is calling: the principal (a virtual key's name, or ``fp-...``), the key's stable id
-    (``vk-...`` or ``fp-...``; ``None`` without a key), and its team and project."""
+    """Who is calling: principal, key id, team and project.
+
+    ``principal`` is a virtual key's name or ``fp-...``; ``key_id`` the key's stable id
+    (``vk-...`` or ``fp-...``; ``None`` without a key).
+    """
 
     principal: str
     key_id: str | None = None
