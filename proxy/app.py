@@ -83,6 +83,8 @@ def create_app(
     else:
         client = AiohttpUpstream()
     auth = Authenticator(config.auth.mode, config.virtual_keys)
+    if config.auth.mode == "virtual_keys" and not config.virtual_keys:
+        log.warning("auth mode virtual_keys, no keys in the config: only keys from `tokenward keys create` work")
     forwarder = Forwarder(
         client,
         Router(config.upstreams, sends_own_keys=config.auth.mode == "virtual_keys"),

@@ -166,23 +166,32 @@ class Config(_Section):
         for i, key in enumerate(self.virtual_keys):
             if (key.key is None) == (key.key_sha256 is None):
                 raise ValueError(f"give exactly one of key or key_sha256 - at `$.virtual_keys[{i}]`")
-        if self.auth.mode == "virtual_keys" and not self.virtual_keys:
-            raise ValueError("auth mode virtual_keys needs at least one key - at `$.virtual_keys`")
         names = [b.name for b in self.budgets]
-        webhooks = {w.name for w in self.alerts.webhooks}
         for i, settings in enumerate(self.budgets):
             if names.count(settings.name) > 1:
                 raise ValueError(f"duplicate budget name {settings.name!r} - at `$.budgets[{i}].name`")
-            settings.to_budget()  # raises ValueError naming the budget
-            for target in settings.notify:
-                if "@" not in target and target not in webhooks:
-                    raise ValueError(
-                        f"notify target {target!r} is neither an email address nor a webhook name "
-                        f"- at `$.budgets[{i}].notify`"
-                    )
+            try:
+                settings.to_budget()
+            except ValueError as exc:
+                raise ValueError(f"{exc} - at `$.budgets[{i}]`") from exc
+            self._check_targets(settings.notify, f"$.budgets[{i}].notify")
+        self._check_targets(self.alerts.admins, "$.alerts.admins")
+        if self.alerts.digest is not None:
+            self._check_targets(self.alerts.digest.to, "$.alerts.digest.to")
         for i, upstream in enumerate(self.upstreams):
             if upstream.unpriced == "fallback" and not self.pricing.fallback:
                 raise ValueError(f"unpriced: fallback needs pricing.fallback rates - at `$.upstreams[{i}].unpriced`")
+
+    def _check_targets(self, targets: list[str], where: str) -> None:
+        webhooks = {w.name for w in self.alerts.webhooks}
+        for target in targets:
+            if "@" in target:
+                if self.alerts.smtp is None:
+                    raise ValueError(f"mail to {target!r} needs an SMTP server (alerts.smtp) - at `{where}`")
+            elif target not in webhooks:
+                raise ValueError(
+                    f"notify target {target!r} is neither an email address nor a webhook name - at `{where}`"
+                )
 
     def budget_list(self) -> list[Budget]:
         """The configured budgets."""

@@ -251,7 +251,7 @@ class Forwarder:
                 try:
                     ex.reservation = guard.admit(attributes, worst, now)
                 except BudgetRefusal as refusal:
-                    headers = _budget_headers(refusal.budget, refusal.remaining)
+                    headers = _budget_headers(refusal.budget, refusal.remaining) + _no_retry(refusal, now)
                     raise ProxyError(429, str(refusal), "budget_exceeded", "insufficient_quota", headers) from refusal
             else:
                 log.warning(
@@ -482,6 +482,19 @@ def _attributes(ex: Exchange) -> dict[str, Any]:
         "upstream": ex.upstream,
         "tag": ex.tags,
     }
+
+
+def _no_retry(refusal: BudgetRefusal, now: dt.datetime) -> list[tuple[bytes, bytes]]:
+    """Headers that tell clients not to retry a budget refusal at once.
+
+    OpenAI's and Anthropic's SDKs honour ``x-should-retry``; ``retry-after`` gives the seconds
+    until a calendar period resets.
+    """
+    headers = [(b"x-should-retry", b"false")]
+    if refusal.budget.period.kind in ("day", "week", "month"):
+        seconds = math.ceil((refusal.resets - now).total_seconds())
+        headers.append((b"retry-after", str(max(seconds, 1)).encode()))
+    return headers
 
 
 def _budget_headers(budget: Budget, remaining: Decimal) -> list[tuple[bytes, bytes]]:

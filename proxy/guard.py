@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
+from zoneinfo import ZoneInfo
 
 from tokenward.pricing.budgets import Budget, evaluate
 
@@ -66,9 +67,16 @@ class BudgetRefusal(Exception):
         super().__init__(
             f"Budget {budget.name!r} ({scope}) has ${format(remaining.normalize(), 'f')} left of "
             f"${format(budget.limit_usd.normalize(), 'f')} this period; this request may cost up to "
-            f"${format(needed.normalize(), 'f')}. "
-            + ("It does not reset." if budget.period.kind == "total" else f"It resets at {resets.isoformat()}.")
+            f"${format(needed.normalize(), 'f')}. " + _reset_note(budget, resets)
         )
+
+
+def _reset_note(budget: Budget, resets: dt.datetime) -> str:
+    if budget.period.kind == "total":
+        return "It does not reset."
+    if budget.period.kind == "rolling":
+        return f"It counts the last {budget.period.rolling_hours:g} hours of spend."
+    return f"It resets at {resets.astimezone(ZoneInfo(budget.period.timezone)).isoformat()}."
 
 
 def attributes_of_row(row: Mapping[str, Any]) -> dict[str, Any]:

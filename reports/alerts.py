@@ -27,6 +27,7 @@ import os
 from dataclasses import dataclass, field
 from email.message import EmailMessage
 from typing import Any, Literal
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import aiosmtplib
 import httpx
@@ -82,13 +83,23 @@ class DigestSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     at: str = "08:00"
     timezone: str = "UTC"
 
+    def __post_init__(self) -> None:
+        hour, _, minute = self.at.partition(":")
+        if not (hour.isdigit() and minute.isdigit() and int(hour) < 24 and int(minute) < 60):
+            raise ValueError(f"digest time {self.at!r} is not HH:MM")
+        try:
+            ZoneInfo(self.timezone)
+        except (ZoneInfoNotFoundError, ValueError) as exc:
+            raise ValueError(f"unknown time zone {self.timezone!r}") from exc
+
 
 class AlertSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """The ``alerts:`` section: channels, who hears about operational problems, and the digest.
 
-    ``admins`` receive alerts that belong to no budget: a model with no price, alert deliveries
-    that failed, budget refusals. ``retries``/``backoff_s``: a delivery is tried ``retries + 1``
-    times, waiting ``backoff_s``, then twice that, ...
+    ``admins`` receive alerts that belong to no budget (a model with no price, alert deliveries
+    that failed) and, with the budget's own recipients, a blocking budget's refusals.
+    ``retries``/``backoff_s``: a delivery is tried ``retries + 1`` times, waiting ``backoff_s``,
+    then twice that, ...
     """
 
     evaluate_every_s: float = 60.0

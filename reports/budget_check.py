@@ -146,7 +146,7 @@ def claim_alerts(
         if status.forecast_exceeds and status.spent < budget.limit_usd and ("forecast", 0) not in claimed:
             alerts.append(_budget_alert(conn, status, "forecast", (0,), dry_run))
         if budget.blocking and ("refusing", 0) not in claimed and _refusals(conn, budget, status.start):
-            alerts.append(_budget_alert(conn, status, "refusing", (0,), dry_run))
+            alerts.append(_budget_alert(conn, status, "refusing", (0,), dry_run, _refusal_targets(budget, settings)))
     if settings.admins:
         alerts += _unpriced_alerts(conn, settings, now, dry_run)
     if not dry_run:
@@ -186,8 +186,18 @@ def _refusals(conn: duckdb.DuckDBPyConnection, budget: Budget, start: dt.datetim
     return int(row[0]) if row else 0
 
 
+def _refusal_targets(budget: Budget, settings: AlertSettings) -> tuple[str, ...]:
+    """Refusals break someone's traffic: the budget's recipients and the admins hear of them."""
+    return tuple(dict.fromkeys([*budget.notify, *settings.admins]))
+
+
 def _budget_alert(
-    conn: duckdb.DuckDBPyConnection, status: BudgetStatus, kind: str, thresholds: tuple[int, ...], dry_run: bool
+    conn: duckdb.DuckDBPyConnection,
+    status: BudgetStatus,
+    kind: str,
+    thresholds: tuple[int, ...],
+    dry_run: bool,
+    targets: tuple[str, ...] | None = None,
 ) -> Alert:
     budget = status.budget
     models = top_spenders(conn, budget, status.start, status.end, "model")
@@ -247,7 +257,7 @@ def _budget_alert(
         subject,
         text,
         html_document(subject, facts, sections),
-        budget.notify,
+        budget.notify if targets is None else targets,
         payload,
     )
     claim = _Claim(budget.name, status.start, kind, thresholds, {"subject": subject, "text": text, "payload": payload})
@@ -301,7 +311,7 @@ def _pending(
     conn: duckdb.DuckDBPyConnection, budgets: Sequence[Budget], settings: AlertSettings, exclude: set[Any]
 ) -> list[Alert]:
     """Claims not yet sent (a failed or interrupted delivery): their stored message, sent again."""
-    targets = {b.name: b.notify for b in budgets}
+    by_name = {b.name: b for b in budgets}
     rows = conn.execute(
         "SELECT budget, period_start, kind, list(threshold ORDER BY threshold), any_value(detail) FROM budget_alerts "
         "WHERE status = 'pending' GROUP BY ALL"
@@ -311,7 +321,13 @@ def _pending(
         if (budget, start, kind) in exclude:
             continue
         info = json.loads(detail) if detail else {}
-        to = tuple(settings.admins) if kind in ("unpriced_model", "delivery_failed") else targets.get(budget, ())
+        known = by_name.get(budget)
+        if kind in ("unpriced_model", "delivery_failed"):
+            to = tuple(settings.admins)
+        elif known is None:
+            to = ()  # the budget is no longer configured
+        else:
+            to = _refusal_targets(known, settings) if kind == "refusing" else known.notify
         subject, text = info.get("subject", f"[tokenward] {kind} alert for {budget}"), info.get("text", "")
         alerts.append(
             Alert(

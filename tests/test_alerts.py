@@ -270,10 +270,12 @@ def test_forecast_refusals_and_unpriced_models(tmp_path, smtp):
     kinds = sorted((a.kind, a.targets) for a, _ in sent)
     assert kinds == [
         ("forecast", ("lead@example.com",)),
-        ("refusing", ("lead@example.com",)),
+        ("refusing", ("lead@example.com", "ops@example.com")),  # refusals break traffic: admins hear too
         ("unpriced_model", ("ops@example.com",)),
     ]
     subjects = sorted(m["Subject"] for m in inbox.wait_for(3))
+    refusal = next(m for m in inbox.messages if "refused" in m["Subject"])
+    assert refusal["To"] == "lead@example.com, ops@example.com"  # one mail to both
     assert subjects[0] == (
         "[tokenward] budget daily-cap: 40.00% of $10.00 (projected to reach $16.00 by 2026-11-11T00:00:00+00:00)"
     )

@@ -245,6 +245,36 @@ def test_hundred_concurrent_requests_against_room_for_ten(start_proxy, simulator
     assert late.status_code == 429 and late.headers["x-tokenward-budget-remaining-usd"] == "0"
 
 
+def test_sdk_does_not_retry_a_budget_refusal(start_proxy, simulator):
+    import openai
+
+    request = long_prompt_request(10, 100)
+    register(simulator, "sdk-refused", request, prompt_tokens=17, completion_tokens=100)
+    now = dt.datetime.now(UTC)
+    seed = make_row(
+        "spent",
+        started_at=now.timestamp() - 5,
+        ended_at=now.timestamp() - 4,
+        principal="agent",
+        team="research",
+        cost_usd=Decimal("2.00"),
+    )
+    budget = BudgetSettings(name="daily-2", limit_usd=2, period="day", timezone="Asia/Tokyo", action="block")
+    proxy = budget_proxy(start_proxy, simulator, [budget], seed_rows=[seed])
+    client = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="tw-agent-key-0001", max_retries=2)
+    with pytest.raises(openai.RateLimitError) as refused:
+        client.chat.completions.create(**request, extra_headers={RECORD_HEADER: "sdk-refused"})
+    reply = refused.value.response
+    assert refused.value.code == "budget_exceeded" and reply.headers["x-should-retry"] == "false"
+    # retry-after: the seconds until the next midnight in Tokyo (15:00 UTC)
+    reset = (now + dt.timedelta(hours=9)).replace(hour=0, minute=0, second=0, microsecond=0) + dt.timedelta(days=1)
+    expected = (reset - dt.timedelta(hours=9) - now).total_seconds()
+    assert abs(int(reply.headers["retry-after"]) - expected) < 5
+    assert "It resets at " in refused.value.message and "+09:00" in refused.value.message
+    rows = proxy.rows(2)
+    assert [(r["request_id"] == "spent", r["outcome"]) for r in rows] == [(True, "ok"), (False, "rejected")]
+
+
 def test_reservations_are_released_on_errors(start_proxy, simulator, sample):
     request = long_prompt_request(10, 100)
     register(simulator, "released", request, prompt_tokens=17, completion_tokens=100)
@@ -316,6 +346,7 @@ def test_budget_config_is_validated(tmp_path):
             {
                 "upstreams": [{"name": "a", "base_url": "http://x"}],
                 "budgets": [{"name": "ok", "limit_usd": 5, "notify": ["a@example.com"]}],
+                "alerts": {"smtp": {"host": "127.0.0.1"}},
             }
         )
     )

@@ -23,6 +23,9 @@ def test_example_config_loads_with_paths_relative_to_the_file():
     assert config.auth.mode == "passthrough"
 
 
+UP = "upstreams: [{name: a, base_url: 'http://x'}]\n"
+
+
 @pytest.mark.parametrize(
     ("text", "fragment"),
     [
@@ -31,7 +34,10 @@ def test_example_config_loads_with_paths_relative_to_the_file():
         ("upstreams: [{name: a, base_url: 'http://x', colour: red}]", "colour"),
         ("upstreams: [{name: a, base_url: 'http://x'}, {name: a, base_url: 'http://y'}]", "duplicate upstream name"),
         ("upstreams: [{name: a, base_url: 'http://x', port: nope}]", "port"),
-        ("upstreams: [{name: a, base_url: 'http://x'}]\nauth: {mode: virtual_keys}", "needs at least one key"),
+        (f"{UP}budgets: [{{name: b, limit_usd: 5, notify: [a@example.com]}}]", "needs an SMTP server (alerts.smtp)"),
+        (f"{UP}budgets: [{{name: b, limit_usd: -5}}]", "budget 'b': limit_usd must be > 0 - at `$.budgets[0]`"),
+        (f"{UP}alerts: {{admins: [ops]}}", "$.alerts.admins"),
+        (f"{UP}alerts: {{digest: {{to: [ops], at: 8am}}}}", "digest time '8am' is not HH:MM"),
         ("upstreams: [{name: a, base_url: 'http://x'}]\nvirtual_keys: [{name: k}]", "exactly one of key or key_sha256"),
         ("upstreams: [{name: a, base_url: 'http://x', read_timeout_s: soon}]", "read_timeout_s"),
         ("upstreams: [", "cannot read config"),
