@@ -27,10 +27,13 @@ from tokenward.pricing.catalog import Resolution
 from tokenward.pricing.rates import Rates
 from tokenward.pricing.usage import Usage
 
-__all__ = ["STANDARD_TIERS", "Cost", "CostLine", "price"]
+__all__ = ["OUTPUT_COMPONENTS", "STANDARD_TIERS", "Cost", "CostLine", "price"]
 
 _PER_MILLION = Decimal(1_000_000)
 _PICO = Decimal("1e-12")
+
+OUTPUT_COMPONENTS = frozenset({"output", "reasoning", "audio_output"})
+"""Cost line components that are output tokens."""
 
 STANDARD_TIERS = frozenset({"", "default", "standard", "auto", "on_demand", "provisioned"})
 """Served tier names that mean the standard (base) rates (``provisioned``: Google capacity that
@@ -58,6 +61,8 @@ class Cost:
 
     ``entry_id`` is the entry's version id; ``unpriced_calls`` counts web searches the entry has
     no fee for (listed, not billed as $0); ``notes`` explain anything priced by assumption.
+    ``cache_savings`` (USD): what the cached input tokens would have cost at the input rate that
+    applied, minus what they cost.
     """
 
     total: Decimal
@@ -67,6 +72,12 @@ class Cost:
     rules: tuple[str, ...] = ()
     unpriced_calls: int = 0
     notes: tuple[str, ...] = ()
+    cache_savings: Decimal = Decimal(0)
+
+    @property
+    def output_cost(self) -> Decimal:
+        """USD of the output line items (text, reasoning and audio output)."""
+        return sum((ln.amount for ln in self.lines if ln.component in OUTPUT_COMPONENTS), Decimal(0))
 
 
 def price(
@@ -144,7 +155,11 @@ def price(
     if entry.per_request:
         lines.append(CostLine("request", 1, entry.per_request, entry.per_request))
     total = sum((line.amount for line in lines), Decimal(0))
-    return Cost(total, tuple(lines), entry.version_id, resolution.how, tuple(rules), unpriced_calls, tuple(notes))
+    cached = max(usage.cached_input_tokens, 0)
+    savings = _exact(cached * (rates.input - rates.cached_input) / _PER_MILLION) if cached else Decimal(0)
+    return Cost(
+        total, tuple(lines), entry.version_id, resolution.how, tuple(rules), unpriced_calls, tuple(notes), savings
+    )
 
 
 def _exact(amount: Decimal) -> Decimal:

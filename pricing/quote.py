@@ -54,6 +54,16 @@ class Quote:
     lines: list[dict[str, Any]] | None
     cost: Cost | None
 
+    @property
+    def output_cost_usd(self) -> Decimal | None:
+        """USD of the output tokens (text, reasoning, audio), ``None`` when unpriced."""
+        return self.cost.output_cost if self.cost is not None else None
+
+    @property
+    def cache_savings_usd(self) -> Decimal | None:
+        """USD the cached input saved against the input rate, ``None`` when unpriced."""
+        return self.cost.cache_savings if self.cost is not None else None
+
 
 def quote(
     catalog: PriceCatalog,

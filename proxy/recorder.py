@@ -114,6 +114,8 @@ def build_row(
         "price_entry_id": q.entry_id if q else None,
         "price_resolved_by": q.resolved_by if q else None,
         "cost_lines": q.lines if q else None,
+        "output_cost_usd": q.output_cost_usd if q else None,
+        "cache_savings_usd": q.cache_savings_usd if q else None,
         "provider_cost_usd": ex.provider_cost,
         "service_tier": ex.service_tier,
         "latency_ms": ex.latency_ms,

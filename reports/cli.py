@@ -10,11 +10,10 @@ from __future__ import annotations
 import contextlib
 import csv
 import datetime as dt
-import io
 import json
 import re
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from decimal import Decimal
 from pathlib import Path
 from typing import Any, TextIO, TypeVar
@@ -25,10 +24,10 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from tokenward.reports import migrations, queries
+from tokenward.reports import html_report, migrations, progress, queries, render, views, whatif
 from tokenward.reports.ledger import LedgerError, open_ledger
 
-__all__ = ["export", "ledger", "ledger_path", "parse_when", "print_spend_table", "report"]
+__all__ = ["export", "ledger", "ledger_path", "parse_when", "report"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 DEFAULT_LEDGER = "tokenward.duckdb"
@@ -99,19 +98,69 @@ def _range_options(fn: F) -> F:
 
 def _open(db: str | None, config: str | None, wait: float) -> Any:
     try:
-        return open_ledger(ledger_path(db, config), read_only=True, wait_s=wait)
+        conn = open_ledger(ledger_path(db, config), read_only=True, wait_s=wait)
     except LedgerError as exc:
         raise click.ClickException(str(exc)) from exc
+    # progress is drawn by reports/progress.py (one bar, also for work done in Python), not DuckDB
+    conn.execute("SET enable_progress_bar = true")
+    conn.execute("SET enable_progress_bar_print = false")
+    return conn
+
+
+def _filters(values: tuple[str, ...]) -> dict[str, list[str]]:
+    filters: dict[str, list[str]] = {}
+    for text in values:
+        name, sep, wanted = text.partition("=")
+        if not sep or not name.strip() or not wanted.strip():
+            raise click.BadParameter(f"{text!r} is not DIMENSION=VALUE[,VALUE...]", param_hint="--where")
+        filters.setdefault(name.strip(), []).extend(v.strip() for v in wanted.split(",") if v.strip())
+    return filters
 
 
 @click.command()
 @_ledger_options
 @_range_options
 @click.option(
-    "--by", default="model,day", show_default=True, help=f"Comma-separated groupings: {', '.join(queries.GROUPINGS)}."
+    "--period",
+    type=click.Choice(views.PERIODS),
+    help="A calendar period in --tz instead of --since/--until (this-month: the 1st to now).",
 )
-@click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True)
+@click.option(
+    "--by",
+    default=None,
+    help=f"Comma-separated groupings (default model,day; key with --top): {', '.join(queries.DIMENSIONS)}.",
+)
+@click.option(
+    "--where",
+    "where",
+    multiple=True,
+    metavar="DIM=VALUE[,VALUE]",
+    help="Keep only these rows (repeatable; values are alternatives), e.g. team=research, tag=nightly.",
+)
+@click.option("--top", type=click.IntRange(min=1), help="Only the N groups that cost the most, highest first.")
+@click.option("--compare", is_flag=True, help="Add the previous period's cost and the change in %.")
+@click.option("--forecast", is_flag=True, help="Add each group's cost projected to the period's end, and budgets.")
+@click.option("--as-model", "as_model", help="What-if: the same traffic priced as MODEL (e.g. gpt-5-mini).")
+@click.option("--as-provider", "as_provider", help="Catalog provider of --as-model.")
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["table", "csv", "json", "markdown", "parquet"]),
+    default="table",
+    show_default=True,
+)
+@click.option("--output", "-o", type=click.Path(dir_okay=False), help="Write to this file (required for parquet).")
+@click.option("--html", "html_file", type=click.Path(dir_okay=False), help="Also write a self-contained HTML page.")
+@click.option(
+    "--columns",
+    "columns_text",
+    help="Measures to show: all, or comma-separated keys (default for the table: requests, input_tokens, "
+    "output_tokens, cost_usd, cache_hit_rate, cache_savings_usd, avg_cost_usd, p95_cost_usd, unpriced_requests; "
+    "other formats: all).",
+)
 @click.option("--drift", is_flag=True, help="Add the provider-reported cost (OpenRouter) and its drift from ours.")
+@click.option("--prices", multiple=True, type=click.Path(exists=True, dir_okay=False), help="Extra price file.")
+@click.option("--at", "at_text", help="Take this instant (ISO datetime) as now, for --period and --forecast.")
 def report(
     db: str | None,
     config: str | None,
@@ -119,96 +168,253 @@ def report(
     since: str | None,
     until: str | None,
     tz: str,
-    by: str,
+    period: str | None,
+    by: str | None,
+    where: tuple[str, ...],
+    top: int | None,
+    compare: bool,
+    forecast: bool,
+    as_model: str | None,
+    as_provider: str | None,
     fmt: str,
+    output: str | None,
+    html_file: str | None,
+    columns_text: str | None,
     drift: bool,
+    prices: tuple[str, ...],
+    at_text: str | None,
 ) -> None:
-    """Spend and tokens grouped by model and day (or --by ...) over a time range."""
+    r"""Spend, tokens, cache savings and cost per request, grouped (--by) over a time range.
+
+    \b
+    Examples:
+      tokenward report --period this-month --by team --compare
+      tokenward report --since 7d --by key --top 10
+      tokenward report --period this-month --by model --forecast --config config.yaml
+      tokenward report --since 30d --where team=research --by model --as-model gpt-5-mini
+      tokenward report --since 30d --by day,model --html spend.html
+    """
     zone = _zone(tz)
-    groups = [g.strip() for g in by.split(",") if g.strip()]
-    conn = _open(db, config, wait)
+    now = (parse_when(at_text, zone) if at_text else None) or dt.datetime.now(dt.UTC)
+    if fmt == "parquet" and not output:
+        raise click.UsageError("--format parquet needs --output FILE")
+    if forecast and period is None:
+        period = "this-month"
+    calendar = None
     try:
-        rows = queries.spend(conn, groups, since=parse_when(since, zone), until=parse_when(until, zone), tz=tz)
+        if period is not None:
+            if since or until:
+                raise click.UsageError("give --period or --since/--until, not both")
+            calendar = views.calendar_range(period, tz, now)
+            start, end = calendar.since, calendar.until
+        else:
+            start, end = parse_when(since, zone), parse_when(until, zone)
+        if forecast and (calendar is None or not calendar.to_date):
+            raise click.UsageError("--forecast needs a period under way: --period today, this-week or this-month")
+        dims = [queries.canonical(d.strip()) for d in (by or ("key" if top else "model,day")).split(",") if d.strip()]
+        if compare and (start is None or any(d in queries.TIME_DIMENSIONS for d in dims)):
+            raise click.UsageError(
+                "--compare needs --period or --since, and groups that are not hours/days/weeks/months"
+            )
+        selection = queries.Selection(start, end, _filters(where), tz)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from exc
+    conn = _open(db, config, wait)
+    notes: list[str] = []
+    try:
+        with progress.shown(conn):
+            rows = queries.spend(
+                conn, dims, since=start, until=end, tz=tz, filters=selection.filters, top=top, drift=drift
+            )
+            partition = rows if not top and "tag" not in dims else None
+            totals = queries.spend_totals(conn, selection, groups=partition, drift=drift)
+            if compare and start is not None:
+                before, after = views.previous_range(start, end or now, calendar, tz)
+                previous = queries.spend(conn, dims, since=before, until=after, tz=tz, filters=selection.filters)
+                views.add_change(rows, previous, dims)
+                if "tag" in dims:  # tag groups overlap: read the total again
+                    earlier = queries.Selection(before, after, selection.filters, tz)
+                    previous_total = queries.spend_totals(conn, earlier).get("cost_usd")
+                else:
+                    costs = [r["cost_usd"] for r in previous if r["cost_usd"] is not None]
+                    previous_total = sum(costs, Decimal(0)) if costs else None
+                views.add_change([totals], [{"cost_usd": previous_total}], [])
+                notes.append(f"compared with {_span(before, after, zone)}")
+            if forecast and calendar is not None:
+                views.add_forecast(rows, calendar)
+                views.add_forecast([totals], calendar)
+            if as_model:
+                _add_what_if(conn, config, prices, as_model, as_provider, dims, selection, rows, totals, notes)
+            chart_data = html_report.charts_data(conn, selection) if html_file else None
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from exc
     finally:
         conn.close()
-    if fmt == "json":
-        click.echo(json.dumps(rows, default=_json_default, indent=2))
-    elif fmt == "csv":
-        click.echo(_csv(rows, list(rows[0]) if rows else groups), nl=False)
+    if columns_text and columns_text.strip() != "all":
+        measures: tuple[str, ...] = tuple(m.strip() for m in columns_text.split(",") if m.strip())
     else:
-        print_spend_table(rows, groups, drift=drift)
+        measures = render.COMPACT if fmt == "table" and not columns_text else render.MEASURE_KEYS
+    try:
+        columns = render.columns_for(
+            dims, measures=measures, compare=compare, forecast=forecast, as_model=as_model, drift=drift
+        )
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--columns") from exc
+    span = _span(start, end, zone) if (start or end) else "all time"
+    title = f"tokenward spend by {', '.join(dims) or 'total'}"
+    notes += _row_notes(totals)
+    if "tag" in dims:
+        notes.append("a request with several tags is counted under each; the total counts it once")
+    if html_file:
+        try:
+            html_report.write_html(Path(html_file), title, span, rows, totals, columns, chart_data or {}, notes)
+        except OSError as exc:
+            raise click.ClickException(f"cannot write {html_file}: {exc.strerror or exc}") from exc
+        click.echo(f"wrote {html_file}", err=True)
+    _emit(rows, totals, columns, fmt, output, title, span, notes)
+    if forecast and fmt == "table":
+        _budget_forecasts(db, config, wait, now)
 
 
-_TABLE_MEASURES = {
-    "requests": "requests",
-    "input_tokens": "input",
-    "cached_input_tokens": "cached in",
-    "cache_write_tokens": "cache writes",
-    "output_tokens": "output",
-    "reasoning_tokens": "reasoning",
-}
+def _span(start: dt.datetime | None, end: dt.datetime | None, zone: ZoneInfo) -> str:
+    def shown(value: dt.datetime | None, default: str) -> str:
+        return value.astimezone(zone).isoformat(timespec="minutes") if value else default
+
+    return f"{shown(start, 'the beginning')} to {shown(end, 'now')} ({zone.key})"
 
 
-def print_spend_table(
-    rows: list[dict[str, Any]], groups: list[str], console: Console | None = None, *, drift: bool = False
+def _row_notes(totals: dict[str, Any]) -> list[str]:
+    notes = []
+    if totals.get("unpriced_requests"):
+        notes.append(
+            f"{totals['unpriced_requests']} request(s) are unpriced or only partly priced "
+            f"({totals['unpriced_tokens']:,} unpriced tokens), not (fully) in the dollar total: add prices "
+            "(pricing.files), then `tokenward pricing reprice`."
+        )
+    if totals.get("usage_unknown_requests"):
+        notes.append(
+            f"{totals['usage_unknown_requests']} request(s) may have been billed but got no reply, "
+            "so their usage is unknown."
+        )
+    if totals.get("fallback_priced_requests"):
+        notes.append(f"{totals['fallback_priced_requests']} request(s) are priced at the configured fallback rates.")
+    if totals.get("estimated_requests"):
+        notes.append(
+            f"{totals['estimated_requests']} request(s) have estimated or partial token counts "
+            "(the upstream reported none)."
+        )
+    return notes
+
+
+def _add_what_if(
+    conn: Any,
+    config: str | None,
+    prices: tuple[str, ...],
+    model: str,
+    provider: str | None,
+    dims: list[str],
+    selection: queries.Selection,
+    rows: list[dict[str, Any]],
+    totals: dict[str, Any],
+    notes: list[str],
 ) -> None:
-    """Render :func:`~tokenward.reports.queries.spend` rows as a terminal table with totals.
+    from tokenward.reports.pricing_cli import load_configured_catalog
 
-    Costs show 6 decimals here (CSV and JSON carry the exact 12); a group with nothing priced
-    shows a dash, and unpriced, unknown-usage and estimated request counts are printed beside
-    the dollar total, never folded into it. ``drift`` adds the provider-reported cost columns.
-    """
-    console = console or Console(width=None if sys.stdout.isatty() else 160)
-    if not rows:
-        console.print("no requests in this range")
+    catalog, _ = load_configured_catalog(config, prices)
+    result = whatif.what_if(conn, catalog, model, dims, selection, provider=provider, progress=progress.report)
+    for row in [*rows, totals]:
+        key = tuple(row.get(d) for d in dims) if row is not totals else None
+        cost = result.total if key is None else result.by_group.get(key)
+        cost = None if cost is None else cost.quantize(Decimal("1e-12"))
+        row["as_model_cost_usd"] = cost
+        actual = row.get("cost_usd")
+        row["as_model_change_pct"] = (
+            ((cost - actual) / actual * 100).quantize(Decimal("0.01")) if cost is not None and actual else None
+        )
+    notes.append(
+        f"as {model}: every row with usage priced at {result.entry_id} (today's version, the row's own service tier"
+        " and time); rows unpriced under their own model are included"
+    )
+
+
+def _emit(
+    rows: list[dict[str, Any]],
+    totals: dict[str, Any],
+    columns: list[render.Column],
+    fmt: str,
+    output: str | None,
+    title: str,
+    span: str,
+    notes: list[str],
+) -> None:
+    if fmt == "parquet":
+        try:
+            render.to_parquet(rows, columns, Path(output or ""))
+        except Exception as exc:  # duckdb raises IOException and friends for unwritable paths
+            raise click.ClickException(f"cannot write {output}: {exc}") from exc
+        click.echo(f"wrote {len(rows)} rows to {output}", err=True)
         return
-    table = Table(title="tokenward spend", show_footer=True)
-    totals = {m: sum(r[m] or 0 for r in rows) for m in _TABLE_MEASURES}
-    priced = [r["cost_usd"] for r in rows if r["cost_usd"] is not None]
-    total_cost = sum(priced, Decimal(0)) if priced else None
-    unpriced = sum(r["unpriced_requests"] for r in rows)
-    for i, name in enumerate(groups):
-        table.add_column(name, footer="total" if i == 0 else "", no_wrap=True)
-    for name, title in _TABLE_MEASURES.items():
-        table.add_column(title, justify="right", footer=f"{totals[name]:,}")
-    table.add_column("cost (USD)", justify="right", footer=_money(total_cost))
-    table.add_column("unpriced", justify="right", footer=str(unpriced))
-    if drift:
-        provider = [r["provider_cost_usd"] for r in rows if r["provider_cost_usd"] is not None]
-        drifts = [r["provider_cost_drift_usd"] for r in rows if r["provider_cost_drift_usd"] is not None]
-        table.add_column(
-            "provider says", justify="right", footer=_money(sum(provider, Decimal(0)) if provider else None)
-        )
-        table.add_column("drift", justify="right", footer=_money(sum(drifts, Decimal(0)) if drifts else None))
-    for row in rows:
-        cells = [str(row[g]) for g in groups]
-        cells += [f"{row[m] or 0:,}" for m in _TABLE_MEASURES]
-        cells += [_money(row["cost_usd"]), str(row["unpriced_requests"])]
-        if drift:
-            cells += [_money(row["provider_cost_usd"]), _money(row["provider_cost_drift_usd"])]
-        table.add_row(*cells)
-    console.print(table)
-    if unpriced:
-        tokens = sum(r["unpriced_tokens"] for r in rows)
-        console.print(
-            f"[yellow]{unpriced} request(s) are unpriced or only partly priced[/yellow] ({tokens:,} unpriced tokens), "
-            "not (fully) in the dollar total: add prices (pricing.files), then `tokenward pricing reprice`."
-        )
-    unknown = sum(r["usage_unknown_requests"] for r in rows)
-    if unknown:
-        console.print(f"{unknown} request(s) may have been billed but got no reply, so their usage is unknown.")
-    fallback = sum(r["fallback_priced_requests"] for r in rows)
-    if fallback:
-        console.print(f"{fallback} request(s) are priced at the configured fallback rates.")
-    estimated = sum(r["estimated_requests"] for r in rows)
-    if estimated:
-        console.print(f"{estimated} request(s) have estimated or partial token counts (the upstream reported none).")
+    if fmt == "table":
+        console = Console(width=None if sys.stdout.isatty() and not output else 250, file=_open_out(output))
+        if not rows:
+            console.print(f"no requests in this range ({span})")
+            return
+        render.to_table(rows, totals, columns, console, f"{title}, {span}")
+        for note in notes:
+            console.print(note, soft_wrap=True)
+        return
+    text = {
+        "csv": lambda: render.to_csv(rows, columns),
+        "json": lambda: render.to_json(rows, columns),
+        "markdown": lambda: (
+            f"## {title}\n\n{span}\n\n" + render.to_markdown(rows, totals, columns) + "".join(f"\n{n}\n" for n in notes)
+        ),
+    }[fmt]()
+    if output:
+        try:
+            Path(output).write_text(text, encoding="utf-8")
+        except OSError as exc:
+            raise click.ClickException(f"cannot write {output}: {exc.strerror or exc}") from exc
+        click.echo(f"wrote {len(rows)} rows to {output}", err=True)
+    else:
+        click.echo(text, nl=False)
 
 
-def _money(value: Decimal | None) -> str:
-    return "-" if value is None else f"${value:,.6f}"
+def _open_out(output: str | None) -> TextIO | None:
+    if not output:
+        return None
+    try:
+        return open(output, "w", encoding="utf-8")  # noqa: SIM115 - closed at exit by the interpreter
+    except OSError as exc:
+        raise click.ClickException(f"cannot write {output}: {exc.strerror or exc}") from exc
+
+
+def _budget_forecasts(db: str | None, config: str | None, wait: float, now: dt.datetime) -> None:
+    """Print each configured budget's spend, limit and forecast (the forecast view's second half)."""
+    from tokenward.reports.budget_check import status_of
+    from tokenward.reports.budgets_cli import load_sections
+
+    budgets, _ = load_sections(config)
+    if not budgets:
+        return
+    conn = _open(db, config, wait)
+    try:
+        statuses = [status_of(conn, budget, now) for budget in budgets]
+    finally:
+        conn.close()
+    table = Table("budget", "scope", "period", "spent", "limit", "forecast", "forecast/limit", title="budgets")
+    for s in statuses:
+        share = f"{s.forecast / s.budget.limit_usd * 100:.1f}%" if s.forecast is not None else "-"
+        table.add_row(
+            s.budget.name,
+            s.budget.describe_scope(),
+            s.budget.period.kind,
+            f"${s.spent:,.2f}",
+            f"${s.budget.limit_usd:,.2f}",
+            "-" if s.forecast is None else f"${s.forecast:,.2f}",
+            share + (" (over)" if s.forecast_exceeds else ""),
+        )
+    Console(width=None if sys.stdout.isatty() else 200).print(table)
 
 
 @click.command()
@@ -244,11 +450,11 @@ def export(
                 writer = csv.DictWriter(out, fieldnames=list(queries.EXPORT_COLUMNS), lineterminator="\n")
                 writer.writeheader()
                 for row in rows:
-                    writer.writerow(_plain(row))
+                    writer.writerow({k: render.cell(v) for k, v in row.items()})
                     count += 1
             else:
                 for row in rows:
-                    out.write(json.dumps(row, default=_json_default) + "\n")
+                    out.write(json.dumps(row, default=render.json_default) + "\n")
                     count += 1
     finally:
         conn.close()
@@ -282,38 +488,6 @@ def migrate_command(db: str | None, config: str | None) -> None:
         click.echo(f"ledger {path}: applied {', '.join(applied)}")
     else:
         click.echo(f"ledger {path} is up to date")
-
-
-def _json_default(value: Any) -> Any:
-    if isinstance(value, Decimal):
-        return format(value, "f")
-    if isinstance(value, dt.datetime | dt.date):
-        return value.isoformat()
-    raise TypeError(f"not JSON serializable: {type(value).__name__}")
-
-
-def _plain(row: dict[str, Any]) -> dict[str, Any]:
-    """CSV cells written the way JSON lines write them: ISO times, lowercase booleans, exact decimals."""
-    return {k: _cell(v) for k, v in row.items()}
-
-
-def _cell(value: Any) -> Any:
-    if isinstance(value, Decimal):
-        return format(value, "f")
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, dt.datetime | dt.date):
-        return value.isoformat()
-    return value
-
-
-def _csv(rows: Iterable[dict[str, Any]], columns: list[str]) -> str:
-    buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=columns, extrasaction="ignore", lineterminator="\n")
-    writer.writeheader()
-    for row in rows:
-        writer.writerow(_plain(row))
-    return buffer.getvalue()
 
 
 @contextlib.contextmanager

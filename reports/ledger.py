@@ -69,6 +69,8 @@ ROW_COLUMNS: dict[str, str] = {
     "price_entry_id": "VARCHAR",
     "price_resolved_by": "VARCHAR",
     "cost_lines": "JSON",
+    "output_cost_usd": "DECIMAL(38,12)",
+    "cache_savings_usd": "DECIMAL(38,12)",
     "provider_cost_usd": "DECIMAL(38,12)",
     "service_tier": "VARCHAR",
     "latency_ms": "DOUBLE",

@@ -184,3 +184,27 @@ def m003_attribution_budgets_alerts(conn: duckdb.DuckDBPyConnection) -> None:
         )
         """
     )
+
+
+@migration
+def m004_cost_breakdown(conn: duckdb.DuckDBPyConnection) -> None:
+    """Per-row output cost and cache savings (USD), for reports' output share and cache savings.
+
+    ``output_cost_usd``: the output line items (text, reasoning, audio output);
+    ``cache_savings_usd``: cached input tokens x (input rate - cached input rate) / 1M, at the
+    rates that applied to the row. Both are NULL where the cost is. Rows written before this
+    migration get ``output_cost_usd`` from their stored ``cost_lines``; ``tokenward pricing
+    reprice`` fills in their ``cache_savings_usd``.
+    """
+    conn.execute("ALTER TABLE requests ADD COLUMN output_cost_usd DECIMAL(38, 12)")
+    conn.execute("ALTER TABLE requests ADD COLUMN cache_savings_usd DECIMAL(38, 12)")
+    conn.execute(
+        """
+        UPDATE requests SET output_cost_usd = (
+            SELECT coalesce(sum(CAST(line ->> 'amount' AS DECIMAL(38, 12))), 0)
+            FROM (SELECT unnest(CAST(cost_lines AS JSON[])) AS line)
+            WHERE line ->> 'component' IN ('output', 'reasoning', 'audio_output')
+        )
+        WHERE cost_usd IS NOT NULL AND cost_lines IS NOT NULL
+        """
+    )

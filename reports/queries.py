@@ -12,56 +12,202 @@ Calendar groupings (``day``) use the given IANA time zone; stored times are UTC.
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from decimal import Decimal
 from typing import Any
 
 import duckdb
 
+from tokenward.pricing.usage import TOKEN_FIELDS
 from tokenward.reports.ledger import ROW_COLUMNS
+from tokenward.reports.localtime import local_timestamp_sql
 
-__all__ = ["EXPORT_COLUMNS", "GROUPINGS", "export_rows", "spend"]
+__all__ = [
+    "ALIASES",
+    "DIMENSIONS",
+    "EXPORT_COLUMNS",
+    "GROUPINGS",
+    "TIME_DIMENSIONS",
+    "Selection",
+    "derive",
+    "export_rows",
+    "spend",
+    "spend_totals",
+]
 
-GROUPINGS: dict[str, str] = {
+DIMENSIONS: dict[str, str] = {
+    "hour": "date_trunc('hour', {local})",
+    "day": "CAST({local} AS DATE)",
+    "week": "CAST(date_trunc('week', {local}) AS DATE)",
+    "month": "strftime({local}, '%Y-%m')",
+    "key": "principal",
+    "team": "coalesce(team, '(none)')",
+    "project": "coalesce(project, '(none)')",
+    "end_user": "coalesce(end_user, '(none)')",
     "model": "coalesce(served_model, requested_model, '(none)')",
-    "day": "CAST(timezone($tz, started_at) AS DATE)",
-    "principal": "principal",
+    "provider": "coalesce(provider, '(none)')",
     "upstream": "coalesce(upstream, '(none)')",
     "endpoint": "endpoint",
+    "tag": "tag",
+    "session": "coalesce(session_id, '(none)')",
     "outcome": "outcome",
 }
-"""Group-by dimensions of :func:`spend` and their SQL expressions."""
+"""Group-by dimensions and their SQL. Calendar ones are local to the report's time zone (``{local}``
+is the local start time; ``week``: the Monday that starts the ISO week; ``month``: ``YYYY-MM``).
+``tag`` puts a request under each of its tags (``(none)`` without one), so tag groups can add up
+to more than the total."""
+
+GROUPINGS = DIMENSIONS
+"""The dimensions :func:`spend` groups by (the earlier name of :data:`DIMENSIONS`)."""
+
+TIME_DIMENSIONS = frozenset({"hour", "day", "week", "month"})
+"""Dimensions that are calendar buckets (filtered with ``since``/``until``, not ``filters``)."""
+
+ALIASES = {"principal": "key", "user": "end_user", "end-user": "end_user", "tags": "tag", "session_id": "session"}
+"""Other names accepted for dimensions."""
 
 EXPORT_COLUMNS: tuple[str, ...] = tuple(ROW_COLUMNS)
 """Columns of :func:`export_rows`, with the ledger's canonical names."""
 
-_MEASURES = """
-    count(*) FILTER (WHERE row_kind = 'request') AS requests,
-    sum(input_tokens) AS input_tokens,
-    sum(cached_input_tokens) AS cached_input_tokens,
-    sum(cache_write_tokens) AS cache_write_tokens,
-    sum(output_tokens) AS output_tokens,
-    sum(reasoning_tokens) AS reasoning_tokens,
-    sum(cost_usd)::DECIMAL(38, 12) AS cost_usd,
-    count(*) FILTER (WHERE price_status IN ('unpriced', 'partially_priced')) AS unpriced_requests,
-    coalesce(sum(input_tokens + output_tokens) FILTER (WHERE price_status = 'unpriced'), 0) AS unpriced_tokens,
-    count(*) FILTER (WHERE price_status = 'usage_unknown') AS usage_unknown_requests,
-    count(*) FILTER (WHERE price_status = 'fallback') AS fallback_priced_requests,
-    count(*) FILTER (WHERE usage_source IN ('estimated', 'partial')) AS estimated_requests,
-    sum(provider_cost_usd)::DECIMAL(38, 12) AS provider_cost_usd,
-    sum(provider_cost_usd - cost_usd) FILTER (WHERE provider_cost_usd IS NOT NULL AND cost_usd IS NOT NULL)
-        ::DECIMAL(38, 12) AS provider_cost_drift_usd
-"""
+_TAGGED_COLUMNS = (
+    "started_at",
+    "principal",
+    "team",
+    "project",
+    "end_user",
+    "served_model",
+    "requested_model",
+    "provider",
+    "upstream",
+    "endpoint",
+    "session_id",
+    "outcome",
+    "row_kind",
+    "price_status",
+    "usage_source",
+    "service_tier",
+    "cost_usd",
+    "cache_savings_usd",
+    "output_cost_usd",
+    "provider_cost_usd",
+    *TOKEN_FIELDS,
+)  # what reports read from a row: carried through the per-tag fan-out (not the wide JSON columns)
+_TAGS = "CASE WHEN len(coalesce(tags, [])) > 0 THEN tags ELSE ['(none)'] END"
+_BILLED = "row_kind = 'request' AND price_status IN ('priced', 'partially_priced', 'fallback')"
+# per-row costs are far below DECIMAL(18, 12)'s $9.2M, and 64-bit values sort faster than 128-bit
+_P95 = f"quantile_disc(cost_usd::DECIMAL(18, 12), 0.95) FILTER (WHERE {_BILLED})"
+
+_GROUP_MEASURES: dict[str, str] = {
+    "requests": "count(*) FILTER (WHERE row_kind = 'request')",
+    "input_tokens": "sum(input_tokens)",
+    "cached_input_tokens": "sum(cached_input_tokens)",
+    "cache_write_tokens": "sum(cache_write_tokens)",
+    "output_tokens": "sum(output_tokens)",
+    "reasoning_tokens": "sum(reasoning_tokens)",
+    "cost_usd": "sum(cost_usd)::DECIMAL(38, 12)",
+    "cache_savings_usd": "sum(cache_savings_usd)::DECIMAL(38, 12)",
+    "output_cost_usd": "sum(output_cost_usd)::DECIMAL(38, 12)",
+    "priced_requests": f"count(*) FILTER (WHERE {_BILLED})",
+    "p95_cost_usd": _P95,
+    "unpriced_requests": "count(*) FILTER (WHERE price_status IN ('unpriced', 'partially_priced'))",
+    "estimated_requests": "count(*) FILTER (WHERE usage_source IN ('estimated', 'partial'))",
+}
+_DRIFT_MEASURES: dict[str, str] = {
+    "provider_cost_usd": "sum(provider_cost_usd)::DECIMAL(38, 12)",
+    "provider_cost_drift_usd": "sum(provider_cost_usd - cost_usd) "
+    "FILTER (WHERE provider_cost_usd IS NOT NULL AND cost_usd IS NOT NULL)::DECIMAL(38, 12)",
+}
+_TOTAL_MEASURES: dict[str, str] = {
+    "p95_cost_usd": _P95,
+    "unpriced_tokens": "coalesce(sum(input_tokens + output_tokens) FILTER (WHERE price_status = 'unpriced'), 0)",
+    "usage_unknown_requests": "count(*) FILTER (WHERE price_status = 'usage_unknown')",
+    "fallback_priced_requests": "count(*) FILTER (WHERE price_status = 'fallback')",
+}
+_ADDITIVE = [k for k in _GROUP_MEASURES if k != "p95_cost_usd"] + list(_DRIFT_MEASURES)
+
+_RATIO = Decimal("0.0001")
+_PICO = Decimal("1e-12")
 
 
-def _window(since: dt.datetime | None, until: dt.datetime | None) -> tuple[str, list[Any]]:
-    clauses, params = [], []
-    if since is not None:
-        clauses.append("started_at >= $since")
-        params.append(("since", since))
-    if until is not None:
-        clauses.append("started_at < $until")
-        params.append(("until", until))
-    return (" WHERE " + " AND ".join(clauses)) if clauses else "", params
+@dataclass(frozen=True, slots=True)
+class Selection:
+    """Which ledger rows a report reads.
+
+    ``since`` (inclusive) and ``until`` (exclusive) are aware instants or ``None`` (open);
+    ``filters`` maps dimensions (not calendar ones) to the values kept (any of them); ``tz`` is the
+    IANA zone of calendar groupings.
+
+    Raises:
+        ValueError: unknown dimension, a calendar dimension in ``filters``, or a naive bound.
+    """
+
+    since: dt.datetime | None = None
+    until: dt.datetime | None = None
+    filters: Mapping[str, Sequence[str]] = field(default_factory=dict)
+    tz: str = "UTC"
+
+    def __post_init__(self) -> None:
+        for bound in (self.since, self.until):
+            if bound is not None and bound.tzinfo is None:
+                raise ValueError("since/until must be timezone-aware")
+        for name in self.filters:
+            if canonical(name) in TIME_DIMENSIONS:
+                raise ValueError(f"filter on {name!r}: use --since/--until for time")
+
+    def where(self, extra: str | None = None) -> tuple[str, dict[str, Any]]:
+        """The SQL condition (`` WHERE ...`` or empty, with ``extra`` ANDed in) and its parameters."""
+        clauses, params = [extra] if extra else [], {}
+        if self.since is not None:
+            clauses.append("started_at >= $since")
+            params["since"] = self.since
+        if self.until is not None:
+            clauses.append("started_at < $until")
+            params["until"] = self.until
+        for i, (name, values) in enumerate(sorted(self.filters.items())):
+            dimension = canonical(name)
+            params[f"f{i}"] = list(values)
+            if dimension == "tag":
+                clauses.append(f"list_has_any(coalesce(tags, []), $f{i})")
+            else:
+                clauses.append(f"list_contains($f{i}, {DIMENSIONS[dimension]})")
+        return (" WHERE " + " AND ".join(clauses)) if clauses else "", params
+
+    def group_keys(self, conn: duckdb.DuckDBPyConnection, dims: Sequence[str]) -> list[str]:
+        """SQL for each dimension in ``dims`` (calendar ones in this selection's zone)."""
+        local = ""
+        if any(d in TIME_DIMENSIONS for d in dims):
+            lo, hi = self.since, self.until
+            if lo is None or hi is None:
+                where, params = self.where()
+                found = conn.execute(f"SELECT min(started_at), max(started_at) FROM requests{where}", params).fetchone()
+                lo, hi = lo or (found[0] if found else None), hi or (found[1] if found else None)
+            local = local_timestamp_sql(self.tz, lo, hi)
+        return [DIMENSIONS[d].replace("{local}", local) for d in dims]
+
+    def rows(self, dims: Sequence[str], extra: str | None = None) -> tuple[str, dict[str, Any]]:
+        """``FROM`` clause (with its ``WHERE``) and parameters for a report grouped by ``dims``.
+
+        With ``tag`` among them, each row appears once per tag (``(none)`` when it has none).
+        ``extra``: a further SQL condition.
+        """
+        where, params = self.where(extra)
+        if "tag" not in dims:
+            return f"requests{where}", params
+        columns = ", ".join(_TAGGED_COLUMNS)
+        return f"(SELECT {columns}, unnest({_TAGS}) AS tag FROM requests{where}) AS tagged", params
+
+
+def canonical(name: str) -> str:
+    """The dimension called ``name`` (aliases resolved).
+
+    Raises:
+        ValueError: not a dimension.
+    """
+    dimension = ALIASES.get(name, name)
+    if dimension not in DIMENSIONS:
+        raise ValueError(f"unknown grouping {name!r}; choose from {', '.join(DIMENSIONS)}")
+    return dimension
 
 
 def spend(
@@ -71,45 +217,99 @@ def spend(
     since: dt.datetime | None = None,
     until: dt.datetime | None = None,
     tz: str = "UTC",
+    filters: Mapping[str, Sequence[str]] | None = None,
+    top: int | None = None,
+    drift: bool = False,
 ) -> list[dict[str, Any]]:
     """Requests, tokens and cost grouped by ``by`` over ``[since, until)``.
 
     Args:
         conn: an open ledger connection.
-        by: keys of :data:`GROUPINGS`, in order.
+        by: dimensions (:data:`DIMENSIONS` or :data:`ALIASES`), in order.
         since: inclusive start (timezone-aware), or ``None`` for the beginning.
         until: exclusive end (timezone-aware), or ``None`` for now.
         tz: IANA zone for calendar groupings.
+        filters: dimension -> values to keep (see :class:`Selection`).
+        top: keep the ``top`` groups with the highest cost (unpriced groups last).
+        drift: add ``provider_cost_usd`` and ``provider_cost_drift_usd`` (provider's figure
+            minus ours, where both exist).
 
     Returns:
-        One dict per group, ordered by the group keys: the keys of ``by`` plus ``requests``,
-        token sums (tokens), ``cost_usd`` (``Decimal``, ``None`` when nothing is priced),
-        ``unpriced_requests`` (unpriced or partially priced), ``unpriced_tokens`` (input + output of
-        the unpriced ones), ``usage_unknown_requests``,
-        ``fallback_priced_requests``, ``estimated_requests``, ``provider_cost_usd`` and
-        ``provider_cost_drift_usd`` (provider's figure minus ours, where both exist).
+        One dict per group, ordered by the group keys (by cost with ``top``): the dimensions of
+        ``by`` plus ``requests`` (client requests; retried attempts and other-model parts add
+        tokens and cost, not requests), token sums (tokens), ``cost_usd`` (``Decimal`` USD,
+        ``None`` when nothing is priced), ``cache_savings_usd``, ``output_cost_usd``,
+        ``priced_requests``, ``p95_cost_usd`` (nearest-rank 95th percentile of a priced request's
+        cost), ``unpriced_requests`` (unpriced or partially priced), ``estimated_requests``, and
+        the ratios of :func:`derive`.
 
     Raises:
-        ValueError: unknown grouping, or a naive ``since``/``until``.
+        ValueError: unknown grouping or filter, or a naive ``since``/``until``.
     """
-    for name in by:
-        if name not in GROUPINGS:
-            raise ValueError(f"unknown grouping {name!r}; choose from {', '.join(GROUPINGS)}")
-    for bound in (since, until):
-        if bound is not None and bound.tzinfo is None:
-            raise ValueError("since/until must be timezone-aware")
-    where, window = _window(since, until)
-    keys = ", ".join(f"{GROUPINGS[name]} AS {name}" for name in by)
-    order = ", ".join(str(i + 1) for i in range(len(by)))
-    select = f"SELECT {keys + ',' if keys else ''} {_MEASURES} FROM requests{where}"
-    if by:
-        select += f" GROUP BY {order} ORDER BY {order}"
-    params = dict(window)
-    if "$tz" in select:
-        params["tz"] = tz
+    selection = Selection(since, until, filters or {}, tz)
+    dims = [canonical(name) for name in by]
+    measures = {**_GROUP_MEASURES, **(_DRIFT_MEASURES if drift else {})}
+    source, params = selection.rows(dims)
+    keys = "".join(f"{sql} AS {d}, " for sql, d in zip(selection.group_keys(conn, dims), dims, strict=True))
+    select = f"SELECT {keys}{', '.join(f'{sql} AS {name}' for name, sql in measures.items())} FROM {source}"
+    if dims:
+        order = ", ".join(str(i + 1) for i in range(len(dims)))
+        select += f" GROUP BY {order}"
+        select += f" ORDER BY cost_usd DESC NULLS LAST, {order} LIMIT {int(top)}" if top else f" ORDER BY {order}"
     cursor = conn.execute(select, params)
     names = [d[0] for d in cursor.description]
-    return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
+    return [derive(dict(zip(names, row, strict=True))) for row in cursor.fetchall()]
+
+
+def spend_totals(
+    conn: duckdb.DuckDBPyConnection,
+    selection: Selection,
+    *,
+    groups: list[dict[str, Any]] | None = None,
+    drift: bool = False,
+) -> dict[str, Any]:
+    """The measures of :func:`spend` over the whole selection, and a few more.
+
+    The more: ``unpriced_tokens`` (input + output of unpriced rows), ``usage_unknown_requests``
+    and ``fallback_priced_requests``.
+
+    ``groups``: the rows of a :func:`spend` over the same selection that cover it exactly once
+    (no ``tag`` fan-out, no ``top`` cut); their sums are added up rather than read again.
+    """
+    where, params = selection.where()
+    if groups is None:
+        measures = {**_GROUP_MEASURES, **(_DRIFT_MEASURES if drift else {}), **_TOTAL_MEASURES}
+    else:
+        measures = dict(_TOTAL_MEASURES)
+    cursor = conn.execute(
+        f"SELECT {', '.join(f'{sql} AS {n}' for n, sql in measures.items())} FROM requests{where}", params
+    )
+    names = [d[0] for d in cursor.description]
+    row = cursor.fetchone()
+    totals = dict(zip(names, row, strict=True)) if row else {}
+    if groups is not None:
+        for name in _ADDITIVE:
+            values = [g[name] for g in groups if g.get(name) is not None]
+            if name in _DRIFT_MEASURES and not drift:
+                continue
+            totals[name] = sum(values[1:], values[0]) if values else (None if name.endswith("_usd") else 0)
+    return derive(totals)
+
+
+def derive(row: dict[str, Any]) -> dict[str, Any]:
+    """Add the ratios to a row of measures and return it.
+
+    ``cache_hit_rate``: cached input tokens / input tokens; ``output_share``: output cost / cost;
+    ``avg_cost_usd``: cost / priced requests (USD, 12 places). Ratios are ``Decimal`` fractions
+    (4 places); each is ``None`` when its denominator is 0 or unknown.
+    """
+    inputs, cost, priced = row.get("input_tokens") or 0, row.get("cost_usd"), row.get("priced_requests") or 0
+    row["cache_hit_rate"] = (Decimal(row["cached_input_tokens"] or 0) / inputs).quantize(_RATIO) if inputs else None
+    row["output_share"] = (
+        (row["output_cost_usd"] / cost).quantize(_RATIO) if cost and row.get("output_cost_usd") is not None else None
+    )
+    row["avg_cost_usd"] = (cost / priced).quantize(_PICO) if cost is not None and priced else None
+    return row
 
 
 def export_rows(
@@ -124,9 +324,9 @@ def export_rows(
     ``started_at``/``ended_at`` are UTC ``datetime`` values, costs ``Decimal``, JSON columns
     (``cost_lines``, ``raw_usage``) their JSON text. Rows are fetched ``batch`` at a time.
     """
-    where, window = _window(since, until)
+    where, params = Selection(since, until).where()
     cursor = conn.execute(
-        f"SELECT {', '.join(EXPORT_COLUMNS)} FROM requests{where} ORDER BY started_at, request_id", dict(window)
+        f"SELECT {', '.join(EXPORT_COLUMNS)} FROM requests{where} ORDER BY started_at, request_id", params
     )
     while True:
         chunk = cursor.fetchmany(batch)

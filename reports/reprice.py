@@ -71,20 +71,23 @@ def reprice(
         condition += f" AND ({where})"
     rows = conn.execute(
         f"SELECT request_id, served_model, requested_model, provider, service_tier, started_at, usage_source, "
-        f"price_status, cost_usd, price_entry_id, cost_lines, {columns} FROM requests WHERE {condition}",
+        f"price_status, cost_usd, price_entry_id, cost_lines, output_cost_usd, cache_savings_usd, {columns} "
+        f"FROM requests WHERE {condition}",
         params or [],
     ).fetchall()
     result = RepriceResult()
     updates = []
     for row in rows:
         (request_id, served, requested, provider, tier, started, source, status, cost, entry_id, lines) = row[:11]
-        usage = Usage(**dict(zip(TOKEN_FIELDS, row[11:], strict=True)), source=UsageSource(source))
+        output_cost, savings = row[11:13]
+        usage = Usage(**dict(zip(TOKEN_FIELDS, row[13:], strict=True)), source=UsageSource(source))
         model = served or requested
         fresh = quote(catalog, usage, model=model, provider=provider, at=started, service_tier=tier, fallback=fallback)
         result.rows_checked += 1
         old_lines = json.loads(lines) if lines else None
         new_lines = json.loads(_encoder.encode(fresh.lines)) if fresh.lines is not None else None
-        if (fresh.status, fresh.cost_usd, fresh.entry_id, new_lines) == (status, cost, entry_id, old_lines):
+        now = (fresh.status, fresh.cost_usd, fresh.entry_id, new_lines, fresh.output_cost_usd, fresh.cache_savings_usd)
+        if now == (status, cost, entry_id, old_lines, output_cost, savings):
             _tally(result, model, cost, cost)
             continue
         result.rows_changed += 1
@@ -99,6 +102,8 @@ def reprice(
                 "price_entry_id": fresh.entry_id,
                 "price_resolved_by": fresh.resolved_by,
                 "cost_lines": fresh.lines,
+                "output_cost_usd": fresh.output_cost_usd,
+                "cache_savings_usd": fresh.cache_savings_usd,
             }
         )
     if updates and not dry_run:
@@ -125,12 +130,15 @@ def _apply(conn: duckdb.DuckDBPyConnection, updates: list[dict[str, Any]]) -> No
             conn.execute(
                 "CREATE TEMP TABLE repriced AS SELECT * FROM read_json(?, format = 'newline_delimited', columns = "
                 "{'request_id': 'VARCHAR', 'price_status': 'VARCHAR', 'cost_usd': 'DECIMAL(38,12)', "
-                "'price_entry_id': 'VARCHAR', 'price_resolved_by': 'VARCHAR', 'cost_lines': 'JSON'})",
+                "'price_entry_id': 'VARCHAR', 'price_resolved_by': 'VARCHAR', 'cost_lines': 'JSON', "
+                "'output_cost_usd': 'DECIMAL(38,12)', 'cache_savings_usd': 'DECIMAL(38,12)'})",
                 [name],
             )
             conn.execute(
                 "UPDATE requests SET price_status = r.price_status, cost_usd = r.cost_usd, "
-                "price_entry_id = r.price_entry_id, price_resolved_by = r.price_resolved_by, cost_lines = r.cost_lines "
+                "price_entry_id = r.price_entry_id, price_resolved_by = r.price_resolved_by, "
+                "cost_lines = r.cost_lines, output_cost_usd = r.output_cost_usd, "
+                "cache_savings_usd = r.cache_savings_usd "
                 "FROM repriced AS r WHERE requests.request_id = r.request_id"
             )
             conn.execute("DROP TABLE repriced")

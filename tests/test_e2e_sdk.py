@@ -63,6 +63,8 @@ def test_sync_call_is_metered_and_priced(start_proxy, sample, sdk):
     assert row["usage_source"] == "reported"
     # gpt-4o: $2.50 in, $10.00 out per 1M: 8 * 2.5 + 10 * 10 = 120 -> $0.000120
     assert row["cost_usd"] == Decimal("0.000120")
+    # 10 output tokens x $10 = $0.0001 of it is output; nothing was cached, so nothing saved
+    assert (row["output_cost_usd"], row["cache_savings_usd"]) == (Decimal("0.0001"), Decimal(0))
     assert row["price_status"] == "priced" and row["price_entry_id"] == "openai/gpt-4o"
     assert row["price_resolved_by"] == "snapshot"
     assert row["principal"].startswith("fp-") and "sk-test-key" not in str(row)

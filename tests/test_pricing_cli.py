@@ -154,6 +154,8 @@ def history(tmp_path):
                 input_tokens=1000,
                 output_tokens=100,
                 cost_usd=Decimal("0.0035"),
+                output_cost_usd=Decimal("0.001"),  # 100 x $10 per 1M
+                cache_savings_usd=Decimal(0),
                 price_entry_id="openai/gpt-4o",
                 cost_lines=[
                     {
