@@ -126,18 +126,50 @@ def worst_case(
     at: dt.datetime,
     input_tokens: int,
     max_output_tokens: int,
+    audio_input_tokens: int = 0,
+    audio_output: bool = False,
     service_tier: str | None = None,
     fallback: bool = False,
 ) -> Decimal | None:
     """An upper bound (USD) on what a request can cost, for budget reservations.
 
-    Every input token is priced uncached, every output token at the higher of the output and
-    reasoning rates, with the context tier and served tier those counts imply. ``None`` when the
-    model has no price (the request cannot be bounded).
+    Args:
+        catalog: the prices.
+        model: the requested model.
+        provider: the upstream's catalog provider.
+        at: when the request starts (picks the price version and time window).
+        input_tokens: all input tokens (text, images, audio), counted or bounded.
+        max_output_tokens: the most output the request allows (``max_tokens`` x ``n``).
+        audio_input_tokens: how many of ``input_tokens`` may be audio.
+        audio_output: whether the reply may be audio.
+        service_tier: the tier the request asks for.
+        fallback: whether the catalog's fallback rates may price an otherwise unpriced model.
+
+    Every input token is priced at the highest input-side rate it could be billed at (plain,
+    cache write, 1-hour cache write; audio for the audio part), every output token at the highest
+    output-side rate (output, reasoning, audio when asked for), with the context tier and served
+    tier those counts imply. ``None`` when the model has no price (the request cannot be bounded).
     """
     resolution = catalog.resolve(model, provider, at, fallback=fallback)
     if resolution is None:
         return None
-    plain = Usage(input_tokens=input_tokens, output_tokens=max_output_tokens)
-    thinking = Usage(input_tokens=input_tokens, output_tokens=max_output_tokens, reasoning_tokens=max_output_tokens)
-    return max(price(u, resolution, at=at, service_tier=service_tier).total for u in (plain, thinking))
+    audio = min(audio_input_tokens, input_tokens)
+    inputs = [
+        {"input_tokens": input_tokens, "audio_input_tokens": audio},
+        {"input_tokens": input_tokens, "audio_input_tokens": audio, "cache_write_tokens": input_tokens - audio},
+        {
+            "input_tokens": input_tokens,
+            "audio_input_tokens": audio,
+            "cache_write_tokens": input_tokens - audio,
+            "cache_write_1h_tokens": input_tokens - audio,
+        },
+    ]
+    outputs = [
+        {"output_tokens": max_output_tokens},
+        {"output_tokens": max_output_tokens, "reasoning_tokens": max_output_tokens},
+    ]
+    if audio_output:
+        outputs.append({"output_tokens": max_output_tokens, "audio_output_tokens": max_output_tokens})
+    return max(
+        price(Usage(**i, **o), resolution, at=at, service_tier=service_tier).total for i in inputs for o in outputs
+    )

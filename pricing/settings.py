@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from decimal import Decimal
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -125,7 +125,11 @@ class GuardSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ``default_max_output_tokens``: the output assumed when a request sets no ``max_tokens``
     (or ``max_completion_tokens`` / ``max_output_tokens``). ``foreign_tokenizer_margin``: the
     input count is made with OpenAI's tokenizers; for other models it is multiplied by this.
+    ``image_tokens``: input tokens assumed per image (OpenAI's gpt-4o bills at most 1105 for a
+    high-detail image, GPT-4.1-mini about 2500, Claude about 1600; gpt-4o-mini bills up to
+    ~36800 at its lower rates: raise this where such models take images).
     """
 
-    default_max_output_tokens: int = 16384
-    foreign_tokenizer_margin: float = 1.25
+    default_max_output_tokens: Annotated[int, msgspec.Meta(gt=0)] = 16384
+    foreign_tokenizer_margin: Annotated[float, msgspec.Meta(ge=1)] = 1.25
+    image_tokens: Annotated[int, msgspec.Meta(ge=0)] = 3000

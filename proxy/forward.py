@@ -31,8 +31,9 @@ from litestar.types import Scope
 from tokenward.pricing.budgets import Budget
 from tokenward.pricing.quote import worst_case
 from tokenward.pricing.settings import GuardSettings
-from tokenward.pricing.usage import UsageSource
+from tokenward.pricing.usage import Usage, UsageSource
 from tokenward.proxy import tokenizer
+from tokenward.proxy.bounds import Unmetered, scan
 from tokenward.proxy.config import UpstreamConfig
 from tokenward.proxy.errors import ProxyError
 from tokenward.proxy.exchange import Exchange, Outcome
@@ -246,10 +247,10 @@ class Forwarder:
         attributes = _attributes(ex)
         now = dt.datetime.fromtimestamp(ex.started_at, dt.UTC)
         if guard.in_scope(attributes, blocking_only=True):
-            worst = await self._worst_case(ex, head, body, endpoint, now)
+            worst, unbounded = await self._worst_case(ex, head, body, endpoint, now)
             if worst is not None:
                 try:
-                    ex.reservation = guard.admit(attributes, worst, now)
+                    ex.reservation = guard.admit(attributes, worst, now, unbounded=unbounded)
                 except BudgetRefusal as refusal:
                     headers = _budget_headers(refusal.budget, refusal.remaining) + _no_retry(refusal, now)
                     raise ProxyError(429, str(refusal), "budget_exceeded", "insufficient_quota", headers) from refusal
@@ -264,15 +265,15 @@ class Forwarder:
 
     async def _worst_case(
         self, ex: Exchange, head: _RequestHead, body: bytes, endpoint: Endpoint, now: dt.datetime
-    ) -> Decimal | None:
+    ) -> tuple[Decimal | None, bool]:
+        """The request's cost bound (USD; ``None``: no price) and whether its input is unbounded."""
         settings = self.guard_settings
-        counted = await asyncio.to_thread(
-            estimate, endpoint.dialect, body, [], stream=False, model=ex.requested_model, source=UsageSource.ESTIMATED
-        )
+        counted, extra = await asyncio.to_thread(_count_for_bound, endpoint.dialect, body, ex.requested_model)
         exact = tokenizer.encoding_name_known(ex.requested_model)
         input_tokens = (
             counted.input_tokens if exact else math.ceil(counted.input_tokens * settings.foreign_tokenizer_margin)
         )
+        input_tokens += extra.images * settings.image_tokens + extra.audio_tokens
         limit = next(
             (
                 v
@@ -282,16 +283,19 @@ class Forwarder:
             settings.default_max_output_tokens,
         )
         choices = head.n if isinstance(head.n, int) and not isinstance(head.n, bool) and head.n > 1 else 1
-        return worst_case(
+        bound = worst_case(
             self.recorder.catalog,
             model=ex.requested_model,
             provider=ex.provider,
             at=now,
             input_tokens=input_tokens,
             max_output_tokens=limit * choices,
+            audio_input_tokens=extra.audio_tokens,
+            audio_output=extra.audio_output,
             service_tier=head.service_tier if isinstance(head.service_tier, str) else None,
             fallback=ex.price_fallback,
         )
+        return bound, extra.unbounded
 
     def _inbound(self, scope: Scope, ex: Exchange, *, keep_length: bool) -> _Inbound:
         """One pass over the client's headers: what to forward, who is calling, what it asked."""
@@ -482,6 +486,16 @@ def _attributes(ex: Exchange) -> dict[str, Any]:
         "upstream": ex.upstream,
         "tag": ex.tags,
     }
+
+
+def _count_for_bound(dialect: str, body: bytes, model: str | None) -> tuple[Usage, Unmetered]:
+    """The request's text tokens and what text counting misses (run off the event loop)."""
+    counted = estimate(dialect, body, [], stream=False, model=model, source=UsageSource.ESTIMATED)
+    try:
+        decoded = msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        decoded = None
+    return counted, scan(decoded)
 
 
 def _no_retry(refusal: BudgetRefusal, now: dt.datetime) -> list[tuple[bytes, bytes]]:

@@ -61,13 +61,21 @@ class Reservation:
 class BudgetRefusal(Exception):
     """A request would exceed a blocking budget; ``budget``, its remaining USD and reset instant."""
 
-    def __init__(self, budget: Budget, remaining: Decimal, needed: Decimal, resets: dt.datetime) -> None:
+    def __init__(
+        self, budget: Budget, remaining: Decimal, needed: Decimal, resets: dt.datetime, *, unbounded: bool = False
+    ) -> None:
         self.budget, self.remaining, self.needed, self.resets = budget, remaining, needed, resets
         scope = budget.describe_scope()
+        cost = (
+            "this request refers to stored content (files or an earlier response) whose cost cannot be bounded, "
+            "so it runs only alone, with more left than its countable part (up to "
+            f"${format(needed.normalize(), 'f')}). "
+            if unbounded
+            else f"this request may cost up to ${format(needed.normalize(), 'f')}. "
+        )
         super().__init__(
             f"Budget {budget.name!r} ({scope}) has ${format(remaining.normalize(), 'f')} left of "
-            f"${format(budget.limit_usd.normalize(), 'f')} this period; this request may cost up to "
-            f"${format(needed.normalize(), 'f')}. " + _reset_note(budget, resets)
+            f"${format(budget.limit_usd.normalize(), 'f')} this period; {cost}" + _reset_note(budget, resets)
         )
 
 
@@ -136,8 +144,14 @@ class BudgetGuard:
     def _matching(self, attributes: Mapping[str, Any]) -> list[_Book]:
         return [book for book in self._books if book.budget.matches(attributes)]
 
-    def admit(self, attributes: Mapping[str, Any], worst_case: Decimal, now: dt.datetime) -> Reservation:
+    def admit(
+        self, attributes: Mapping[str, Any], worst_case: Decimal, now: dt.datetime, *, unbounded: bool = False
+    ) -> Reservation:
         """Reserve ``worst_case`` USD against every blocking budget in scope, or refuse.
+
+        ``unbounded``: the request's input cannot be bounded (it points at stored files or an
+        earlier response), so it reserves everything left in each budget: it runs alone, and
+        only when more than ``worst_case`` (the part that can be counted) is left.
 
         Raises:
             BudgetRefusal: a blocking budget in scope would go over its limit (the tightest one).
@@ -145,14 +159,16 @@ class BudgetGuard:
         books = [book for book in self._matching(attributes) if book.budget.blocking]
         for book in books:
             book.roll(now)
+        holds = []
         for book in books:
             committed = book.spent + book.reserved
-            if committed + worst_case > book.budget.limit_usd:
-                remaining = max(book.budget.limit_usd - committed, Decimal(0))
-                raise BudgetRefusal(book.budget, remaining, worst_case, book.end)
-        for book in books:
-            book.reserved += worst_case
-        return Reservation([(book, worst_case) for book in books], next(self._ids))
+            remaining = max(book.budget.limit_usd - committed, Decimal(0))
+            if committed + worst_case > book.budget.limit_usd or (unbounded and remaining <= worst_case):
+                raise BudgetRefusal(book.budget, remaining, worst_case, book.end, unbounded=unbounded)
+            holds.append((book, remaining if unbounded else worst_case))
+        for book, amount in holds:
+            book.reserved += amount
+        return Reservation(holds, next(self._ids))
 
     def release(self, reservation: Reservation | None) -> None:
         """Give back what ``reservation`` held (call once, when its request ends)."""

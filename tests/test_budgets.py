@@ -275,6 +275,86 @@ def test_sdk_does_not_retry_a_budget_refusal(start_proxy, simulator):
     assert [(r["request_id"] == "spent", r["outcome"]) for r in rows] == [(True, "ok"), (False, "rejected")]
 
 
+def test_worst_case_prices_input_at_the_dearest_rate_it_could_be_billed_at():
+    from tokenward.pricing.quote import worst_case
+
+    catalog = load_catalog([PRICES], builtin=False)
+    when = at("2026-11-29T12:00:00+00:00")
+    # claude-sonnet-4: input 3.00, 5-minute write 3.75, 1-hour write 6.00, output 15.00 per 1M.
+    # 1000 input tokens could all be 1-hour cache writes: 1000 x 6.00 + 100 x 15.00 = 7500 -> $0.0075
+    bound = worst_case(catalog, model="claude-sonnet-4", provider="test", at=when, input_tokens=1000,
+                       max_output_tokens=100)
+    assert bound == Decimal("0.0075")
+    # gpt-4o-audio-preview: 500 text tokens x 2.50 + 500 audio x 40.00 = 21250; audio reply 100 x 80.00 = 8000
+    audio = worst_case(catalog, model="gpt-4o-audio-preview", provider="test", at=when, input_tokens=1000,
+                       max_output_tokens=100, audio_input_tokens=500, audio_output=True)
+    assert audio == Decimal("0.02925")
+
+
+def test_request_content_the_tokenizer_cannot_count():
+    from tokenward.proxy.bounds import scan
+
+    body = {"model": "gpt-4o", "modalities": ["text", "audio"], "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "look"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+        {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}},
+        {"type": "input_audio", "input_audio": {"data": "A" * 40000, "format": "mp3"}},
+    ]}]}
+    found = scan(body)
+    # 40000 base64 characters are 30000 bytes: at most 300 tokens of audio (1 per 100 bytes)
+    assert (found.images, found.audio_tokens, found.files, found.audio_output, found.unbounded) == (
+        2, 300, 0, True, False)
+    stored = scan({"model": "gpt-5", "previous_response_id": "resp_1", "input": "and then?"})
+    assert stored.unbounded and scan({"messages": [{"role": "user", "content": [
+        {"type": "file", "file": {"file_id": "file-abc"}}]}]}).unbounded
+    anthropic = scan({"messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}},
+        {"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": "AAAA"}}]}]})
+    assert (anthropic.images, anthropic.files) == (1, 1)
+
+
+def image_request(n_tokens: int, max_tokens: int) -> dict:
+    """n_tokens of text ("hello" x n, one token each) and one image; 7 tokens of chat overhead."""
+    return {"model": "gpt-4o", "max_tokens": max_tokens, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "hello" + " hello" * (n_tokens - 1)},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}]}
+
+
+def test_images_count_toward_the_worst_case(start_proxy, simulator):
+    # text 10 + 7 overhead + 3000 per image (guard.image_tokens) = 3017 input; worst case
+    # (3017 x 2.50 + 10 x 10.00) / 1M = $0.0076425; the $0.023 budget holds three (0.0229275), not four.
+    # Each really costs (1113 x 2.50 + 10 x 10.00) / 1M = $0.0028825: without the image allowance
+    # (17 input tokens: $0.0001425 each) all eight would have been let through: $0.02306, over the limit
+    request = image_request(10, 10)
+    register(simulator, "vision", request, prompt_tokens=1113, completion_tokens=10)
+    budget = BudgetSettings(name="vision", limit_usd="0.023", period="total", action="block")
+    proxy = budget_proxy(start_proxy, simulator, [budget])
+    replies = asyncio.run(send_many(proxy.url, request, "vision", 8))
+    assert sorted(r.status_code for r in replies) == [200] * 3 + [429] * 5
+    rows = proxy.rows(8)
+    assert sum(r["cost_usd"] for r in rows if r["cost_usd"]) == Decimal("0.0086475")
+
+
+def test_a_request_that_cannot_be_bounded_runs_alone(start_proxy, simulator):
+    request = {"model": "gpt-4o", "max_tokens": 10, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "summarise"}, {"type": "file", "file": {"file_id": "file-abc"}}]}]}
+    register(simulator, "stored-file", request, prompt_tokens=5000, completion_tokens=10)
+    budget = BudgetSettings(name="files", limit_usd=1, period="total", action="block")
+    proxy = budget_proxy(start_proxy, simulator, [budget])
+    first, second = asyncio.run(send_many(proxy.url, request, "stored-file", 2))
+    # the first one holds everything left while it runs; the other is refused, saying why
+    assert sorted([first.status_code, second.status_code]) == [200, 429]
+    refused = first if first.status_code == 429 else second
+    assert "whose cost cannot be bounded" in refused.json()["error"]["message"]
+    proxy.rows(2)
+    # once it has settled at (5000 x 2.50 + 10 x 10.00) / 1M = $0.0126, the next one may run
+    again = asyncio.run(send_many(proxy.url, request, "stored-file", 1))[0]
+    assert again.status_code == 200
+    assert again.headers["x-tokenward-budget-remaining-usd"] == "0"  # all of it was held while it ran
+    spent = sum(r["cost_usd"] for r in proxy.rows(3) if r["cost_usd"])
+    assert spent == Decimal("0.0252")
+
+
 def test_reservations_are_released_on_errors(start_proxy, simulator, sample):
     request = long_prompt_request(10, 100)
     register(simulator, "released", request, prompt_tokens=17, completion_tokens=100)

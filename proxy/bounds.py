@@ -1,0 +1,88 @@
+"""What a request body holds that the text tokenizer cannot count, for budget worst cases.
+
+A blocking budget reserves an upper bound of a request's cost before sending it (see
+:mod:`tokenward.proxy.guard`). Text is counted with tiktoken; this module finds the rest:
+
+- images (``image_url``, ``input_image``, Anthropic ``image``): each is bounded by
+  ``guard.image_tokens`` (input tokens per image);
+- audio (``input_audio``): bounded from its size, as if encoded at 8 kbit/s (the lowest common
+  speech bitrate) at 10 tokens per second of audio: one token per 100 bytes;
+- stored state the request only points at (``file``/``input_file`` parts, Anthropic
+  ``document`` blocks, Responses ``previous_response_id`` and ``conversation``): nothing in
+  the body bounds it, so the request is *unbounded*;
+- a request for audio output (``modalities`` with ``audio``), priced at the audio output rate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["AUDIO_BYTES_PER_TOKEN", "Unmetered", "scan"]
+
+AUDIO_BYTES_PER_TOKEN = 100
+"""8 kbit/s is 1000 bytes a second; 10 audio tokens a second: an upper bound of 1 token per 100 bytes."""
+
+_IMAGE_TYPES = frozenset({"image_url", "input_image", "image"})
+_FILE_TYPES = frozenset({"file", "input_file", "document"})
+_MAX_DEPTH = 12
+
+
+@dataclass(slots=True)
+class Unmetered:
+    """Counts of request content outside the tokenizer's reach.
+
+    ``images``: image parts; ``audio_tokens``: an upper bound on audio input tokens;
+    ``files``: parts that refer to stored files or documents; ``stateful``: the request
+    continues stored state (``previous_response_id``, ``conversation``); ``audio_output``: audio
+    was asked for in the reply.
+    """
+
+    images: int = 0
+    audio_tokens: int = 0
+    files: int = 0
+    stateful: bool = False
+    audio_output: bool = False
+
+    @property
+    def unbounded(self) -> bool:
+        """Whether nothing in the body bounds the request's input."""
+        return self.stateful or self.files > 0
+
+
+def scan(body: Any) -> Unmetered:
+    """Find the content of a decoded request ``body`` (any dialect) that text counting misses."""
+    found = Unmetered()
+    if isinstance(body, dict):
+        found.stateful = bool(body.get("previous_response_id") or body.get("conversation"))
+        modalities = body.get("modalities")
+        found.audio_output = isinstance(modalities, list) and "audio" in modalities
+    _walk(body, found, 0)
+    return found
+
+
+def _walk(node: Any, found: Unmetered, depth: int) -> None:
+    if depth > _MAX_DEPTH:
+        return
+    if isinstance(node, list):
+        for item in node:
+            _walk(item, found, depth + 1)
+        return
+    if not isinstance(node, dict):
+        return
+    kind = node.get("type")
+    if kind in _IMAGE_TYPES:
+        found.images += 1
+        return
+    if kind in _FILE_TYPES:
+        found.files += 1
+        return
+    if kind == "input_audio":
+        audio = node.get("input_audio")
+        data = audio.get("data") if isinstance(audio, dict) else node.get("data")
+        size = len(data) * 3 // 4 if isinstance(data, str) else 0
+        found.audio_tokens += max(size // AUDIO_BYTES_PER_TOKEN, 1)
+        return
+    for value in node.values():
+        if isinstance(value, dict | list):
+            _walk(value, found, depth + 1)
