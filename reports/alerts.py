@@ -154,7 +154,9 @@ class Notifier:
         """Deliver ``alert`` to every target; one :class:`Delivery` per target."""
         results = []
         emails = [t for t in alert.targets if "@" in t]
-        if emails:
+        if emails and self.settings.smtp is None:  # a configuration problem: no point retrying
+            results.append(Delivery("email", ",".join(emails), False, 0, "no SMTP server is configured (alerts.smtp)"))
+        elif emails:
             results += await self._retry("email", ",".join(emails), lambda: self._email(alert, emails))
         for name in (t for t in alert.targets if "@" not in t):
             hook = self._webhooks.get(name)

@@ -38,10 +38,19 @@ __all__ = [
     "spend_in",
     "status_of",
     "top_spenders",
+    "usd",
 ]
 
 _COLUMNS = {"key": "principal", "team": "team", "project": "project", "end_user": "end_user", "upstream": "upstream"}
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+
+
+def usd(amount: Decimal) -> str:
+    """Dollars for people: cents from $1 up, else the significant digits (at most 6 places)."""
+    if abs(amount) >= 1 or amount == 0:
+        return f"${amount:,.2f}"
+    small = amount.quantize(Decimal("0.000001")).normalize()
+    return f"${small:.2f}" if -small.as_tuple().exponent <= 2 else f"${small:f}"
 
 
 def scope_clause(budget: Budget) -> tuple[str, list[Any]]:
@@ -93,9 +102,9 @@ def load_spend(
 
 
 def status_of(conn: duckdb.DuckDBPyConnection, budget: Budget, now: dt.datetime) -> BudgetStatus:
-    """Where ``budget`` stands at ``now`` according to the ledger."""
+    """Where ``budget`` stood at ``now`` according to the ledger (requests started before ``now``)."""
     start, end = budget.period.window(now)
-    return evaluate(budget, spend_in(conn, budget, start, end), now)
+    return evaluate(budget, spend_in(conn, budget, start, min(end, now + dt.timedelta(microseconds=1))), now)
 
 
 def top_spenders(
@@ -135,23 +144,41 @@ def claim_alerts(
     projected past the limit before the period ends), ``refusing`` (a blocking budget refused
     requests this period), and, for ``settings.admins``, ``unpriced_model`` (the first request
     for a model with no price). With ``dry_run`` nothing is claimed.
+
+    A rolling window never ends, so its alerts are claimed once and re-armed instead: a
+    threshold alerts again after spend has fallen back below it, ``refusing`` after a window
+    with no refusal.
     """
     alerts = []
     for budget in budgets:
         status = status_of(conn, budget, now)
-        claimed = _claimed(conn, budget.name, status.start)
+        key = _EPOCH if budget.period.kind == "rolling" else status.start
+        refused = budget.blocking and _refusals(conn, budget, status.start)
+        if budget.period.kind == "rolling" and not dry_run:
+            _rearm(conn, budget, status.crossed, bool(refused))
+        claimed = _claimed(conn, budget.name, key)
         new = tuple(t for t in status.crossed if ("threshold", t) not in claimed)
         if new:
-            alerts.append(_budget_alert(conn, status, "threshold", new, dry_run))
+            alerts.append(_budget_alert(conn, status, key, "threshold", new, dry_run))
         if status.forecast_exceeds and status.spent < budget.limit_usd and ("forecast", 0) not in claimed:
-            alerts.append(_budget_alert(conn, status, "forecast", (0,), dry_run))
-        if budget.blocking and ("refusing", 0) not in claimed and _refusals(conn, budget, status.start):
-            alerts.append(_budget_alert(conn, status, "refusing", (0,), dry_run, _refusal_targets(budget, settings)))
+            alerts.append(_budget_alert(conn, status, key, "forecast", (0,), dry_run))
+        if refused and ("refusing", 0) not in claimed:
+            targets = _refusal_targets(budget, settings)
+            alerts.append(_budget_alert(conn, status, key, "refusing", (0,), dry_run, targets))
     if settings.admins:
         alerts += _unpriced_alerts(conn, settings, now, dry_run)
     if not dry_run:
         alerts += _pending(conn, budgets, settings, exclude={(a.budget, a.period_start, a.kind) for a in alerts})
     return [a for a in alerts if a.targets]
+
+
+def _rearm(conn: duckdb.DuckDBPyConnection, budget: Budget, crossed: tuple[int, ...], refused: bool) -> None:
+    """Forget a rolling budget's sent alerts that no longer hold, so that they can fire again."""
+    conn.execute(
+        "DELETE FROM budget_alerts WHERE budget = ? AND period_start = ? AND status <> 'pending' AND "
+        "((kind = 'threshold' AND NOT list_contains(?, threshold)) OR (kind = 'refusing' AND NOT ?))",
+        [budget.name, _EPOCH, list(crossed), refused],
+    )
 
 
 def _claimed(conn: duckdb.DuckDBPyConnection, budget: str, start: dt.datetime) -> set[tuple[str, int]]:
@@ -180,8 +207,8 @@ def _claim(conn: duckdb.DuckDBPyConnection, claim: _Claim, now: dt.datetime) -> 
 
 def _refusals(conn: duckdb.DuckDBPyConnection, budget: Budget, start: dt.datetime) -> int:
     row = conn.execute(
-        "SELECT count(*) FROM requests WHERE outcome = 'rejected' AND started_at >= ? AND error LIKE ?",
-        [start, f"Budget '{budget.name}'%"],
+        "SELECT count(*) FROM requests WHERE outcome = 'rejected' AND started_at >= ? AND starts_with(error, ?)",
+        [start, f"Budget {budget.name!r} "],  # the refusal's message (proxy/guard.py BudgetRefusal)
     ).fetchone()
     return int(row[0]) if row else 0
 
@@ -194,6 +221,7 @@ def _refusal_targets(budget: Budget, settings: AlertSettings) -> tuple[str, ...]
 def _budget_alert(
     conn: duckdb.DuckDBPyConnection,
     status: BudgetStatus,
+    key: dt.datetime,
     kind: str,
     thresholds: tuple[int, ...],
     dry_run: bool,
@@ -212,7 +240,7 @@ def _budget_alert(
             else status.end.astimezone(zone).isoformat()
         )
     )
-    money = "${:,.2f}".format
+    money = usd
     headline = {
         "threshold": f"crossed {', '.join(f'{t}%' for t in thresholds)}",
         "forecast": f"projected to reach {money(status.forecast or 0)} by {resets}",
@@ -251,7 +279,7 @@ def _budget_alert(
     }
     alert = Alert(
         budget.name,
-        status.start,
+        key,
         kind,
         max(thresholds),
         subject,
@@ -260,9 +288,9 @@ def _budget_alert(
         budget.notify if targets is None else targets,
         payload,
     )
-    claim = _Claim(budget.name, status.start, kind, thresholds, {"subject": subject, "text": text, "payload": payload})
+    claim = _Claim(budget.name, key, kind, thresholds, {"subject": subject, "text": text, "payload": payload})
     if not dry_run and not _claim(conn, claim, dt.datetime.now(dt.UTC)):
-        return Alert(budget.name, status.start, kind, max(thresholds), subject, text, alert.html, ())  # lost the race
+        return Alert(budget.name, key, kind, max(thresholds), subject, text, alert.html, ())  # lost the race
     return alert
 
 
@@ -328,6 +356,14 @@ def _pending(
             to = ()  # the budget is no longer configured
         else:
             to = _refusal_targets(known, settings) if kind == "refusing" else known.notify
+        done = _delivered(conn, budget, start, kind)
+        to = tuple(t for t in to if t not in done)  # only where it has not arrived yet
+        if not to:
+            conn.execute(
+                "UPDATE budget_alerts SET status = 'sent' WHERE budget = ? AND period_start = ? AND kind = ?",
+                [budget, start, kind],
+            )
+            continue
         subject, text = info.get("subject", f"[tokenward] {kind} alert for {budget}"), info.get("text", "")
         alerts.append(
             Alert(
@@ -343,6 +379,15 @@ def _pending(
             )
         )
     return alerts
+
+
+def _delivered(conn: duckdb.DuckDBPyConnection, budget: str, start: dt.datetime, kind: str) -> set[str]:
+    """Targets an alert already reached (an email delivery names its addresses joined by commas)."""
+    rows = conn.execute(
+        "SELECT target FROM alert_deliveries WHERE budget = ? AND period_start = ? AND kind = ? AND ok",
+        [budget, start, kind],
+    ).fetchall()
+    return {target for (joined,) in rows for target in joined.split(",")}
 
 
 def record_deliveries(
@@ -461,7 +506,7 @@ def digest_alert(
     everything = Budget("all", Decimal(1))
     models = top_spenders(conn, everything, start, end, "model", 10)
     keys = top_spenders(conn, everything, start, end, "key", 10)
-    money = "${:,.2f}".format
+    money = usd
     subject = f"[tokenward] {every} spend {start.date().isoformat()}: {money(total)} over {requests} requests"
     facts = [
         ("Period", f"{start.isoformat()} to {end.isoformat()}"),

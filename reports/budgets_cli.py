@@ -24,7 +24,7 @@ from rich.table import Table
 from tokenward.pricing.budgets import Budget
 from tokenward.pricing.settings import BudgetSettings
 from tokenward.reports.alerts import Alert, AlertSettings, Notifier, html_text
-from tokenward.reports.budget_check import evaluate_and_notify, status_of
+from tokenward.reports.budget_check import evaluate_and_notify, status_of, usd
 from tokenward.reports.cli import ledger_path, parse_when
 from tokenward.reports.keys import create_key, list_keys, revoke_key
 from tokenward.reports.ledger import LedgerError, open_ledger
@@ -110,10 +110,10 @@ def status(config: str | None, db: str | None, wait: float, at_text: str | None)
             s.budget.describe_scope(),
             period,
             f"${s.spent:,.4f}",
-            f"${s.budget.limit_usd:,.2f}",
+            usd(s.budget.limit_usd),
             f"{s.percent}",
             f"${s.remaining:,.4f}",
-            "-" if s.forecast is None else f"${s.forecast:,.2f}",
+            "-" if s.forecast is None else usd(s.forecast),
             s.budget.action,
         )
     _console().print(table)

@@ -335,3 +335,92 @@ def test_proxy_mails_soon_after_a_threshold_is_crossed(start_proxy, simulator, s
     # the scheduled check runs every hour here, but a crossing brings it forward (after the next flush)
     (mail,) = inbox.wait_for(1, timeout=15)
     assert mail["Subject"] == "[tokenward] budget tiny: 50.07% of $0.05 (crossed 50%)"
+
+
+def test_rolling_budgets_alert_once_and_again_only_after_falling_back(tmp_path, smtp):
+    inbox, port = smtp
+    path = tmp_path / "l.duckdb"
+    budget = BudgetSettings(
+        name="last-2h", limit_usd=1, period="rolling", rolling_hours=2, thresholds=[50], notify=["lead@example.com"]
+    ).to_budget()
+    seed(path, [cost_row("a", "2026-11-10T09:00:00+00:00", "0.60")])
+    assert [a.kind for a, _ in run_check(path, [budget], settings_for(port), "2026-11-10T10:00:00+00:00")] == [
+        "threshold"
+    ]
+    # the window moves every minute, but the alert is not sent again while spend stays above 50 %
+    for now in ("2026-11-10T10:01:00+00:00", "2026-11-10T10:30:00+00:00", "2026-11-10T10:59:00+00:00"):
+        assert run_check(path, [budget], settings_for(port), now) == []
+    # 11:01: the $0.60 has left the window (0 %): re-armed; a new $0.55 at 11:05 crosses again
+    assert run_check(path, [budget], settings_for(port), "2026-11-10T11:01:00+00:00") == []
+    seed(path, [cost_row("b", "2026-11-10T11:05:00+00:00", "0.55")])
+    assert len(run_check(path, [budget], settings_for(port), "2026-11-10T11:06:00+00:00")) == 1
+    assert run_check(path, [budget], settings_for(port), "2026-11-10T11:07:00+00:00") == []
+    assert [m["Subject"] for m in inbox.wait_for(2)] == [
+        "[tokenward] budget last-2h: 60.00% of $1.00 (crossed 50%)",
+        "[tokenward] budget last-2h: 55.00% of $1.00 (crossed 50%)",
+    ]
+
+
+def test_a_failing_target_does_not_make_the_others_hear_it_twice(tmp_path, smtp):
+    inbox, port = smtp
+    path = tmp_path / "l.duckdb"
+    budget = BudgetSettings(
+        name="b", limit_usd=10, period="total", thresholds=[50], notify=["lead@example.com", "ops-hook"]
+    ).to_budget()
+    seed(path, [cost_row("a", "2026-11-10T09:00:00+00:00", "6")])
+    hook = WebhookSettings(name="ops-hook", url_env="TW_TEST_UNSET_HOOK")  # the variable is not set: it fails
+    settings = settings_for(port, webhooks=[hook])
+    first = run_check(path, [budget], settings, "2026-11-10T10:00:00+00:00")
+    assert [(d.channel, d.ok) for d in first[0][1]] == [("email", True), ("webhook", False)]
+    again = run_check(path, [budget], settings, "2026-11-10T10:01:00+00:00")
+    assert [a.targets for a, _ in again] == [("ops-hook",)]  # the mail went out already: only the hook is retried
+    assert len(inbox.wait_for(2, timeout=0.5)) == 1
+
+
+def test_small_amounts_and_quoted_names_and_no_smtp(tmp_path, smtp):
+    from tokenward.reports.budget_check import usd
+
+    assert [usd(Decimal(v)) for v in ("0", "0.05", "0.0012", "0.000125", "1.5", "1234.567")] == [
+        "$0.00",
+        "$0.05",
+        "$0.0012",
+        "$0.000125",
+        "$1.50",
+        "$1,234.57",
+    ]
+    inbox, port = smtp
+    path = tmp_path / "l.duckdb"
+    budget = BudgetSettings(
+        name="bob's budget",
+        limit_usd="0.002",
+        period="day",
+        thresholds=[100],
+        action="block",
+        notify=["lead@example.com"],
+    ).to_budget()
+    refusal = 'Budget "bob\'s budget" (all traffic) has $0 left of $0.002 this period; ...'
+    seed(
+        path,
+        [
+            make_row(
+                "r",
+                started_at=dt.datetime.fromisoformat("2026-11-10T05:00:00+00:00").timestamp(),
+                ended_at=0.0,
+                outcome="rejected",
+                price_status="not_billed",
+                cost_usd=Decimal(0),
+                error=refusal,
+            )
+        ],
+    )
+    sent = run_check(path, [budget], settings_for(port), "2026-11-10T06:00:00+00:00")
+    assert [a.kind for a, _ in sent] == ["refusing"]
+    assert (
+        inbox.wait_for(1)[0]["Subject"]
+        == "[tokenward] budget bob's budget: 0.00% of $0.002 (requests are being refused)"
+    )
+    no_smtp = AlertSettings(retries=3, backoff_s=5)
+    started = time.monotonic()
+    (delivery,) = asyncio.run(Notifier(no_smtp).send(sent[0][0]))
+    assert not delivery.ok and delivery.attempts == 0 and "no SMTP server" in delivery.error
+    assert time.monotonic() - started < 1  # a configuration problem is not retried with backoff

@@ -282,42 +282,92 @@ def test_worst_case_prices_input_at_the_dearest_rate_it_could_be_billed_at():
     when = at("2026-11-29T12:00:00+00:00")
     # claude-sonnet-4: input 3.00, 5-minute write 3.75, 1-hour write 6.00, output 15.00 per 1M.
     # 1000 input tokens could all be 1-hour cache writes: 1000 x 6.00 + 100 x 15.00 = 7500 -> $0.0075
-    bound = worst_case(catalog, model="claude-sonnet-4", provider="test", at=when, input_tokens=1000,
-                       max_output_tokens=100)
+    bound = worst_case(
+        catalog, model="claude-sonnet-4", provider="test", at=when, input_tokens=1000, max_output_tokens=100
+    )
     assert bound == Decimal("0.0075")
     # gpt-4o-audio-preview: 500 text tokens x 2.50 + 500 audio x 40.00 = 21250; audio reply 100 x 80.00 = 8000
-    audio = worst_case(catalog, model="gpt-4o-audio-preview", provider="test", at=when, input_tokens=1000,
-                       max_output_tokens=100, audio_input_tokens=500, audio_output=True)
+    audio = worst_case(
+        catalog,
+        model="gpt-4o-audio-preview",
+        provider="test",
+        at=when,
+        input_tokens=1000,
+        max_output_tokens=100,
+        audio_input_tokens=500,
+        audio_output=True,
+    )
     assert audio == Decimal("0.02925")
 
 
 def test_request_content_the_tokenizer_cannot_count():
     from tokenward.proxy.bounds import scan
 
-    body = {"model": "gpt-4o", "modalities": ["text", "audio"], "messages": [{"role": "user", "content": [
-        {"type": "text", "text": "look"},
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
-        {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}},
-        {"type": "input_audio", "input_audio": {"data": "A" * 40000, "format": "mp3"}},
-    ]}]}
+    body = {
+        "model": "gpt-4o",
+        "modalities": ["text", "audio"],
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "look"},
+                    {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+                    {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}},
+                    {"type": "input_audio", "input_audio": {"data": "A" * 40000, "format": "mp3"}},
+                ],
+            }
+        ],
+    }
     found = scan(body)
     # 40000 base64 characters are 30000 bytes: at most 300 tokens of audio (1 per 100 bytes)
     assert (found.images, found.audio_tokens, found.files, found.audio_output, found.unbounded) == (
-        2, 300, 0, True, False)
+        2,
+        300,
+        0,
+        True,
+        False,
+    )
     stored = scan({"model": "gpt-5", "previous_response_id": "resp_1", "input": "and then?"})
-    assert stored.unbounded and scan({"messages": [{"role": "user", "content": [
-        {"type": "file", "file": {"file_id": "file-abc"}}]}]}).unbounded
-    anthropic = scan({"messages": [{"role": "user", "content": [
-        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}},
-        {"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": "AAAA"}}]}]})
+    assert (
+        stored.unbounded
+        and scan(
+            {"messages": [{"role": "user", "content": [{"type": "file", "file": {"file_id": "file-abc"}}]}]}
+        ).unbounded
+    )
+    anthropic = scan(
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}},
+                        {
+                            "type": "document",
+                            "source": {"type": "base64", "media_type": "application/pdf", "data": "AAAA"},
+                        },
+                    ],
+                }
+            ]
+        }
+    )
     assert (anthropic.images, anthropic.files) == (1, 1)
 
 
 def image_request(n_tokens: int, max_tokens: int) -> dict:
     """n_tokens of text ("hello" x n, one token each) and one image; 7 tokens of chat overhead."""
-    return {"model": "gpt-4o", "max_tokens": max_tokens, "messages": [{"role": "user", "content": [
-        {"type": "text", "text": "hello" + " hello" * (n_tokens - 1)},
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}]}
+    return {
+        "model": "gpt-4o",
+        "max_tokens": max_tokens,
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "hello" + " hello" * (n_tokens - 1)},
+                    {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}},
+                ],
+            }
+        ],
+    }
 
 
 def test_images_count_toward_the_worst_case(start_proxy, simulator):
@@ -336,8 +386,16 @@ def test_images_count_toward_the_worst_case(start_proxy, simulator):
 
 
 def test_a_request_that_cannot_be_bounded_runs_alone(start_proxy, simulator):
-    request = {"model": "gpt-4o", "max_tokens": 10, "messages": [{"role": "user", "content": [
-        {"type": "text", "text": "summarise"}, {"type": "file", "file": {"file_id": "file-abc"}}]}]}
+    request = {
+        "model": "gpt-4o",
+        "max_tokens": 10,
+        "messages": [
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "summarise"}, {"type": "file", "file": {"file_id": "file-abc"}}],
+            }
+        ],
+    }
     register(simulator, "stored-file", request, prompt_tokens=5000, completion_tokens=10)
     budget = BudgetSettings(name="files", limit_usd=1, period="total", action="block")
     proxy = budget_proxy(start_proxy, simulator, [budget])

@@ -57,6 +57,15 @@ def test_budgets_status_shows_spend_limit_and_forecast(tmp_path):
         assert figure in daily, figure
 
 
+def test_budgets_status_at_a_past_instant_ignores_later_spend(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text(CONFIG)
+    db = tmp_path / "l.duckdb"
+    seed(db, [cost_row("a", "2026-11-10T09:00:00+00:00", "40.00"), cost_row("b", "2026-11-12T09:00:00+00:00", "15.50")])
+    output = invoke("budgets", "status", "--config", str(config), "--db", str(db), "--at", "2026-11-11T00:00:00+00:00")
+    assert "$40.0000" in next(line for line in output.splitlines() if "research-monthly" in line)
+
+
 def test_budgets_check_dry_run_claims_nothing(tmp_path):
     config = tmp_path / "c.yaml"
     config.write_text(CONFIG)
