@@ -15,13 +15,14 @@ row's tags). No condition: all traffic.
 from __future__ import annotations
 
 import datetime as dt
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Literal
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-__all__ = ["SCOPE_DIMENSIONS", "Budget", "BudgetStatus", "Period", "evaluate"]
+__all__ = ["SCOPE_DIMENSIONS", "SNAPSHOT_SUFFIX", "Budget", "BudgetStatus", "Period", "evaluate", "same_model"]
 
 SCOPE_DIMENSIONS = ("key", "team", "project", "end_user", "model", "upstream", "tag")
 """Attribution dimensions a budget scope can constrain."""
@@ -118,8 +119,10 @@ class Budget:
     notify: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if not self.limit_usd > 0:
-            raise ValueError(f"budget {self.name!r}: limit_usd must be > 0")
+        if not self.name.strip():
+            raise ValueError("a budget needs a name")
+        if not self.limit_usd.is_finite() or not self.limit_usd > 0:
+            raise ValueError(f"budget {self.name!r}: limit_usd must be a positive amount of USD")
         for dimension, _ in self.scope:
             if dimension not in SCOPE_DIMENSIONS:
                 raise ValueError(
@@ -145,12 +148,27 @@ class Budget:
         """
         for dimension, wanted in self.scope:
             value = attributes.get(dimension)
-            if isinstance(value, list | tuple | set | frozenset):
-                if wanted not in value:
+            values = value if isinstance(value, list | tuple | set | frozenset) else (value,)
+            if dimension == "model":
+                if not any(isinstance(v, str) and same_model(wanted, v) for v in values):
                     return False
-            elif value != wanted:
+            elif wanted not in values:
                 return False
         return True
+
+
+SNAPSHOT_SUFFIX = re.compile(r"-(?:\d{4}-\d{2}-\d{2}|\d{8})$")
+"""A dated snapshot suffix of a model name (``-2024-08-06``, ``-20250514``)."""
+
+
+def same_model(scope: str, name: str) -> bool:
+    """Whether a budget's ``model`` scope covers the model ``name``.
+
+    Equal names match, and a name matches its dated snapshots either way: a request for
+    ``gpt-4o`` may be served as ``gpt-4o-2024-08-06``, so a budget on either name covers both
+    (but not another snapshot of the same model).
+    """
+    return scope == name or SNAPSHOT_SUFFIX.sub("", name) == scope or SNAPSHOT_SUFFIX.sub("", scope) == name
 
 
 FORECAST_AFTER = 0.1

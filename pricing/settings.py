@@ -107,7 +107,12 @@ class BudgetSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         Raises:
             ValueError: an invalid limit, scope, zone or threshold (message names the budget).
         """
-        limit = Decimal(repr(self.limit_usd)) if isinstance(self.limit_usd, float) else Decimal(str(self.limit_usd))
+        try:
+            limit = Decimal(repr(self.limit_usd)) if isinstance(self.limit_usd, float) else Decimal(str(self.limit_usd))
+        except ArithmeticError:  # decimal.InvalidOperation and friends
+            raise ValueError(f"budget {self.name!r}: limit_usd {self.limit_usd!r} is not an amount of USD") from None
+        if limit.is_finite() and (limit.adjusted() > 15 or limit.as_tuple().exponent < -12):
+            raise ValueError(f"budget {self.name!r}: limit_usd {self.limit_usd!r} is out of range ($1e-12 to $1e15)")
         return Budget(
             name=self.name,
             limit_usd=limit,

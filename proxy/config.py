@@ -9,7 +9,7 @@ from __future__ import annotations
 import fnmatch
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
 import msgspec
@@ -81,9 +81,9 @@ class VirtualKeyConfig(_Section):
     also be created with ``tokenward keys create`` (stored hashed in the ledger).
     """
 
-    name: str
-    key: str | None = None
-    key_sha256: str | None = None
+    name: Annotated[str, msgspec.Meta(min_length=1)]
+    key: Annotated[str, msgspec.Meta(min_length=1)] | None = None
+    key_sha256: Annotated[str, msgspec.Meta(pattern="^[0-9a-fA-F]{64}$")] | None = None
     team: str | None = None
     project: str | None = None
 
@@ -163,9 +163,12 @@ class Config(_Section):
                 raise ValueError(f"base_url must be an http(s) URL - at `$.upstreams[{i}].base_url`")
         if sum(u.default for u in self.upstreams) > 1:
             raise ValueError("at most one upstream can be the default - at `$.upstreams`")
+        key_names = [k.name for k in self.virtual_keys]
         for i, key in enumerate(self.virtual_keys):
             if (key.key is None) == (key.key_sha256 is None):
                 raise ValueError(f"give exactly one of key or key_sha256 - at `$.virtual_keys[{i}]`")
+            if key_names.count(key.name) > 1:
+                raise ValueError(f"duplicate key name {key.name!r} - at `$.virtual_keys[{i}].name`")
         names = [b.name for b in self.budgets]
         for i, settings in enumerate(self.budgets):
             if names.count(settings.name) > 1:

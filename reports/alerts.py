@@ -26,7 +26,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 from email.message import EmailMessage
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import aiosmtplib
@@ -52,20 +52,26 @@ class SmtpSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """An SMTP server: ``security`` is ``starttls``, ``ssl`` (implicit TLS) or ``none``."""
 
     host: str
-    port: int = 587
+    port: Annotated[int, msgspec.Meta(ge=1, le=65535)] = 587
     security: Literal["starttls", "ssl", "none"] = "starttls"
     sender: str = "tokenward@localhost"
     username_env: str | None = None
     password_env: str | None = None
-    timeout_s: float = 30.0
+    timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
 
 
 class WebhookSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """A webhook receiving Slack-compatible JSON: its URL, or the environment variable holding it."""
 
-    name: str
+    name: Annotated[str, msgspec.Meta(min_length=1)]
     url: str | None = None
     url_env: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.url is None) == (self.url_env is None):
+            raise ValueError(f"webhook {self.name!r}: give url or url_env (the variable holding it), one of them")
+        if self.url is not None and not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"webhook {self.name!r}: url must be http(s)")
 
     def resolved_url(self) -> str | None:
         """The URL to post to (``None`` when the environment variable is unset)."""
@@ -102,13 +108,19 @@ class AlertSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     then twice that, ...
     """
 
-    evaluate_every_s: float = 60.0
+    evaluate_every_s: Annotated[float, msgspec.Meta(ge=1)] = 60.0
     smtp: SmtpSettings | None = None
     webhooks: list[WebhookSettings] = []
     admins: list[str] = []
     digest: DigestSettings | None = None
-    retries: int = 3
-    backoff_s: float = 2.0
+    retries: Annotated[int, msgspec.Meta(ge=0, le=20)] = 3
+    backoff_s: Annotated[float, msgspec.Meta(ge=0)] = 2.0
+
+    def __post_init__(self) -> None:
+        names = [w.name for w in self.webhooks]
+        for name in names:
+            if names.count(name) > 1:
+                raise ValueError(f"duplicate webhook name {name!r}")
 
 
 @dataclass(frozen=True, slots=True)

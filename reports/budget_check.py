@@ -24,7 +24,7 @@ from zoneinfo import ZoneInfo
 
 import duckdb
 
-from tokenward.pricing.budgets import Budget, BudgetStatus, evaluate
+from tokenward.pricing.budgets import SNAPSHOT_SUFFIX, Budget, BudgetStatus, evaluate
 from tokenward.reports.alerts import Alert, AlertSettings, Delivery, Notifier, html_document, html_text
 
 __all__ = [
@@ -58,9 +58,14 @@ def scope_clause(budget: Budget) -> tuple[str, list[Any]]:
     clauses: list[str] = []
     params: list[Any] = []
     for dimension, value in budget.scope:
-        if dimension == "model":
-            clauses.append("(requested_model = ? OR served_model = ?)")
-            params += [value, value]
+        if dimension == "model":  # as pricing.budgets.same_model: the name or its dated snapshots
+            base = SNAPSHOT_SUFFIX.sub("", value)
+            names = "(requested_model, served_model)"
+            clauses.append(
+                f"(? IN {names} OR regexp_replace(requested_model, ?, '') = ? "
+                f"OR regexp_replace(served_model, ?, '') = ? OR ? IN {names})"
+            )
+            params += [value, SNAPSHOT_SUFFIX.pattern, value, SNAPSHOT_SUFFIX.pattern, value, base]
         elif dimension == "tag":
             clauses.append("list_contains(tags, ?)")
             params.append(value)

@@ -11,18 +11,14 @@ import asyncio
 import datetime as dt
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, TypeVar
 from zoneinfo import ZoneInfo
 
 import click
-import msgspec
-import yaml
 from rich.console import Console
 from rich.table import Table
 
 from tokenward.pricing.budgets import Budget
-from tokenward.pricing.settings import BudgetSettings
 from tokenward.reports.alerts import Alert, AlertSettings, Notifier, html_text
 from tokenward.reports.budget_check import evaluate_and_notify, status_of, usd
 from tokenward.reports.cli import ledger_path, parse_when
@@ -41,18 +37,21 @@ def _console() -> Console:
 def load_sections(config: str | None) -> tuple[list[Budget], AlertSettings]:
     """The budgets and alert settings of ``config`` (none and defaults without a config).
 
+    The file is checked as the proxy checks it (``tokenward serve`` and these commands accept
+    and refuse the same files).
+
     Raises:
-        click.BadParameter: the file cannot be read or a section is invalid.
+        click.BadParameter: the file cannot be read or is invalid.
     """
     if not config:
         return [], AlertSettings()
+    from tokenward.proxy.config import ConfigError, load_config
+
     try:
-        document = yaml.safe_load(Path(config).read_text(encoding="utf-8")) or {}
-        entries = msgspec.convert(document.get("budgets") or [], list[BudgetSettings])
-        settings = msgspec.convert(document.get("alerts") or {}, AlertSettings)
-        return [entry.to_budget() for entry in entries], settings
-    except (OSError, yaml.YAMLError, msgspec.ValidationError, ValueError) as exc:
-        raise click.BadParameter(f"cannot read {config}: {exc}", param_hint="--config") from exc
+        loaded = load_config(config)
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc), param_hint="--config") from exc
+    return loaded.budget_list(), loaded.alerts
 
 
 def _options(fn: F) -> F:
@@ -213,6 +212,15 @@ def keys() -> None:
 @click.option("--project", help="Project the key's usage is attributed to.")
 def create(config: str | None, db: str | None, wait: float, name: str, team: str | None, project: str | None) -> None:
     """Create a key NAME and print it (shown this once; only its sha256 is stored)."""
+    if config:
+        from tokenward.proxy.config import ConfigError, load_config
+
+        try:
+            configured = {k.name for k in load_config(config).virtual_keys}
+        except ConfigError as exc:
+            raise click.BadParameter(str(exc), param_hint="--config") from exc
+        if name in configured:
+            raise click.ClickException(f"the config already has a key named {name!r}; choose another name")
     conn = _open(db, config, wait, read_only=False)
     try:
         key = create_key(conn, name, team=team, project=project, now=dt.datetime.now(dt.UTC))
@@ -222,7 +230,8 @@ def create(config: str | None, db: str | None, wait: float, name: str, team: str
         conn.close()
     click.echo(key)
     click.echo(
-        f"key {name!r} created; it is shown only now. The proxy accepts it within 30 s (auth mode virtual_keys).",
+        f"key {name!r} created; it is shown only now. A proxy on this ledger in auth mode virtual_keys "
+        "accepts it within 30 s.",
         err=True,
     )
 

@@ -21,10 +21,14 @@ def create_key(
     """Create a key named ``name`` and return it (the only time it is visible).
 
     Raises:
-        ValueError: a key (live or revoked) already has that name.
+        ValueError: an empty name, or a key (live or revoked) already has that name.
     """
-    if conn.execute("SELECT 1 FROM virtual_keys WHERE name = ?", [name]).fetchone():
-        raise ValueError(f"a key named {name!r} exists already")
+    if not name.strip():
+        raise ValueError("a key needs a name")
+    found = conn.execute("SELECT revoked_at FROM virtual_keys WHERE name = ?", [name]).fetchone()
+    if found:
+        state = "was revoked (names are not reused, so old usage stays attributable)" if found[0] else "exists"
+        raise ValueError(f"a key named {name!r} {state}; choose another name")
     key = "tw-" + secrets.token_urlsafe(32)
     conn.execute(
         "INSERT INTO virtual_keys VALUES (?, ?, ?, ?, ?, NULL)",

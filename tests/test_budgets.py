@@ -469,7 +469,20 @@ def test_budget_config_is_validated(tmp_path):
 
     path = tmp_path / "c.yaml"
     cases = {
-        "budgets: [{name: b, limit_usd: 0}]": "limit_usd must be > 0",
+        "budgets: [{name: b, limit_usd: 0}]": "limit_usd must be a positive amount of USD",
+        "budgets: [{name: b, limit_usd: abc}]": "limit_usd 'abc' is not an amount of USD",
+        "budgets: [{name: b, limit_usd: .inf}]": "limit_usd must be a positive amount of USD",
+        "budgets: [{name: b, limit_usd: '1e999999999'}]": "out of range",
+        "budgets: [{name: '', limit_usd: 5}]": "a budget needs a name",
+        "alerts: {evaluate_every_s: -1}": "evaluate_every_s",
+        "alerts: {webhooks: [{name: h}]}": "give url or url_env",
+        "alerts: {webhooks: [{name: h, url: 'ftp://x'}]}": "url must be http",
+        "alerts: {webhooks: [{name: h, url_env: A}, {name: h, url_env: B}]}": "duplicate webhook name 'h'",
+        "alerts: {smtp: {host: h, port: 99999}}": "port",
+        "alerts: {retries: -1}": "retries",
+        "guard: {default_max_output_tokens: -5}": "default_max_output_tokens",
+        "virtual_keys: [{name: k, key_sha256: nothex}]": "key_sha256",
+        "virtual_keys: [{name: k, key: a}, {name: k, key: b}]": "duplicate key name 'k'",
         "budgets: [{name: b, limit_usd: 5, scope: {color: red}}]": "unknown scope 'color'",
         "budgets: [{name: b, limit_usd: 5, timezone: Mars/Olympus}]": "unknown time zone",
         "budgets: [{name: b, limit_usd: 5}, {name: b, limit_usd: 6}]": "duplicate budget name",
@@ -489,3 +502,37 @@ def test_budget_config_is_validated(tmp_path):
         )
     )
     assert load_config(path).budget_list()[0].limit_usd == Decimal(5)
+
+
+def test_a_model_scope_covers_its_dated_snapshots_in_the_guard_and_the_ledger(tmp_path):
+    from tokenward.reports.budget_check import spend_in
+    from tokenward.reports.ledger import open_ledger
+
+    dated = Budget("dated", Decimal(1), scope=(("model", "gpt-4o-2024-08-06"),), action="block")
+    plain = Budget("plain", Decimal(1), scope=(("model", "gpt-4o"),), action="block")
+    # at admission only the requested name is known: a request for gpt-4o may be served as the snapshot
+    assert dated.matches({"model": ("gpt-4o",)}) and plain.matches({"model": ("gpt-4o-2024-08-06",)})
+    assert not dated.matches({"model": ("gpt-4o-2024-11-20",)}) and not plain.matches({"model": ("gpt-4o-mini",)})
+    path = tmp_path / "l.duckdb"
+    rows = [
+        ("a", "gpt-4o", "gpt-4o-2024-08-06", "1"),
+        ("b", "gpt-4o", "gpt-4o-2024-11-20", "2"),
+        ("c", "gpt-4o-mini", "gpt-4o-mini-2024-07-18", "4"),
+        ("d", "gpt-4o-2024-08-06", None, "8"),
+    ]
+    Spool(path).write(
+        [
+            make_row(i, requested_model=r, served_model=s, cost_usd=Decimal(c), started_at=1_780_000_000.0)
+            for i, r, s, c in rows
+        ]
+    )
+    Spool(path).ingest()
+    conn = open_ledger(path, read_only=True)
+    window = (dt.datetime(2020, 1, 1, tzinfo=UTC), dt.datetime(2030, 1, 1, tzinfo=UTC))
+    # dated: a (served as it), b (requested as gpt-4o, which the snapshot belongs to), d (requested as it)
+    # plain: a, b and d (all gpt-4o); never gpt-4o-mini
+    assert (spend_in(conn, dated, *window), spend_in(conn, plain, *window)) == (Decimal(11), Decimal(11))
+    conn.close()
+    for row_id, requested, served, _ in rows:
+        attributes = {"model": (requested, served) if served else (requested,)}
+        assert dated.matches(attributes) == (row_id in "abd") and plain.matches(attributes) == (row_id in "abd")

@@ -24,6 +24,7 @@ budgets:
   - {name: research-monthly, limit_usd: 100, scope: {team: research}, period: month, timezone: Europe/Paris,
      notify: [lead@example.com]}
   - {name: agent-daily, limit_usd: 20, scope: {key: agent}, period: day, action: block}
+alerts: {smtp: {host: 127.0.0.1, port: 2525, security: none}}
 """
 
 
@@ -130,4 +131,6 @@ def test_keys_created_on_the_command_line_work_in_the_running_proxy(start_proxy,
     assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
     assert "revoked" in invoke("keys", "list", "--db", db)
     duplicate = CliRunner().invoke(main, ["keys", "create", "bot", "--db", db])
-    assert duplicate.exit_code == 1 and "a key named 'bot' exists already" in duplicate.output
+    assert duplicate.exit_code == 1 and "a key named 'bot' was revoked" in duplicate.output
+    empty = CliRunner().invoke(main, ["keys", "create", " ", "--db", db])
+    assert empty.exit_code == 1 and "a key needs a name" in empty.output

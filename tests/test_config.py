@@ -35,7 +35,10 @@ UP = "upstreams: [{name: a, base_url: 'http://x'}]\n"
         ("upstreams: [{name: a, base_url: 'http://x'}, {name: a, base_url: 'http://y'}]", "duplicate upstream name"),
         ("upstreams: [{name: a, base_url: 'http://x', port: nope}]", "port"),
         (f"{UP}budgets: [{{name: b, limit_usd: 5, notify: [a@example.com]}}]", "needs an SMTP server (alerts.smtp)"),
-        (f"{UP}budgets: [{{name: b, limit_usd: -5}}]", "budget 'b': limit_usd must be > 0 - at `$.budgets[0]`"),
+        (
+            f"{UP}budgets: [{{name: b, limit_usd: -5}}]",
+            "budget 'b': limit_usd must be a positive amount of USD - at `$.budgets[0]`",
+        ),
         (f"{UP}alerts: {{admins: [ops]}}", "$.alerts.admins"),
         (f"{UP}alerts: {{digest: {{to: [ops], at: 8am}}}}", "digest time '8am' is not HH:MM"),
         ("upstreams: [{name: a, base_url: 'http://x'}]\nvirtual_keys: [{name: k}]", "exactly one of key or key_sha256"),
