@@ -14,6 +14,7 @@ recorder once, including refusals, upstream failures and client disconnects.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import logging
 import math
@@ -74,7 +75,11 @@ _TAGS_HEADER = b"x-tokenward-tags"
 _SESSION_HEADER = b"x-tokenward-session"
 _USER_HEADER = b"x-tokenward-user"
 _INCLUDE_USAGE = b'"stream_options":{"include_usage":true}'
-_OUTCOME_BY_CODE = {"model_not_priced": Outcome.REJECTED, "budget_exceeded": Outcome.REJECTED}
+_OUTCOME_BY_CODE = {
+    "model_not_priced": Outcome.REJECTED,
+    "budget_exceeded": Outcome.REJECTED,
+    "client_disconnected": Outcome.CLIENT_DISCONNECTED,
+}
 _OUTCOME_BY_STATUS = {
     400: Outcome.CLIENT_ERROR,
     401: Outcome.UNAUTHORIZED,
@@ -215,7 +220,7 @@ class Forwarder:
             strip_usage = True
         budget_headers = await self._admit(ex, head, body, endpoint)
         watch.append(DisconnectWatch(request.receive))  # the body is read: receive now only reports a disconnect
-        reply = await self._send(route, scope, inbound.headers, body, ex)
+        reply = await self._send_while_connected(route, scope, inbound.headers, body, ex, watch[0])
         meter = Meter(endpoint.dialect, header(reply.headers, b"content-encoding"))
         return Relay(
             ex,
@@ -358,6 +363,40 @@ class Forwarder:
                     "server_error",
                 )
             inbound.headers.append(route.auth_header)
+
+    async def _send_while_connected(
+        self,
+        route: Route,
+        scope: Scope,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+        ex: Exchange,
+        watch: DisconnectWatch,
+    ) -> UpstreamReply:
+        """:meth:`_send`, unless the client leaves before the reply begins.
+
+        Then the upstream still gets ``drain_timeout_s`` to answer (a reply that comes is read
+        for its usage, as after any disconnect); after that the upstream request is abandoned,
+        and the row says the provider may have billed it (its budget reservation is released).
+
+        Raises:
+            ProxyError: as :meth:`_send`; 499 ``client_disconnected`` when the upstream was abandoned.
+        """
+        sending = asyncio.ensure_future(self._send(route, scope, headers, body, ex))
+        gone = asyncio.ensure_future(watch.wait())
+        try:
+            await asyncio.wait({sending, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not sending.done():
+                await asyncio.wait({sending}, timeout=self.drain_timeout_s)
+            if sending.done():
+                return sending.result()
+            sending.cancel()
+            with contextlib.suppress(BaseException):
+                await sending
+            ex.maybe_billed = True
+            raise ProxyError(499, "The client disconnected before the upstream answered.", "client_disconnected")
+        finally:
+            gone.cancel()
 
     async def _send(
         self, route: Route, scope: Scope, headers: list[tuple[bytes, bytes]], content: Any, ex: Exchange

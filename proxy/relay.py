@@ -106,6 +106,17 @@ class DisconnectWatch:
         self._task = asyncio.ensure_future(self._receive())
         return False
 
+    async def wait(self) -> None:
+        """Return once the client has disconnected (cancelling this leaves the watch armed)."""
+        while True:
+            try:
+                message = await asyncio.shield(self._task)
+            except Exception:  # the receive channel broke: as good as gone
+                return
+            if message.get("type") == "http.disconnect":
+                return
+            self._task = asyncio.ensure_future(self._receive())
+
     def close(self) -> None:
         """Stop watching."""
         if not self._task.done():

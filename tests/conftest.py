@@ -14,7 +14,7 @@ import pytest
 
 from tokenward.pricing.settings import PricingSettings
 from tokenward.proxy.app import create_app
-from tokenward.proxy.config import AuthConfig, Config, LedgerConfig, UpstreamConfig, VirtualKeyConfig
+from tokenward.proxy.config import AuthConfig, Config, LedgerConfig, ServerConfig, UpstreamConfig, VirtualKeyConfig
 from tokenward.proxy.server import running_in_thread
 from tokenward.proxy.simulator import Recording, SimulatorServer, load_recordings, sample_recordings_path
 from tokenward.reports.alerts import AlertSettings
@@ -182,6 +182,7 @@ class ProxyFactory:
         budgets: Any = None,
         alerts: Any = None,
         notifier: Any = None,
+        drain_s: float = 60.0,
     ) -> Proxy:
         ledger = self.directory / f"ledger{len(self.contexts)}.duckdb"
         config = Config(
@@ -192,6 +193,7 @@ class ProxyFactory:
             pricing=pricing or PricingSettings(),
             budgets=budgets or [],
             alerts=alerts or AlertSettings(),
+            server=ServerConfig(drain_after_disconnect_s=drain_s),
         )
         app = create_app(config, upstream_transport=transport, catalog=catalog, notifier=notifier)
         context = running_in_thread(app)

@@ -536,3 +536,22 @@ def test_a_model_scope_covers_its_dated_snapshots_in_the_guard_and_the_ledger(tm
     for row_id, requested, served, _ in rows:
         attributes = {"model": (requested, served) if served else (requested,)}
         assert dated.matches(attributes) == (row_id in "abd") and plain.matches(attributes) == (row_id in "abd")
+
+
+def test_a_client_that_leaves_before_the_reply_frees_its_reservation(start_proxy, simulator):
+    request = long_prompt_request(10, 100)
+    register(simulator, "slow", request, prompt_tokens=17, completion_tokens=100)
+    # worst case (17 x 2.50 + 100 x 10.00) / 1M = $0.0010425: the budget has room for one at a time
+    budget = BudgetSettings(name="one-at-a-time", limit_usd="0.0015", period="total", action="block")
+    proxy = budget_proxy(start_proxy, simulator, [budget], drain_s=0.3)
+    headers = {"authorization": "Bearer tw-agent-key-0001", RECORD_HEADER: "slow"}
+    with pytest.raises(httpx.ReadTimeout):  # the upstream never answers; the client gives up after 0.5 s
+        httpx.post(
+            f"{proxy.url}/v1/chat/completions", json=request, headers={**headers, FAULT_HEADER: "hang"}, timeout=0.5
+        )
+    (left,) = proxy.rows(1)
+    # tokenward waited 0.3 s more for the upstream, then gave up: the provider may bill it, so no $0
+    assert (left["outcome"], left["price_status"], left["cost_usd"]) == ("client_disconnected", "usage_unknown", None)
+    assert left["latency_ms"] < 5000  # not the 600 s read timeout
+    ok = httpx.post(f"{proxy.url}/v1/chat/completions", json=request, headers=headers)
+    assert ok.status_code == 200  # the reservation was released with the abandoned request
