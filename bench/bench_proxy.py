@@ -214,7 +214,7 @@ async def main(seconds: float) -> None:
             )
     finally:
         for proc in reversed(procs):
-            proc.send_signal(signal.SIGINT)
+            proc.send_signal(signal.SIGTERM)  # the proxy drains and exits; the mock upstream just exits
         for proc in procs:
             try:
                 proc.wait(15)

@@ -14,7 +14,6 @@ recorder once, including refusals, upstream failures and client disconnects.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import datetime as dt
 import logging
 import math
@@ -382,21 +381,38 @@ class Forwarder:
         Raises:
             ProxyError: as :meth:`_send`; 499 ``client_disconnected`` when the upstream was abandoned.
         """
-        sending = asyncio.ensure_future(self._send(route, scope, headers, body, ex))
-        gone = asyncio.ensure_future(watch.wait())
+        # No extra task per request (that costs ~0.1 ms of CPU): a callback on the watch's pending
+        # receive starts a timer when the client goes, and the timer cancels this request's task.
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        timer: list[asyncio.TimerHandle] = []
+        abandoned: list[bool] = []
+
+        def abandon() -> None:
+            abandoned.append(True)
+            if task is not None:
+                task.cancel()
+
+        def on_receive(done: asyncio.Future[Any]) -> None:
+            if done.cancelled() or done.exception() is not None or done.result().get("type") == "http.disconnect":
+                timer.append(loop.call_later(self.drain_timeout_s, abandon))
+
+        pending = watch.pending
+        pending.add_done_callback(on_receive)
         try:
-            await asyncio.wait({sending, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if not sending.done():
-                await asyncio.wait({sending}, timeout=self.drain_timeout_s)
-            if sending.done():
-                return sending.result()
-            sending.cancel()
-            with contextlib.suppress(BaseException):
-                await sending
+            return await self._send(route, scope, headers, body, ex)
+        except asyncio.CancelledError:
+            if not abandoned or task is None:
+                raise
+            task.uncancel()
             ex.maybe_billed = True
-            raise ProxyError(499, "The client disconnected before the upstream answered.", "client_disconnected")
+            raise ProxyError(
+                499, "The client disconnected before the upstream answered.", "client_disconnected"
+            ) from None
         finally:
-            gone.cancel()
+            pending.remove_done_callback(on_receive)
+            for handle in timer:
+                handle.cancel()
 
     async def _send(
         self, route: Route, scope: Scope, headers: list[tuple[bytes, bytes]], content: Any, ex: Exchange

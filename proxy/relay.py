@@ -106,16 +106,10 @@ class DisconnectWatch:
         self._task = asyncio.ensure_future(self._receive())
         return False
 
-    async def wait(self) -> None:
-        """Return once the client has disconnected (cancelling this leaves the watch armed)."""
-        while True:
-            try:
-                message = await asyncio.shield(self._task)
-            except Exception:  # the receive channel broke: as good as gone
-                return
-            if message.get("type") == "http.disconnect":
-                return
-            self._task = asyncio.ensure_future(self._receive())
+    @property
+    def pending(self) -> asyncio.Future[Any]:
+        """The receive under way (done when the client sends something or disconnects)."""
+        return self._task
 
     def close(self) -> None:
         """Stop watching."""
