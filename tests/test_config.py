@@ -26,6 +26,19 @@ def test_example_config_loads_with_paths_relative_to_the_file():
 UP = "upstreams: [{name: a, base_url: 'http://x'}]\n"
 
 
+def test_the_example_configs_commented_budgets_guard_and_alerts_are_valid(tmp_path):
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "config.example.yaml").read_text()
+    head, tail = text.split("  # - name: research-daily", 1)
+    uncommented = re.sub(r"(?m)^(\s*)# ", r"\1", "  # - name: research-daily" + tail)
+    config = load_config(write(tmp_path, head + uncommented))
+    assert [b.name for b in config.budgets] == ["all-traffic-monthly", "research-daily"]
+    assert config.budgets[1].action == "block" and config.alerts.smtp is not None
+    assert (config.guard.image_tokens, config.alerts.digest.timezone) == (3000, "Europe/Paris")
+
+
 @pytest.mark.parametrize(
     ("text", "fragment"),
     [
