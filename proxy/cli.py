@@ -91,6 +91,33 @@ def demo(db: str | None) -> None:
     run_demo(db)
 
 
+@main.command()
+@click.option("--port", default=9100, show_default=True, help="Port to listen on (127.0.0.1).")
+@click.option(
+    "--recordings",
+    type=click.Path(exists=True, dir_okay=False),
+    help="JSON lines of recorded exchanges (default: the sample shipped with tokenward).",
+)
+def simulate(port: int, recordings: str | None) -> None:
+    """Run the upstream simulator: an OpenAI-compatible provider replaying recorded exchanges.
+
+    Each recorded provider answers under http://127.0.0.1:PORT/<provider>/v1 (e.g. /openai/v1);
+    point an upstream's base_url there to try tokenward without an API key.
+    """
+    from aiohttp import web
+
+    from tokenward.proxy.simulator import Simulator, load_recordings, sample_recordings_path
+
+    loaded = load_recordings(recordings or sample_recordings_path())
+    providers = sorted({r.provider for r in loaded})
+    click.echo(
+        f"simulator: {len(loaded)} recorded exchanges; providers at http://127.0.0.1:{port}/<provider>/v1: "
+        + ", ".join(providers),
+        err=True,
+    )
+    web.run_app(Simulator(loaded).app(), host="127.0.0.1", port=port, print=None, access_log=None)
+
+
 main.add_command(report)
 main.add_command(export)
 main.add_command(ledger)

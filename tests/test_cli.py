@@ -314,3 +314,29 @@ def test_serve_refuses_a_ledger_it_cannot_write(tmp_path):
     blocker.write_text("x")
     result = tokenward("serve", "--upstream", "http://127.0.0.1:9/v1", "--db", str(blocker / "l.duckdb"), check=False)
     assert result.returncode != 0 and "cannot open the ledger" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_simulate_serves_recorded_providers(sample):
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "tokenward.proxy", "simulate", "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/openai/v1", api_key="sk-x", max_retries=0) as c:
+                    reply = send_recorded(c, sample[CHAT])
+                break
+            except openai.APIConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (8, 10)
+    finally:
+        server.terminate()
+        _, stderr = server.communicate(timeout=10)
+    assert "providers at http://127.0.0.1:" in stderr and "openai" in stderr
