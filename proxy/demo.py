@@ -18,7 +18,7 @@ from tokenward.proxy.app import create_app
 from tokenward.proxy.config import Config, LedgerConfig, UpstreamConfig
 from tokenward.proxy.server import running_in_thread
 from tokenward.proxy.simulator import RECORD_HEADER, Recording, SimulatorServer, load_recordings, sample_recordings_path
-from tokenward.reports.cli import report
+from tokenward.reports.report_cli import report
 
 __all__ = ["run_demo", "send_recorded"]
 

@@ -21,7 +21,7 @@ from rich.table import Table
 from tokenward.pricing.budgets import Budget
 from tokenward.reports.alerts import Alert, AlertSettings, Notifier, html_text
 from tokenward.reports.budget_check import evaluate_and_notify, status_of, usd
-from tokenward.reports.cli import ledger_path, parse_when
+from tokenward.reports.cli_common import ledger_path, parse_when
 from tokenward.reports.keys import create_key, list_keys, revoke_key
 from tokenward.reports.ledger import LedgerError, open_ledger
 

@@ -24,7 +24,7 @@ from rich.table import Table
 from tokenward.pricing.catalog import CatalogError, PriceCatalog, PriceEntry, read_file
 from tokenward.pricing.imports import from_litellm, from_sheet, to_yaml
 from tokenward.pricing.settings import PricingSettings, build_catalog
-from tokenward.reports.cli import DEFAULT_LEDGER, ledger_path, parse_when
+from tokenward.reports.cli_common import DEFAULT_LEDGER, ledger_path, parse_when
 from tokenward.reports.ledger import LedgerError, open_ledger
 from tokenward.reports.reprice import reprice
 

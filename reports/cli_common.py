@@ -1,0 +1,114 @@
+"""What the ledger-reading commands share: which ledger, which time range, opening it read-only."""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+import click
+import yaml
+
+from tokenward.reports.ledger import LedgerError, open_ledger
+
+__all__ = [
+    "DEFAULT_LEDGER",
+    "ledger_options",
+    "ledger_path",
+    "open_read_only",
+    "parse_when",
+    "range_options",
+    "zone_named",
+]
+
+F = TypeVar("F", bound=Callable[..., Any])
+DEFAULT_LEDGER = "tokenward.duckdb"
+_RELATIVE = re.compile(r"^(\d+)\s*([mhdw])$")
+_UNITS = {"m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
+
+
+def ledger_path(db: str | None, config: str | None) -> str:
+    """The ledger file named by ``--db``, else by the config file's ``ledger.path``, else the default.
+
+    Raises:
+        click.BadParameter: the config file cannot be read.
+    """
+    if db:
+        return db
+    if config:
+        try:
+            document = yaml.safe_load(Path(config).read_text(encoding="utf-8")) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise click.BadParameter(f"cannot read {config}: {exc}", param_hint="--config") from exc
+        path = (document.get("ledger") or {}).get("path") or DEFAULT_LEDGER
+        return str(Path(config).resolve().parent / path)
+    return DEFAULT_LEDGER
+
+
+def parse_when(text: str | None, tz: ZoneInfo, now: dt.datetime | None = None) -> dt.datetime | None:
+    """Parse a time bound.
+
+    Accepts ``2026-11-01`` (midnight in ``tz``), an ISO datetime (naive = ``tz``), or a duration
+    before ``now`` such as ``30m``, ``24h``, ``7d``, ``2w``.
+
+    Raises:
+        click.BadParameter: unparseable text.
+    """
+    if text is None:
+        return None
+    now = now or dt.datetime.now(dt.UTC)
+    match = _RELATIVE.match(text.strip())
+    if match:
+        return now - dt.timedelta(**{_UNITS[match.group(2)]: int(match.group(1))})
+    try:
+        value = dt.datetime.fromisoformat(text)
+    except ValueError as exc:
+        raise click.BadParameter(f"{text!r} is not a date, datetime or duration like 7d") from exc
+    return value if value.tzinfo else value.replace(tzinfo=tz)
+
+
+def zone_named(name: str) -> ZoneInfo:
+    """The IANA zone ``name``.
+
+    Raises:
+        click.BadParameter: unknown zone (for ``--tz``).
+    """
+    try:
+        return ZoneInfo(name)
+    except (ZoneInfoNotFoundError, ValueError) as exc:
+        raise click.BadParameter(f"unknown time zone {name!r}", param_hint="--tz") from exc
+
+
+def ledger_options(fn: F) -> F:
+    """Add ``--db``, ``--config`` and ``--wait`` (which ledger, and how long to wait for the proxy's flush)."""
+    fn = click.option("--wait", default=10.0, show_default=True, help="Seconds to wait while the proxy is writing.")(fn)
+    fn = click.option("--config", "config", type=click.Path(dir_okay=False), help="Config file naming the ledger.")(fn)
+    fn = click.option("--db", type=click.Path(dir_okay=False), help="Ledger DuckDB file.")(fn)
+    return fn
+
+
+def range_options(fn: F) -> F:
+    """Add ``--since``, ``--until`` and ``--tz``."""
+    fn = click.option("--tz", default="UTC", show_default=True, help="IANA time zone for dates and days.")(fn)
+    fn = click.option("--until", help="End (exclusive): date, ISO datetime or duration ago.")(fn)
+    fn = click.option("--since", help="Start (inclusive): date, ISO datetime or duration ago (7d).")(fn)
+    return fn
+
+
+def open_read_only(db: str | None, config: str | None, wait: float) -> Any:
+    """The ledger named by ``--db``/``--config``, open read-only with progress tracking on.
+
+    Raises:
+        click.ClickException: no ledger there, or it stayed locked for ``wait`` seconds.
+    """
+    try:
+        conn = open_ledger(ledger_path(db, config), read_only=True, wait_s=wait)
+    except LedgerError as exc:
+        raise click.ClickException(str(exc)) from exc
+    # progress is drawn by reports/progress.py (one bar, also for work done in Python), not DuckDB
+    conn.execute("SET enable_progress_bar = true")
+    conn.execute("SET enable_progress_bar_print = false")
+    return conn
