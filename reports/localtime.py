@@ -10,9 +10,10 @@ times faster. The result equals ``timezone(tz, started_at)``.
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Callable
 from zoneinfo import ZoneInfo
 
-__all__ = ["local_timestamp_sql", "offsets"]
+__all__ = ["local_hour_sql", "local_hour_start_sql", "local_timestamp_sql", "offsets"]
 
 _US = 1_000_000
 
@@ -49,15 +50,47 @@ def offsets(tz: str, lo: dt.datetime, hi: dt.datetime) -> list[tuple[int | None,
     return steps
 
 
+def _by_offset(steps: list[tuple[int | None, int]], value: Callable[[int], str]) -> str:
+    """A SQL expression worth ``value(offset)`` for the offset in force at each row's start."""
+    if len(steps) == 1:
+        return value(steps[0][1])
+    cases = " ".join(
+        f"WHEN epoch_us(started_at) < {start * _US} THEN {value(previous[1])}"
+        for previous, (start, _) in zip(steps, steps[1:], strict=False)
+        if start is not None
+    )
+    return f"CASE {cases} ELSE {value(steps[-1][1])} END"
+
+
 def local_timestamp_sql(tz: str, lo: dt.datetime | None, hi: dt.datetime | None) -> str:
     """SQL for ``started_at`` as a local ``TIMESTAMP`` in ``tz``, exact for rows in ``[lo, hi]``."""
     now = dt.datetime.now(dt.UTC)
     steps = offsets(tz, lo or now, hi or now)
-    if len(steps) == 1:
-        return f"make_timestamp(epoch_us(started_at) + {steps[0][1] * _US})"
-    cases = " ".join(
-        f"WHEN epoch_us(started_at) < {start * _US} THEN {previous[1] * _US}"
-        for previous, (start, _) in zip(steps, steps[1:], strict=False)
-        if start is not None
-    )
-    return f"make_timestamp(epoch_us(started_at) + CASE {cases} ELSE {steps[-1][1] * _US} END)"
+    return f"make_timestamp(epoch_us(started_at) + {_by_offset(steps, lambda off: str(off * _US))})"
+
+
+def local_hour_sql(tz: str, lo: dt.datetime | None, hi: dt.datetime | None) -> str:
+    """SQL for the local hour a row started in, as ISO text with its UTC offset.
+
+    ``2026-10-25T02:00+02:00`` and ``2026-10-25T02:00+01:00`` are the two 2 a.m. hours of the
+    night a Paris summer ends: the offset keeps them apart.
+    """
+    now = dt.datetime.now(dt.UTC)
+    steps = offsets(tz, lo or now, hi or now)
+    local = f"make_timestamp(epoch_us(started_at) + {_by_offset(steps, lambda off: str(off * _US))})"
+    suffix = _by_offset(steps, lambda off: f"'{_offset_text(off)}'")
+    return f"strftime(date_trunc('hour', {local}), '%Y-%m-%dT%H:00') || {suffix}"
+
+
+def local_hour_start_sql(tz: str, lo: dt.datetime | None, hi: dt.datetime | None) -> str:
+    """SQL for the epoch microseconds at which a row's local hour began (orders hours in time)."""
+    now = dt.datetime.now(dt.UTC)
+    steps = offsets(tz, lo or now, hi or now)
+    offset = _by_offset(steps, lambda off: str(off * _US))
+    return f"(epoch_us(started_at) - ((epoch_us(started_at) + {offset}) % {3600 * _US}))"
+
+
+def _offset_text(seconds: int) -> str:
+    sign = "-" if seconds < 0 else "+"
+    minutes = abs(seconds) // 60
+    return f"{sign}{minutes // 60:02d}:{minutes % 60:02d}"

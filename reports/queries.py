@@ -19,9 +19,10 @@ from typing import Any
 
 import duckdb
 
+from tokenward.pricing.budgets import SNAPSHOT_SUFFIX
 from tokenward.pricing.usage import TOKEN_FIELDS
 from tokenward.reports.ledger import ROW_COLUMNS
-from tokenward.reports.localtime import local_timestamp_sql
+from tokenward.reports.localtime import local_hour_sql, local_hour_start_sql, local_timestamp_sql
 
 __all__ = [
     "ALIASES",
@@ -37,7 +38,7 @@ __all__ = [
 ]
 
 DIMENSIONS: dict[str, str] = {
-    "hour": "date_trunc('hour', {local})",
+    "hour": "{local_hour}",
     "day": "CAST({local} AS DATE)",
     "week": "CAST(date_trunc('week', {local}) AS DATE)",
     "month": "strftime({local}, '%Y-%m')",
@@ -54,7 +55,9 @@ DIMENSIONS: dict[str, str] = {
     "outcome": "outcome",
 }
 """Group-by dimensions and their SQL. Calendar ones are local to the report's time zone (``{local}``
-is the local start time; ``week``: the Monday that starts the ISO week; ``month``: ``YYYY-MM``).
+is the local start time; ``hour``: ``2026-10-25T02:00+02:00``, with the UTC offset, so the hour
+repeated when summer time ends stays two hours; ``week``: the Monday that starts the ISO week;
+``month``: ``YYYY-MM``).
 ``tag`` puts a request under each of its tags (``(none)`` without one), so tag groups can add up
 to more than the total."""
 
@@ -167,23 +170,42 @@ class Selection:
         for i, (name, values) in enumerate(sorted(self.filters.items())):
             dimension = canonical(name)
             params[f"f{i}"] = list(values)
-            if dimension == "tag":
-                clauses.append(f"list_has_any(coalesce(tags, []), $f{i})")
+            if dimension == "tag":  # "(none)", as --by tag shows it, keeps the untagged rows
+                untagged = " OR len(coalesce(tags, [])) = 0" if "(none)" in values else ""
+                clauses.append(f"(list_has_any(coalesce(tags, []), $f{i}){untagged})")
+            elif dimension == "model":  # as a budget's scope: requested or served, dated snapshots too
+                params[f"f{i}b"] = [SNAPSHOT_SUFFIX.sub("", v) for v in values]
+                names = [f"coalesce({c}, '(none)')" for c in ("requested_model", "served_model")]
+                bare = [f"regexp_replace({n}, '{SNAPSHOT_SUFFIX.pattern}', '')" for n in names]
+                clauses.append(
+                    f"(list_has_any($f{i}, [{', '.join(names + bare)}]) OR list_has_any($f{i}b, [{', '.join(names)}]))"
+                )
             else:
                 clauses.append(f"list_contains($f{i}, {DIMENSIONS[dimension]})")
         return (" WHERE " + " AND ".join(clauses)) if clauses else "", params
 
     def group_keys(self, conn: duckdb.DuckDBPyConnection, dims: Sequence[str]) -> list[str]:
         """SQL for each dimension in ``dims`` (calendar ones in this selection's zone)."""
-        local = ""
+        return [key for key, _ in self._keys(conn, dims)]
+
+    def _keys(self, conn: duckdb.DuckDBPyConnection, dims: Sequence[str]) -> list[tuple[str, str | None]]:
+        """Per dimension: its SQL, and for ``hour`` the SQL ordering its groups by when they began."""
+        local = local_hour = hour_start = ""
         if any(d in TIME_DIMENSIONS for d in dims):
             lo, hi = self.since, self.until
             if lo is None or hi is None:
                 where, params = self.where()
                 found = conn.execute(f"SELECT min(started_at), max(started_at) FROM requests{where}", params).fetchone()
                 lo, hi = lo or (found[0] if found else None), hi or (found[1] if found else None)
-            local = local_timestamp_sql(self.tz, lo, hi)
-        return [DIMENSIONS[d].replace("{local}", local) for d in dims]
+            local, local_hour = local_timestamp_sql(self.tz, lo, hi), local_hour_sql(self.tz, lo, hi)
+            hour_start = local_hour_start_sql(self.tz, lo, hi)
+        return [
+            (
+                DIMENSIONS[d].replace("{local_hour}", local_hour).replace("{local}", local),
+                f"min({hour_start})" if d == "hour" else None,
+            )
+            for d in dims
+        ]
 
     def rows(self, dims: Sequence[str], extra: str | None = None) -> tuple[str, dict[str, Any]]:
         """``FROM`` clause (with its ``WHERE``) and parameters for a report grouped by ``dims``.
@@ -250,11 +272,13 @@ def spend(
     dims = [canonical(name) for name in by]
     measures = {**_GROUP_MEASURES, **(_DRIFT_MEASURES if drift else {})}
     source, params = selection.rows(dims)
-    keys = "".join(f"{sql} AS {d}, " for sql, d in zip(selection.group_keys(conn, dims), dims, strict=True))
+    keyed = selection._keys(conn, dims)
+    keys = "".join(f"{sql} AS {d}, " for (sql, _), d in zip(keyed, dims, strict=True))
     select = f"SELECT {keys}{', '.join(f'{sql} AS {name}' for name, sql in measures.items())} FROM {source}"
     if dims:
-        order = ", ".join(str(i + 1) for i in range(len(dims)))
-        select += f" GROUP BY {order}"
+        group = ", ".join(str(i + 1) for i in range(len(dims)))
+        order = ", ".join(o or str(i + 1) for i, (_, o) in enumerate(keyed))
+        select += f" GROUP BY {group}"
         select += f" ORDER BY cost_usd DESC NULLS LAST, {order} LIMIT {int(top)}" if top else f" ORDER BY {order}"
     cursor = conn.execute(select, params)
     names = [d[0] for d in cursor.description]

@@ -150,7 +150,7 @@ def to_table(
         else:
             footer = shown(totals.get(column.key), column.kind) if totals else ""
         cells = [shown(r.get(column.key), column.kind) for r in rows] + [footer]
-        width = max([*(len(word) for word in column.title.split()), *(len(cell) for cell in cells)])
+        width = max([len(column.title), *(len(cell) for cell in cells)])
         table.add_column(
             column.title,
             footer=footer,
@@ -173,7 +173,7 @@ def to_markdown(rows: list[dict[str, Any]], totals: dict[str, Any] | None, colum
         "|" + "|".join("---" if c.kind == "dim" else "---:" for c in columns) + "|",
     ]
     for row in rows:
-        lines.append("| " + " | ".join(shown(row.get(c.key), c.kind).replace("|", "\\|") for c in columns) + " |")
+        lines.append("| " + " | ".join(_md(shown(row.get(c.key), c.kind)) for c in columns) + " |")
     if totals is not None:
         cells = [
             ("**total**" if i == 0 else "") if c.kind == "dim" else f"**{shown(totals.get(c.key), c.kind)}**"
@@ -181,6 +181,11 @@ def to_markdown(rows: list[dict[str, Any]], totals: dict[str, Any] | None, colum
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _md(text: str) -> str:
+    """A Markdown table cell: pipes escaped, HTML shown as text rather than rendered."""
+    return text.replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;")
 
 
 def json_default(value: Any) -> Any:
@@ -192,15 +197,15 @@ def json_default(value: Any) -> Any:
     raise TypeError(f"not JSON serializable: {type(value).__name__}")
 
 
-def _keys(rows: list[dict[str, Any]], columns: list[Column]) -> list[str]:
-    """The columns' keys, then every other measure the rows carry (machine formats keep them all)."""
+def _keys(rows: list[dict[str, Any]], columns: list[Column], everything: bool) -> list[str]:
+    """The columns' keys, then (``everything``) every other measure the rows carry."""
     keys = [c.key for c in columns]
-    return keys + [k for k in (rows[0] if rows else {}) if k not in keys]
+    return keys + [k for k in (rows[0] if rows else {}) if k not in keys] if everything else keys
 
 
-def to_json(rows: list[dict[str, Any]], columns: list[Column]) -> str:
-    """Rows as a JSON array of objects: the columns' keys and every other measure."""
-    keys = _keys(rows, columns)
+def to_json(rows: list[dict[str, Any]], columns: list[Column], *, everything: bool = True) -> str:
+    """Rows as a JSON array of objects: the columns' keys and (``everything``) every other measure."""
+    keys = _keys(rows, columns, everything)
     return json.dumps([{k: r.get(k) for k in keys} for r in rows], default=json_default, indent=2) + "\n"
 
 
@@ -215,9 +220,9 @@ def cell(value: Any) -> Any:
     return value
 
 
-def to_csv(rows: list[dict[str, Any]], columns: list[Column]) -> str:
-    """Rows as CSV: the columns' keys and every other measure; empty cells for unknown values."""
-    keys = _keys(rows, columns)
+def to_csv(rows: list[dict[str, Any]], columns: list[Column], *, everything: bool = True) -> str:
+    """Rows as CSV: the columns' keys and (``everything``) every other measure; empty cells for unknowns."""
+    keys = _keys(rows, columns, everything)
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
     writer.writerow(keys)
@@ -226,29 +231,41 @@ def to_csv(rows: list[dict[str, Any]], columns: list[Column]) -> str:
     return buffer.getvalue()
 
 
-_PARQUET_TYPES = {"int": "HUGEINT", "usd": "DECIMAL(38, 12)", "ratio": "DECIMAL(18, 4)", "pct": "DECIMAL(18, 2)"}
+_PARQUET_TYPES = {"int": "BIGINT", "usd": "DECIMAL(38, 12)", "ratio": "DECIMAL(18, 4)", "pct": "DECIMAL(18, 2)"}
 
 
-def to_parquet(rows: list[dict[str, Any]], columns: list[Column], path: Path) -> None:
-    """Write ``rows`` to a Parquet file (exact decimals; dimensions typed as their values are)."""
+def _parquet_type(key: str, kind: str | None, sample: Any) -> str:
+    if kind in _PARQUET_TYPES:
+        return _PARQUET_TYPES[kind]
+    if isinstance(sample, bool):
+        return "BOOLEAN"
+    if isinstance(sample, int):
+        return "BIGINT"
+    if isinstance(sample, Decimal) or key.endswith("_usd"):
+        return "DECIMAL(38, 12)"
+    if isinstance(sample, dt.datetime):
+        return "TIMESTAMP"
+    if isinstance(sample, dt.date):
+        return "DATE"
+    return "VARCHAR"
+
+
+def to_parquet(rows: list[dict[str, Any]], columns: list[Column], path: Path, *, everything: bool = True) -> None:
+    """Write ``rows`` to a Parquet file: exact decimals, 64-bit counts, dimensions typed as their values."""
+    keys = _keys(rows, columns, everything)
+    kinds = {c.key: c.kind for c in columns}
+    types = []
+    for key in keys:
+        sample = next((r[key] for r in rows if r.get(key) is not None), None)
+        types.append(_parquet_type(key, None if kinds.get(key) == "dim" else kinds.get(key), sample))
     conn = duckdb.connect()
     try:
-        kinds = []
-        for column in columns:
-            if column.kind != "dim":
-                kinds.append(_PARQUET_TYPES[column.kind])
-                continue
-            sample = next((r[column.key] for r in rows if r.get(column.key) is not None), "")
-            kinds.append(
-                "TIMESTAMP"
-                if isinstance(sample, dt.datetime)
-                else ("DATE" if isinstance(sample, dt.date) else "VARCHAR")
-            )
-        names = ", ".join(f'"{c.key}" {kind}' for c, kind in zip(columns, kinds, strict=True))
-        conn.execute(f"CREATE TABLE report ({names})")
+        conn.execute(
+            f"CREATE TABLE report ({', '.join(f'{chr(34)}{k}{chr(34)} {t}' for k, t in zip(keys, types, strict=True))})"
+        )
         if rows:
-            marks = ", ".join("?" for _ in columns)
-            conn.executemany(f"INSERT INTO report VALUES ({marks})", [[r.get(c.key) for c in columns] for r in rows])
+            marks = ", ".join("?" for _ in keys)
+            conn.executemany(f"INSERT INTO report VALUES ({marks})", [[r.get(k) for k in keys] for r in rows])
         conn.execute("COPY report TO ? (FORMAT parquet)", [str(path)])
     finally:
         conn.close()

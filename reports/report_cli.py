@@ -54,7 +54,9 @@ def _filters(values: tuple[str, ...]) -> dict[str, list[str]]:
     metavar="DIM=VALUE[,VALUE]",
     help="Keep only these rows (repeatable; values are alternatives), e.g. team=research, tag=nightly.",
 )
-@click.option("--top", type=click.IntRange(min=1), help="Only the N groups that cost the most, highest first.")
+@click.option(
+    "--top", type=click.IntRange(min=1, max=1_000_000), help="Only the N groups that cost the most, highest first."
+)
 @click.option("--compare", is_flag=True, help="Add the previous period's cost and the change in %.")
 @click.option("--forecast", is_flag=True, help="Add each group's cost projected to the period's end, and budgets.")
 @click.option("--as-model", "as_model", help="What-if: the same traffic priced as MODEL (e.g. gpt-5-mini).")
@@ -77,7 +79,7 @@ def _filters(values: tuple[str, ...]) -> dict[str, list[str]]:
 )
 @click.option("--drift", is_flag=True, help="Add the provider-reported cost (OpenRouter) and its drift from ours.")
 @click.option("--prices", multiple=True, type=click.Path(exists=True, dir_okay=False), help="Extra price file.")
-@click.option("--at", "at_text", help="Take this instant (ISO datetime) as now, for --period and --forecast.")
+@click.option("--at", "at_text", help="Take this instant (ISO datetime) as now (for --period, --forecast, 7d).")
 def report(
     db: str | None,
     config: str | None,
@@ -101,7 +103,7 @@ def report(
     prices: tuple[str, ...],
     at_text: str | None,
 ) -> None:
-    r"""Spend, tokens, cache savings and cost per request, grouped (--by) over a time range.
+    """Spend, tokens, cache savings and cost per request, grouped (--by) over a time range.
 
     \b
     Examples:
@@ -110,12 +112,17 @@ def report(
       tokenward report --period this-month --by model --forecast --config config.yaml
       tokenward report --since 30d --where team=research --by model --as-model gpt-5-mini
       tokenward report --since 30d --by day,model --html spend.html
-    """
+    """  # noqa: D301 - "\b" is click's "keep these lines as they are" mark
     zone = zone_named(tz)
     now = (parse_when(at_text, zone) if at_text else None) or dt.datetime.now(dt.UTC)
     if fmt == "parquet" and not output:
         raise click.UsageError("--format parquet needs --output FILE")
     if forecast and period is None:
+        if since or until:
+            raise click.UsageError(
+                "--forecast projects a calendar period under way: use --period this-month "
+                "(or today, this-week) instead of --since/--until"
+            )
         period = "this-month"
     calendar = None
     try:
@@ -125,14 +132,17 @@ def report(
             calendar = views.calendar_range(period, tz, now)
             start, end = calendar.since, calendar.until
         else:
-            start, end = parse_when(since, zone), parse_when(until, zone)
+            start, end = parse_when(since, zone, now), parse_when(until, zone, now)
+        if start is not None and end is not None and start >= end:
+            raise click.UsageError(f"--since ({start.isoformat()}) must come before --until ({end.isoformat()})")
         if forecast and (calendar is None or not calendar.to_date):
             raise click.UsageError("--forecast needs a period under way: --period today, this-week or this-month")
-        dims = [queries.canonical(d.strip()) for d in (by or ("key" if top else "model,day")).split(",") if d.strip()]
-        if compare and (start is None or any(d in queries.TIME_DIMENSIONS for d in dims)):
-            raise click.UsageError(
-                "--compare needs --period or --since, and groups that are not hours/days/weeks/months"
-            )
+        default = "key" if top else ("model" if compare else "model,day")
+        dims = [queries.canonical(d.strip()) for d in (by or default).split(",") if d.strip()]
+        if compare and start is None:
+            raise click.UsageError("--compare needs a range to compare: --period or --since")
+        if compare and any(d in queries.TIME_DIMENSIONS for d in dims):
+            raise click.UsageError("--compare matches groups across periods: group by something other than time")
         selection = queries.Selection(start, end, _filters(where), tz)
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from exc
@@ -188,7 +198,7 @@ def report(
         except OSError as exc:
             raise click.ClickException(f"cannot write {html_file}: {exc.strerror or exc}") from exc
         click.echo(f"wrote {html_file}", err=True)
-    _emit(rows, totals, columns, fmt, output, title, span, notes)
+    _emit(rows, totals, columns, fmt, output, title, span, notes, everything=not columns_text)
     if forecast and fmt == "table":
         _budget_forecasts(db, config, wait, now)
 
@@ -263,10 +273,12 @@ def _emit(
     title: str,
     span: str,
     notes: list[str],
+    *,
+    everything: bool = True,
 ) -> None:
     if fmt == "parquet":
         try:
-            render.to_parquet(rows, columns, Path(output or ""))
+            render.to_parquet(rows, columns, Path(output or ""), everything=everything)
         except Exception as exc:  # duckdb raises IOException and friends for unwritable paths
             raise click.ClickException(f"cannot write {output}: {exc}") from exc
         click.echo(f"wrote {len(rows)} rows to {output}", err=True)
@@ -281,8 +293,8 @@ def _emit(
             console.print(note, soft_wrap=True)
         return
     text = {
-        "csv": lambda: render.to_csv(rows, columns),
-        "json": lambda: render.to_json(rows, columns),
+        "csv": lambda: render.to_csv(rows, columns, everything=everything),
+        "json": lambda: render.to_json(rows, columns, everything=everything),
         "markdown": lambda: (
             f"## {title}\n\n{span}\n\n" + render.to_markdown(rows, totals, columns) + "".join(f"\n{n}\n" for n in notes)
         ),
@@ -308,7 +320,7 @@ def _open_out(output: str | None) -> TextIO | None:
 
 def _budget_forecasts(db: str | None, config: str | None, wait: float, now: dt.datetime) -> None:
     """Print each configured budget's spend, limit and forecast (the forecast view's second half)."""
-    from tokenward.reports.budget_check import status_of
+    from tokenward.reports.budget_check import status_of, usd
     from tokenward.reports.budgets_cli import load_sections
 
     budgets, _ = load_sections(config)
@@ -326,9 +338,9 @@ def _budget_forecasts(db: str | None, config: str | None, wait: float, now: dt.d
             s.budget.name,
             s.budget.describe_scope(),
             s.budget.period.kind,
-            f"${s.spent:,.2f}",
-            f"${s.budget.limit_usd:,.2f}",
-            "-" if s.forecast is None else f"${s.forecast:,.2f}",
+            usd(s.spent),
+            usd(s.budget.limit_usd),
+            "-" if s.forecast is None else usd(s.forecast),
             share + (" (over)" if s.forecast_exceeds else ""),
         )
     Console(width=None if sys.stdout.isatty() else 200).print(table)

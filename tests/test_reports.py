@@ -321,8 +321,8 @@ def test_calendar_groupings_in_a_time_zone(ledger):
     assert utc == [("2026-11-02", "0.045000000000"), ("2026-11-03", "0.024500000000"), ("2026-11-04", "0.002000000000")]
     hours = report(ledger, *NOVEMBER, "--by", "hour", "--where", "key=alice")
     assert [(r["hour"], r["cost_usd"]) for r in hours] == [
-        ("2026-11-02T10:00:00", "0.030000000000"),
-        ("2026-11-03T00:00:00", "0.015000000000"),
+        ("2026-11-02T10:00+01:00", "0.030000000000"),
+        ("2026-11-03T00:00+01:00", "0.015000000000"),
     ]
     weeks = report(ledger, "--tz", "Europe/Paris", "--by", "week")
     assert [(r["week"], r["cost_usd"]) for r in weeks] == [
@@ -437,7 +437,7 @@ def test_forecast_next_to_the_budgets(ledger, tmp_path):
     assert "$0.612857" in next(line for line in table.splitlines() if line.startswith("│ total"))  # 0.0715 x 720/84
     budget = next(line for line in table.splitlines() if "research-monthly" in line)
     # research spent A + G + B + F = $0.047; 0.047 x 720 / 84 = $0.402857, 402.9 % of the $0.10 limit
-    assert "$0.05" in budget and "$0.10" in budget and "$0.40" in budget and "402.9% (over)" in budget
+    assert "$0.047" in budget and "$0.10" in budget and "$0.402857" in budget and "402.9% (over)" in budget
 
 
 def test_what_if_another_model(ledger):
@@ -565,3 +565,91 @@ def test_cache_savings_and_output_cost_per_row():
         at=dt.datetime(2026, 11, 1, tzinfo=dt.UTC),
     )
     assert (r.cost_usd, r.cache_savings_usd, r.output_cost_usd) == (D("0.0143"), D(0), D("0.0132"))
+
+
+def test_the_hour_repeated_when_summer_time_ends_stays_two_hours(tmp_path):
+    path = tmp_path / "dst.duckdb"
+    # 2026-10-25 in Paris: 02:00-03:00 happens twice, first at +02:00 (00:00Z), then at +01:00 (01:00Z)
+    Spool(path).write(
+        [
+            row(f"r{i}", when, "k", "t", "gpt-4o", "1")
+            for i, when in enumerate(
+                ["2026-10-25T00:10:00+00:00", "2026-10-25T00:50:00+00:00", "2026-10-25T01:10:00+00:00"]
+            )
+        ]
+    )
+    Spool(path).ingest()
+    hours = report(path, "--tz", "Europe/Paris", "--by", "hour")
+    assert [(r["hour"], r["requests"]) for r in hours] == [("2026-10-25T02:00+02:00", 2), ("2026-10-25T02:00+01:00", 1)]
+
+
+def test_filters_match_snapshots_and_untagged_rows(ledger, tmp_path):
+    path = tmp_path / "snap.duckdb"
+    Spool(path).write(
+        [
+            row("s", "2026-11-02T09:00:00+00:00", "k", "t", "gpt-4o-2024-08-06", "1", requested_model="gpt-4o"),
+            row(
+                "m", "2026-11-02T09:00:00+00:00", "k", "t", "gpt-4o-mini-2024-07-18", "2", requested_model="gpt-4o-mini"
+            ),
+        ]
+    )
+    Spool(path).ingest()
+    # a request for gpt-4o served as gpt-4o-2024-08-06 is kept by either name, never by gpt-4o-mini's
+    assert [r["requests"] for r in report(path, "--by", "model", "--where", "model=gpt-4o")] == [1]
+    assert [r["model"] for r in report(path, "--by", "model", "--where", "model=gpt-4o-2024-08-06")] == [
+        "gpt-4o-2024-08-06"
+    ]
+    untagged = report(ledger, *NOVEMBER, "--by", "tag", "--where", "tag=(none)")
+    assert [(r["tag"], r["requests"]) for r in untagged] == [("(none)", 5)]
+
+
+def test_argument_mistakes_get_clear_errors(ledger):
+    def fails(*args: str) -> str:
+        result = CliRunner().invoke(main, ["report", "--db", str(ledger), *args])
+        assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+        return result.output
+
+    assert "must come before --until" in fails("--since", "2026-11-30", "--until", "2026-11-01")
+    assert "instead of --since/--until" in fails("--since", "7d", "--forecast")
+    assert "group by something other than time" in fails("--since", "7d", "--compare", "--by", "day")
+    assert "99999999999999999999" in fails("--top", "99999999999999999999")
+    # --compare alone groups by model
+    assert [r["model"] for r in report(ledger, *NOVEMBER, "--compare")][:2] == ["acme-9", "gpt-4o"]
+
+
+def test_machine_formats_keep_every_measure_unless_columns_are_chosen(ledger, tmp_path):
+    chosen = report(ledger, *NOVEMBER, "--by", "team", "--columns", "cost_usd,requests")
+    assert [list(r) for r in chosen] == [["team", "requests", "cost_usd"]] * 2
+    parquet = tmp_path / "all.parquet"
+    CliRunner().invoke(
+        main,
+        ["report", "--db", str(ledger), *NOVEMBER, "--by", "team", "--format", "parquet", "-o", str(parquet)],
+        catch_exceptions=False,
+    )
+    described = {name: kind for name, kind, *_ in duckdb.sql(f"DESCRIBE SELECT * FROM '{parquet}'").fetchall()}
+    assert described["requests"] == "BIGINT" and described["cost_usd"] == "DECIMAL(38,12)"
+    assert {"output_cost_usd", "priced_requests", "estimated_requests"} <= set(described)
+
+
+def test_wide_tables_are_never_cut():
+    from rich.console import Console
+
+    from tokenward.reports import render
+
+    console = Console(width=60, record=True, file=io.StringIO())
+    rows = [{"key": "a-rather-long-key-name", "cost_usd": D("1234.5"), "cache_hit_rate": D("0.5")}]
+    render.to_table(rows, None, render.columns_for(["key"], measures=render.MEASURE_KEYS), console, "t")
+    text = console.export_text()
+    assert "a-rather-long-key-name" in text and "$1,234.50" in text and "cache hit" in text and "…" not in text
+
+
+def test_markdown_shows_html_as_text(tmp_path):
+    path = tmp_path / "md.duckdb"
+    Spool(path).write([row("x", "2026-11-02T09:00:00+00:00", '<img src="http://x/y.png">', "t", "gpt-4o", "1")])
+    Spool(path).ingest()
+    text = (
+        CliRunner()
+        .invoke(main, ["report", "--db", str(path), "--by", "key", "--format", "markdown"], catch_exceptions=False)
+        .output
+    )
+    assert '&lt;img src="http://x/y.png"&gt;' in text and "<img" not in text
