@@ -13,7 +13,7 @@ import datetime as dt
 from collections.abc import Callable
 from zoneinfo import ZoneInfo
 
-__all__ = ["local_hour_sql", "local_hour_start_sql", "local_timestamp_sql", "offsets"]
+__all__ = ["local_hour_start_sql", "local_timestamp_sql", "offsets"]
 
 _US = 1_000_000
 
@@ -69,28 +69,13 @@ def local_timestamp_sql(tz: str, lo: dt.datetime | None, hi: dt.datetime | None)
     return f"make_timestamp(epoch_us(started_at) + {_by_offset(steps, lambda off: str(off * _US))})"
 
 
-def local_hour_sql(tz: str, lo: dt.datetime | None, hi: dt.datetime | None) -> str:
-    """SQL for the local hour a row started in, as ISO text with its UTC offset.
-
-    ``2026-10-25T02:00+02:00`` and ``2026-10-25T02:00+01:00`` are the two 2 a.m. hours of the
-    night a Paris summer ends: the offset keeps them apart.
-    """
-    now = dt.datetime.now(dt.UTC)
-    steps = offsets(tz, lo or now, hi or now)
-    local = f"make_timestamp(epoch_us(started_at) + {_by_offset(steps, lambda off: str(off * _US))})"
-    suffix = _by_offset(steps, lambda off: f"'{_offset_text(off)}'")
-    return f"strftime(date_trunc('hour', {local}), '%Y-%m-%dT%H:00') || {suffix}"
-
-
 def local_hour_start_sql(tz: str, lo: dt.datetime | None, hi: dt.datetime | None) -> str:
-    """SQL for the epoch microseconds at which a row's local hour began (orders hours in time)."""
+    """SQL for the epoch microseconds at which a row's local hour began.
+
+    Grouping by it keeps apart the two 2 a.m. hours of the night summer time ends, and sorts in
+    time; reports show it as local time with its offset.
+    """
     now = dt.datetime.now(dt.UTC)
     steps = offsets(tz, lo or now, hi or now)
     offset = _by_offset(steps, lambda off: str(off * _US))
     return f"(epoch_us(started_at) - ((epoch_us(started_at) + {offset}) % {3600 * _US}))"
-
-
-def _offset_text(seconds: int) -> str:
-    sign = "-" if seconds < 0 else "+"
-    minutes = abs(seconds) // 60
-    return f"{sign}{minutes // 60:02d}:{minutes % 60:02d}"

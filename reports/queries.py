@@ -16,13 +16,14 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
+from zoneinfo import ZoneInfo
 
 import duckdb
 
 from tokenward.pricing.budgets import SNAPSHOT_SUFFIX
 from tokenward.pricing.usage import TOKEN_FIELDS
 from tokenward.reports.ledger import ROW_COLUMNS
-from tokenward.reports.localtime import local_hour_sql, local_hour_start_sql, local_timestamp_sql
+from tokenward.reports.localtime import local_hour_start_sql, local_timestamp_sql
 
 __all__ = [
     "ALIASES",
@@ -38,7 +39,7 @@ __all__ = [
 ]
 
 DIMENSIONS: dict[str, str] = {
-    "hour": "{local_hour}",
+    "hour": "{hour_start}",
     "day": "CAST({local} AS DATE)",
     "week": "CAST(date_trunc('week', {local}) AS DATE)",
     "month": "strftime({local}, '%Y-%m')",
@@ -185,27 +186,30 @@ class Selection:
         return (" WHERE " + " AND ".join(clauses)) if clauses else "", params
 
     def group_keys(self, conn: duckdb.DuckDBPyConnection, dims: Sequence[str]) -> list[str]:
-        """SQL for each dimension in ``dims`` (calendar ones in this selection's zone)."""
-        return [key for key, _ in self._keys(conn, dims)]
-
-    def _keys(self, conn: duckdb.DuckDBPyConnection, dims: Sequence[str]) -> list[tuple[str, str | None]]:
-        """Per dimension: its SQL, and for ``hour`` the SQL ordering its groups by when they began."""
-        local = local_hour = hour_start = ""
+        """SQL for each dimension in ``dims`` (calendar ones in this selection's zone; see :meth:`label`)."""
+        local = hour_start = ""
         if any(d in TIME_DIMENSIONS for d in dims):
             lo, hi = self.since, self.until
             if lo is None or hi is None:
                 where, params = self.where()
                 found = conn.execute(f"SELECT min(started_at), max(started_at) FROM requests{where}", params).fetchone()
                 lo, hi = lo or (found[0] if found else None), hi or (found[1] if found else None)
-            local, local_hour = local_timestamp_sql(self.tz, lo, hi), local_hour_sql(self.tz, lo, hi)
-            hour_start = local_hour_start_sql(self.tz, lo, hi)
-        return [
-            (
-                DIMENSIONS[d].replace("{local_hour}", local_hour).replace("{local}", local),
-                f"min({hour_start})" if d == "hour" else None,
-            )
-            for d in dims
-        ]
+            local, hour_start = local_timestamp_sql(self.tz, lo, hi), local_hour_start_sql(self.tz, lo, hi)
+        return [DIMENSIONS[d].replace("{hour_start}", hour_start).replace("{local}", local) for d in dims]
+
+    def label(self, dims: Sequence[str], key: Sequence[Any]) -> tuple[Any, ...]:
+        """A group key as reports show it.
+
+        An hour (grouped as the epoch microseconds it began) becomes local ISO time with its UTC
+        offset, ``2026-10-25T02:00+02:00``.
+        """
+        zone = ZoneInfo(self.tz)
+        return tuple(
+            dt.datetime.fromtimestamp(v / 1_000_000, zone).isoformat(timespec="minutes")
+            if d == "hour" and isinstance(v, int)
+            else v
+            for d, v in zip(dims, key, strict=True)
+        )
 
     def rows(self, dims: Sequence[str], extra: str | None = None) -> tuple[str, dict[str, Any]]:
         """``FROM`` clause (with its ``WHERE``) and parameters for a report grouped by ``dims``.
@@ -272,17 +276,18 @@ def spend(
     dims = [canonical(name) for name in by]
     measures = {**_GROUP_MEASURES, **(_DRIFT_MEASURES if drift else {})}
     source, params = selection.rows(dims)
-    keyed = selection._keys(conn, dims)
-    keys = "".join(f"{sql} AS {d}, " for (sql, _), d in zip(keyed, dims, strict=True))
+    keys = "".join(f"{sql} AS {d}, " for sql, d in zip(selection.group_keys(conn, dims), dims, strict=True))
     select = f"SELECT {keys}{', '.join(f'{sql} AS {name}' for name, sql in measures.items())} FROM {source}"
     if dims:
-        group = ", ".join(str(i + 1) for i in range(len(dims)))
-        order = ", ".join(o or str(i + 1) for i, (_, o) in enumerate(keyed))
-        select += f" GROUP BY {group}"
+        order = ", ".join(str(i + 1) for i in range(len(dims)))
+        select += f" GROUP BY {order}"
         select += f" ORDER BY cost_usd DESC NULLS LAST, {order} LIMIT {int(top)}" if top else f" ORDER BY {order}"
     cursor = conn.execute(select, params)
     names = [d[0] for d in cursor.description]
-    return [derive(dict(zip(names, row, strict=True))) for row in cursor.fetchall()]
+    fetched: list[tuple[Any, ...]] = cursor.fetchall()
+    if "hour" in dims:
+        fetched = [(*selection.label(dims, r[: len(dims)]), *r[len(dims) :]) for r in fetched]
+    return [derive(dict(zip(names, r, strict=True))) for r in fetched]
 
 
 def spend_totals(

@@ -95,7 +95,7 @@ def what_if(
         if not chunk:
             break
         for row in chunk:
-            key, (tier, started, rows) = tuple(row[:width]), row[width : width + 3]
+            key, (tier, started, rows) = selection.label(dims, row[:width]), row[width : width + 3]
             usage = Usage(**dict(zip(TOKEN_FIELDS, row[width + 3 :], strict=True)))
             amount = _price(usage, resolution, started, tier)
             result.by_group[key] = result.by_group.get(key, Decimal(0)) + amount
