@@ -52,12 +52,13 @@ from tokenward.pricing.rates import RATE_NAMES, Adjustment, ContextTier, Rates, 
 __all__ = [
     "CatalogError",
     "PriceCatalog",
-    "builtin_catalog_paths",
     "PriceEntry",
     "Resolution",
+    "builtin_catalog_paths",
     "default_catalog_path",
     "entry_to_dict",
     "load_catalog",
+    "load_exact_yaml",
     "parse_entry",
     "read_document",
     "read_file",
@@ -351,15 +352,27 @@ class _DecimalLoader(yaml.SafeLoader):
     """SafeLoader that reads YAML floats as exact ``Decimal`` values."""
 
 
+_SPECIAL = {".inf": "Infinity", "+.inf": "Infinity", "-.inf": "-Infinity", ".nan": "NaN"}
+
+
 def _construct_decimal(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> Decimal:
     text = str(loader.construct_scalar(node)).replace("_", "")
     try:
-        return Decimal(text)
+        return Decimal(_SPECIAL.get(text.lower(), text))  # non-finite values are refused where they matter
     except ArithmeticError as exc:
         raise yaml.constructor.ConstructorError(None, None, f"not a decimal number: {text!r}", node.start_mark) from exc
 
 
 _DecimalLoader.add_constructor("tag:yaml.org,2002:float", _construct_decimal)
+
+
+def load_exact_yaml(text: str) -> Any:
+    """Parse YAML with every number an exact ``Decimal`` or ``int`` (never a binary float).
+
+    Raises:
+        yaml.YAMLError: not YAML.
+    """
+    return yaml.load(text, Loader=_DecimalLoader)  # noqa: S506 - a SafeLoader subclass
 
 
 def read_document(path: Path) -> Any:
@@ -369,7 +382,7 @@ def read_document(path: Path) -> Any:
         CatalogError: the file is unreadable or not YAML.
     """
     try:
-        return yaml.load(path.read_text(encoding="utf-8"), Loader=_DecimalLoader)  # noqa: S506
+        return load_exact_yaml(path.read_text(encoding="utf-8"))
     except (OSError, yaml.YAMLError) as exc:
         raise CatalogError(f"{path}: cannot read price file: {exc}") from exc
 

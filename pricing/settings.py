@@ -92,7 +92,7 @@ class BudgetSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """
 
     name: str
-    limit_usd: float | int | str
+    limit_usd: Decimal
     scope: dict[str, str] = {}
     period: Literal["day", "week", "month", "total", "rolling"] = "month"
     timezone: str = "UTC"
@@ -107,8 +107,8 @@ class BudgetSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         Raises:
             ValueError: an invalid limit, scope, zone or threshold (message names the budget).
         """
-        try:
-            limit = Decimal(repr(self.limit_usd)) if isinstance(self.limit_usd, float) else Decimal(str(self.limit_usd))
+        try:  # a Decimal from the config file; from Python, also an int or a decimal string
+            limit = self.limit_usd if isinstance(self.limit_usd, Decimal) else Decimal(str(self.limit_usd))
         except ArithmeticError:  # decimal.InvalidOperation and friends
             raise ValueError(f"budget {self.name!r}: limit_usd {self.limit_usd!r} is not an amount of USD") from None
         if limit.is_finite() and (limit.adjusted() > 15 or limit.as_tuple().exponent < -12):

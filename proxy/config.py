@@ -16,6 +16,7 @@ import msgspec
 import yaml
 
 from tokenward.pricing.budgets import Budget
+from tokenward.pricing.catalog import load_exact_yaml
 from tokenward.pricing.settings import BudgetSettings, GuardSettings, PricingSettings, UnpricedPolicy
 from tokenward.reports.alerts import AlertSettings
 
@@ -218,8 +219,7 @@ def load_config(path: str | Path) -> Config:
     """
     path = Path(path)
     try:
-        with path.open(encoding="utf-8") as handle:
-            document = yaml.safe_load(handle)
+        document = load_exact_yaml(path.read_text(encoding="utf-8"))  # money stays exact: no floats
     except (OSError, yaml.YAMLError) as exc:
         raise ConfigError(f"cannot read config {path}: {exc}") from exc
     try:

@@ -206,7 +206,7 @@ def test_b32_concurrent_requests_cannot_all_pass_on_the_same_spend(start_proxy, 
         cost_usd=Decimal("0.90"),
     )
     budget = BudgetSettings(
-        name="research-daily", limit_usd=1.00, scope={"team": "research"}, period="day", action="block"
+        name="research-daily", limit_usd="1.00", scope={"team": "research"}, period="day", action="block"
     )
     proxy = budget_proxy(start_proxy, simulator, [budget], seed_rows=[seed])
     replies = asyncio.run(send_many(proxy.url, request, "b32", 8))
@@ -470,7 +470,7 @@ def test_budget_config_is_validated(tmp_path):
     path = tmp_path / "c.yaml"
     cases = {
         "budgets: [{name: b, limit_usd: 0}]": "limit_usd must be a positive amount of USD",
-        "budgets: [{name: b, limit_usd: abc}]": "limit_usd 'abc' is not an amount of USD",
+        "budgets: [{name: b, limit_usd: abc}]": r"Invalid decimal string - at `\$.budgets\[0\].limit_usd`",
         "budgets: [{name: b, limit_usd: .inf}]": "limit_usd must be a positive amount of USD",
         "budgets: [{name: b, limit_usd: '1e999999999'}]": "out of range",
         "budgets: [{name: '', limit_usd: 5}]": "a budget needs a name",
