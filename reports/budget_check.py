@@ -24,8 +24,9 @@ from zoneinfo import ZoneInfo
 
 import duckdb
 
-from tokenward.pricing.budgets import SNAPSHOT_SUFFIX, Budget, BudgetStatus, evaluate
+from tokenward.pricing.budgets import Budget, BudgetStatus, evaluate
 from tokenward.reports.alerts import Alert, AlertSettings, Delivery, Notifier, html_document, html_text
+from tokenward.reports.queries import bare_models, model_condition
 
 __all__ = [
     "Session",
@@ -59,13 +60,8 @@ def scope_clause(budget: Budget) -> tuple[str, list[Any]]:
     params: list[Any] = []
     for dimension, value in budget.scope:
         if dimension == "model":  # as pricing.budgets.same_model: the name or its dated snapshots
-            base = SNAPSHOT_SUFFIX.sub("", value)
-            names = "(requested_model, served_model)"
-            clauses.append(
-                f"(? IN {names} OR regexp_replace(requested_model, ?, '') = ? "
-                f"OR regexp_replace(served_model, ?, '') = ? OR ? IN {names})"
-            )
-            params += [value, SNAPSHOT_SUFFIX.pattern, value, SNAPSHOT_SUFFIX.pattern, value, base]
+            clauses.append(model_condition("?", "?"))
+            params += [[value], bare_models([value])]
         elif dimension == "tag":
             clauses.append("list_contains(tags, ?)")
             params.append(value)

@@ -29,11 +29,13 @@ __all__ = [
     "ALIASES",
     "DIMENSIONS",
     "EXPORT_COLUMNS",
-    "GROUPINGS",
     "TIME_DIMENSIONS",
     "Selection",
+    "bare_models",
+    "canonical",
     "derive",
     "export_rows",
+    "model_condition",
     "spend",
     "spend_totals",
 ]
@@ -61,9 +63,6 @@ repeated when summer time ends stays two hours; ``week``: the Monday that starts
 ``month``: ``YYYY-MM``).
 ``tag`` puts a request under each of its tags (``(none)`` without one), so tag groups can add up
 to more than the total."""
-
-GROUPINGS = DIMENSIONS
-"""The dimensions :func:`spend` groups by (the earlier name of :data:`DIMENSIONS`)."""
 
 TIME_DIMENSIONS = frozenset({"hour", "day", "week", "month"})
 """Dimensions that are calendar buckets (filtered with ``since``/``until``, not ``filters``)."""
@@ -175,12 +174,8 @@ class Selection:
                 untagged = " OR len(coalesce(tags, [])) = 0" if "(none)" in values else ""
                 clauses.append(f"(list_has_any(coalesce(tags, []), $f{i}){untagged})")
             elif dimension == "model":  # as a budget's scope: requested or served, dated snapshots too
-                params[f"f{i}b"] = [SNAPSHOT_SUFFIX.sub("", v) for v in values]
-                names = [f"coalesce({c}, '(none)')" for c in ("requested_model", "served_model")]
-                bare = [f"regexp_replace({n}, '{SNAPSHOT_SUFFIX.pattern}', '')" for n in names]
-                clauses.append(
-                    f"(list_has_any($f{i}, [{', '.join(names + bare)}]) OR list_has_any($f{i}b, [{', '.join(names)}]))"
-                )
+                params[f"f{i}b"] = bare_models(values)
+                clauses.append(model_condition(f"$f{i}", f"$f{i}b"))
             else:
                 clauses.append(f"list_contains($f{i}, {DIMENSIONS[dimension]})")
         return (" WHERE " + " AND ".join(clauses)) if clauses else "", params
@@ -222,6 +217,24 @@ class Selection:
             return f"requests{where}", params
         columns = ", ".join(_TAGGED_COLUMNS)
         return f"(SELECT {columns}, unnest({_TAGS}) AS tag FROM requests{where}) AS tagged", params
+
+
+def bare_models(names: Sequence[str]) -> list[str]:
+    """``names`` without their dated snapshot suffixes (the second list :func:`model_condition` takes)."""
+    return [SNAPSHOT_SUFFIX.sub("", n) for n in names]
+
+
+def model_condition(names: str, bare: str) -> str:
+    """SQL keeping rows whose model is one of the list ``names``.
+
+    As :func:`tokenward.pricing.budgets.same_model` has it: the requested or served name, equal,
+    or equal once a dated snapshot suffix is removed from either side.
+
+    ``names`` and ``bare`` are placeholders for the names and for :func:`bare_models` of them.
+    """
+    columns = [f"coalesce({c}, '(none)')" for c in ("requested_model", "served_model")]
+    stripped = [f"regexp_replace({c}, '{SNAPSHOT_SUFFIX.pattern}', '')" for c in columns]
+    return f"(list_has_any({names}, [{', '.join(columns + stripped)}]) OR list_has_any({bare}, [{', '.join(columns)}]))"
 
 
 def canonical(name: str) -> str:

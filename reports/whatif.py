@@ -40,7 +40,6 @@ class WhatIf:
     by_group: dict[tuple[Any, ...], Decimal] = field(default_factory=dict)
     total: Decimal = Decimal(0)
     rows: int = 0
-    per_row: bool = False
 
 
 def what_if(
@@ -78,7 +77,6 @@ def what_if(
     source, params = selection.rows(dims, "usage_source <> 'none'")
     keys = "".join(f"{sql} AS {d}, " for sql, d in zip(selection.group_keys(conn, dims), dims, strict=True))
     linear = not (entry.context_tiers or entry.windows or entry.per_request)
-    result.per_row = not linear
     tokens = ", ".join(f"sum({name})::BIGINT" if linear else name for name in TOKEN_FIELDS)
     if linear:
         group = ", ".join(str(i + 1) for i in range(len(dims) + 1))

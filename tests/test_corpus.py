@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tokenward.pricing.usage import TOKEN_FIELDS
 from tokenward.proxy.simulator import RECORD_HEADER, without_stream_usage
 
 from .conftest import ProxyFactory, corpus_records
@@ -27,18 +28,7 @@ PATHS = {
     "anthropic_messages": "messages",
 }
 USAGE_PATHS = ("usage", "x_groq.usage", "response.usage", "message.usage")
-TOKEN_COLUMNS = (
-    "input_tokens",
-    "cached_input_tokens",
-    "cache_write_tokens",
-    "cache_write_1h_tokens",
-    "output_tokens",
-    "reasoning_tokens",
-    "audio_input_tokens",
-    "audio_output_tokens",
-    "image_input_tokens",
-    "web_search_requests",
-)
+TOKEN_COLUMNS = TOKEN_FIELDS  # every canonical count, in ledger column order
 
 
 def openai_records() -> list[dict[str, Any]]:

@@ -13,22 +13,14 @@ from typing import Any
 
 import httpx
 
+from tokenward.pricing.usage import TOKEN_FIELDS
 from tokenward.proxy.simulator import RECORD_HEADER, Recording
 
 from .conftest import ProxyFactory, corpus_records
 
 COMPARED = (
     "served_model",
-    "input_tokens",
-    "cached_input_tokens",
-    "cache_write_tokens",
-    "cache_write_1h_tokens",
-    "output_tokens",
-    "reasoning_tokens",
-    "audio_input_tokens",
-    "audio_output_tokens",
-    "image_input_tokens",
-    "web_search_requests",
+    *TOKEN_FIELDS,
     "usage_source",
     "cost_usd",
     "price_status",
