@@ -31,7 +31,7 @@ from litestar.types import Scope
 from tokenward.pricing.budgets import Budget
 from tokenward.pricing.quote import worst_case
 from tokenward.pricing.settings import GuardSettings
-from tokenward.pricing.usage import Usage, UsageSource
+from tokenward.pricing.usage import UsageSource
 from tokenward.proxy import tokenizer
 from tokenward.proxy.bounds import Unmetered, scan
 from tokenward.proxy.config import UpstreamConfig
@@ -39,7 +39,7 @@ from tokenward.proxy.errors import ProxyError
 from tokenward.proxy.exchange import Exchange, Outcome
 from tokenward.proxy.guard import BudgetGuard, BudgetRefusal
 from tokenward.proxy.keys import AUTH_HEADERS, Authenticator, presented_key
-from tokenward.proxy.metering import Meter, estimate
+from tokenward.proxy.metering import Meter, count_input, estimate
 from tokenward.proxy.recorder import Recorder
 from tokenward.proxy.relay import HOP_BY_HOP, DisconnectWatch, Relay, header
 from tokenward.proxy.routing import Route, Router
@@ -274,9 +274,7 @@ class Forwarder:
         settings = self.guard_settings
         counted, extra = await asyncio.to_thread(_count_for_bound, endpoint.dialect, body, ex.requested_model)
         exact = tokenizer.encoding_name_known(ex.requested_model)
-        input_tokens = (
-            counted.input_tokens if exact else math.ceil(counted.input_tokens * settings.foreign_tokenizer_margin)
-        )
+        input_tokens = counted if exact else math.ceil(counted * settings.foreign_tokenizer_margin)
         input_tokens += extra.images * settings.image_tokens + extra.audio_tokens
         limit = next(
             (
@@ -543,14 +541,13 @@ def _attributes(ex: Exchange) -> dict[str, Any]:
     }
 
 
-def _count_for_bound(dialect: str, body: bytes, model: str | None) -> tuple[Usage, Unmetered]:
-    """The request's text tokens and what text counting misses (run off the event loop)."""
-    counted = estimate(dialect, body, [], stream=False, model=model, source=UsageSource.ESTIMATED)
+def _count_for_bound(dialect: str, body: bytes, model: str | None) -> tuple[int, Unmetered]:
+    """The request's text tokens and what text counting misses, from one decode (off the event loop)."""
     try:
         decoded = msgspec.json.decode(body)
     except msgspec.DecodeError:
         decoded = None
-    return counted, scan(decoded)
+    return count_input(dialect, decoded, model), scan(decoded)
 
 
 def _no_retry(refusal: BudgetRefusal, now: dt.datetime) -> list[tuple[bytes, bytes]]:

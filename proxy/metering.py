@@ -27,7 +27,7 @@ from tokenward.proxy import tokenizer
 from tokenward.proxy.dialects import DIALECTS, Observation
 from tokenward.proxy.sse import SSEDecoder, parse_event
 
-__all__ = ["Meter", "MeterResult", "estimate"]
+__all__ = ["Meter", "MeterResult", "count_input", "estimate"]
 
 _INTERESTING = re.compile(rb'"(?:usage|error)"\s*:\s*\{|^event:\s*error', re.MULTILINE)
 _KEEP_FOR_ESTIMATE = 16 * 1024 * 1024  # bytes of reply kept in case the upstream reports no usage
@@ -153,6 +153,19 @@ class Meter:
         )
 
 
+def count_input(dialect: str, body: Any, model: str | None) -> int:
+    """Input tokens of a decoded request ``body`` by the offline tokenizer (0 if not a JSON object).
+
+    Chat requests add OpenAI's per-message overhead (3 tokens a message, 3 for the reply's priming).
+    """
+    if not isinstance(body, dict):
+        return 0
+    encoding = tokenizer.encoding_for_model(model)
+    texts, messages = DIALECTS[dialect].request_texts(body)
+    tokens = sum(tokenizer.count_tokens(text, encoding) for text in texts)
+    return tokens + 3 * messages + 3 if messages else tokens
+
+
 def estimate(
     dialect: str,
     request_body: bytes,
@@ -182,12 +195,7 @@ def estimate(
         body = msgspec.json.decode(request_body)
     except msgspec.DecodeError:
         body = {}
-    input_tokens = 0
-    if isinstance(body, dict):
-        texts, messages = module.request_texts(body)
-        input_tokens = sum(tokenizer.count_tokens(text, encoding) for text in texts)
-        if messages:
-            input_tokens += 3 * messages + 3
+    input_tokens = count_input(dialect, body, model)
     output_texts: list[str] = []
     documents: list[bytes] = []
     if stream:
