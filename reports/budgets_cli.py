@@ -21,9 +21,8 @@ from rich.table import Table
 from tokenward.pricing.budgets import Budget
 from tokenward.reports.alerts import Alert, AlertSettings, Notifier, html_text
 from tokenward.reports.budget_check import evaluate_and_notify, status_of, usd
-from tokenward.reports.cli_common import ledger_path, parse_when
+from tokenward.reports.cli_common import open_named, parse_when
 from tokenward.reports.keys import create_key, list_keys, revoke_key
-from tokenward.reports.ledger import LedgerError, open_ledger
 
 __all__ = ["alerts", "budgets", "keys"]
 
@@ -66,13 +65,6 @@ def _options(fn: F) -> F:
     return fn
 
 
-def _open(db: str | None, config: str | None, wait: float, *, read_only: bool) -> Any:
-    try:
-        return open_ledger(ledger_path(db, config), read_only=read_only, wait_s=wait)
-    except LedgerError as exc:
-        raise click.ClickException(str(exc)) from exc
-
-
 def _instant(text: str | None) -> dt.datetime:
     return parse_when(text, ZoneInfo("UTC")) if text else dt.datetime.now(dt.UTC)
 
@@ -91,7 +83,7 @@ def status(config: str | None, db: str | None, wait: float, at_text: str | None)
     if not configured:
         raise click.ClickException("no budgets configured (add a budgets: section to --config)")
     now = _instant(at_text)
-    conn = _open(db, config, wait, read_only=True)
+    conn = open_named(db, config, wait, read_only=True)
     try:
         statuses = [status_of(conn, budget, now) for budget in configured]
     finally:
@@ -126,7 +118,7 @@ def check(config: str | None, db: str | None, wait: float, dry_run: bool, at_tex
     """Evaluate budgets now and send the alerts due (as the proxy does on its schedule)."""
     configured, settings = load_sections(config)
     now = _instant(at_text)
-    conn = _open(db, config, wait, read_only=dry_run)
+    conn = open_named(db, config, wait, read_only=dry_run)
 
     async def session(work: Callable[[Any], Any]) -> Any:
         return work(conn)
@@ -156,7 +148,7 @@ def alerts() -> None:
 @click.option("--limit", default=50, show_default=True)
 def history(config: str | None, db: str | None, wait: float, limit: int) -> None:
     """Alerts claimed, newest first, with every delivery attempt and its result."""
-    conn = _open(db, config, wait, read_only=True)
+    conn = open_named(db, config, wait, read_only=True)
     try:
         rows = conn.execute(
             "SELECT a.created_at, a.budget, a.kind, a.threshold, a.status, a.attempts, a.last_error, "
@@ -221,7 +213,7 @@ def create(config: str | None, db: str | None, wait: float, name: str, team: str
             raise click.BadParameter(str(exc), param_hint="--config") from exc
         if name in configured:
             raise click.ClickException(f"the config already has a key named {name!r}; choose another name")
-    conn = _open(db, config, wait, read_only=False)
+    conn = open_named(db, config, wait, read_only=False)
     try:
         key = create_key(conn, name, team=team, project=project, now=dt.datetime.now(dt.UTC))
     except ValueError as exc:
@@ -240,7 +232,7 @@ def create(config: str | None, db: str | None, wait: float, name: str, team: str
 @_options
 def list_command(config: str | None, db: str | None, wait: float) -> None:
     """Stored keys (names, attribution, state; never the keys)."""
-    conn = _open(db, config, wait, read_only=True)
+    conn = open_named(db, config, wait, read_only=True)
     try:
         rows = list_keys(conn)
     finally:
@@ -262,7 +254,7 @@ def list_command(config: str | None, db: str | None, wait: float) -> None:
 @click.argument("name")
 def revoke(config: str | None, db: str | None, wait: float, name: str) -> None:
     """Revoke the stored key NAME (the proxy refuses it within 30 s)."""
-    conn = _open(db, config, wait, read_only=False)
+    conn = open_named(db, config, wait, read_only=False)
     try:
         done = revoke_key(conn, name, now=dt.datetime.now(dt.UTC))
     finally:

@@ -18,6 +18,7 @@ __all__ = [
     "DEFAULT_LEDGER",
     "ledger_options",
     "ledger_path",
+    "open_named",
     "open_read_only",
     "parse_when",
     "range_options",
@@ -98,16 +99,25 @@ def range_options(fn: F) -> F:
     return fn
 
 
+def open_named(db: str | None, config: str | None, wait: float, *, read_only: bool) -> Any:
+    """The ledger named by ``--db``/``--config``, open (waiting up to ``wait`` s for the proxy's flush).
+
+    Raises:
+        click.ClickException: no ledger there (when ``read_only``), or it stayed locked.
+    """
+    try:
+        return open_ledger(ledger_path(db, config), read_only=read_only, wait_s=wait)
+    except LedgerError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
 def open_read_only(db: str | None, config: str | None, wait: float) -> Any:
     """The ledger named by ``--db``/``--config``, open read-only with progress tracking on.
 
     Raises:
         click.ClickException: no ledger there, or it stayed locked for ``wait`` seconds.
     """
-    try:
-        conn = open_ledger(ledger_path(db, config), read_only=True, wait_s=wait)
-    except LedgerError as exc:
-        raise click.ClickException(str(exc)) from exc
+    conn = open_named(db, config, wait, read_only=True)
     # progress is drawn by reports/progress.py (one bar, also for work done in Python), not DuckDB
     conn.execute("SET enable_progress_bar = true")
     conn.execute("SET enable_progress_bar_print = false")

@@ -24,8 +24,7 @@ from rich.table import Table
 from tokenward.pricing.catalog import CatalogError, PriceCatalog, PriceEntry, read_file
 from tokenward.pricing.imports import from_litellm, from_sheet, to_yaml
 from tokenward.pricing.settings import PricingSettings, build_catalog
-from tokenward.reports.cli_common import DEFAULT_LEDGER, ledger_path, parse_when
-from tokenward.reports.ledger import LedgerError, open_ledger
+from tokenward.reports.cli_common import DEFAULT_LEDGER, open_named, parse_when
 from tokenward.reports.reprice import reprice
 
 __all__ = ["pricing"]
@@ -169,7 +168,7 @@ def _ledger_options(fn: F) -> F:
 def check(config: str | None, prices: tuple[str, ...], db: str | None, wait: float, since: str | None) -> None:
     """Check that every model seen in the ledger has a price; list the unpriced ones (exit 1 if any)."""
     catalog, settings = load_configured_catalog(config, prices)
-    conn = _open(db, config, wait, read_only=True)
+    conn = open_named(db, config, wait, read_only=True)
     try:
         bound = parse_when(since, ZoneInfo("UTC"))
         rows = conn.execute(
@@ -208,7 +207,7 @@ def check(config: str | None, prices: tuple[str, ...], db: str | None, wait: flo
 @click.option("--config", "config", type=click.Path(exists=True, dir_okay=False), help="Config file naming the ledger.")
 def explain(request_id: str, db: str | None, wait: float, config: str | None) -> None:
     """Show how REQUEST_ID was priced: line items, rules, entry and provider cost."""
-    conn = _open(db, config, wait, read_only=True)
+    conn = open_named(db, config, wait, read_only=True)
     try:
         cursor = conn.execute(
             "SELECT request_id, row_kind, served_model, requested_model, provider, started_at, service_tier, "
@@ -330,7 +329,7 @@ def reprice_command(
         if bound is not None:
             clauses.append(f"started_at {op} ?")
             params.append(bound)
-    conn = _open(db, config, wait, read_only=dry_run)
+    conn = open_named(db, config, wait, read_only=dry_run)
     try:
         result = reprice(
             conn,
@@ -356,10 +355,3 @@ def reprice_command(
         f"total ${format(result.before, 'f')} -> ${format(result.after, 'f')} "
         f"(change ${format(result.after - result.before, 'f')})"
     )
-
-
-def _open(db: str | None, config: str | None, wait: float, *, read_only: bool) -> Any:
-    try:
-        return open_ledger(ledger_path(db, config), read_only=read_only, wait_s=wait)
-    except LedgerError as exc:
-        raise click.ClickException(str(exc)) from exc
