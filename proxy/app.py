@@ -8,6 +8,7 @@ shutdown the writer flushes every queued row before the upstream client closes.
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import logging
 from collections.abc import AsyncIterator
@@ -22,7 +23,7 @@ from tokenward.pricing.settings import build_catalog
 from tokenward.proxy.config import Config
 from tokenward.proxy.errors import EXCEPTION_HANDLERS
 from tokenward.proxy.forward import Forwarder
-from tokenward.proxy.guard import BudgetGuard
+from tokenward.proxy.guard import BooksSpend, BudgetGuard
 from tokenward.proxy.keys import Authenticator
 from tokenward.proxy.recorder import Recorder
 from tokenward.proxy.routes import build_routes
@@ -30,14 +31,14 @@ from tokenward.proxy.routing import Router
 from tokenward.proxy.scheduler import (
     add_alert_jobs,
     create_scheduler,
-    ledger_session,
     refresh_prices,
     reload_keys,
     run_budget_check_soon,
 )
+from tokenward.proxy.startup import import_legacy_state, load_books, single_proxy_lock
 from tokenward.proxy.upstream import AiohttpUpstream, HttpxUpstream, UpstreamClient
 from tokenward.reports.alerts import Notifier
-from tokenward.reports.budget_check import load_spend
+from tokenward.reports.ledger import DuckLedger
 
 __all__ = ["create_app"]
 
@@ -75,7 +76,8 @@ def create_app(
     if budgets:
         delay = config.ledger.flush_interval_s + 0.5  # after the row that crossed is in the ledger
         guard = BudgetGuard(budgets, dt.datetime.now(dt.UTC), lambda _: run_budget_check_soon(scheduler, delay))
-    recorder = Recorder(catalog, config.ledger.path, config.ledger.flush_interval_s, guard=guard)
+    ledger = DuckLedger(config.ledger.path)
+    recorder = Recorder(catalog, ledger, config.ledger.flush_interval_s, guard=guard, fsync=config.ledger.fsync)
     if upstream is not None:
         client: UpstreamClient = upstream
     elif upstream_transport is not None:
@@ -105,8 +107,10 @@ def create_app(
                 upstream_config.catalog_provider,
             )
 
-    session = ledger_session(recorder.spool)
-    add_alert_jobs(scheduler, session, budgets, config.alerts, notifier or Notifier(config.alerts), auth)
+    def spend() -> BooksSpend:
+        return BooksSpend(guard, dt.datetime.now(dt.UTC), recorder.unpriced_seen)
+
+    add_alert_jobs(scheduler, ledger, spend, budgets, config.alerts, notifier or Notifier(config.alerts), auth)
     refresh = config.pricing.refresh
     if refresh is not None:
         scheduler.add_job(
@@ -126,13 +130,20 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(_: Litestar) -> AsyncIterator[None]:
-        await recorder.start()
-        await reload_keys(session, auth)
-        if guard is not None:
-            now = dt.datetime.now(dt.UTC)
-            spent, events = await session(lambda conn: load_spend(conn, budgets, now))
-            guard.load(spent, events)
-        scheduler.start()
+        lock = None
+        if guard is not None and any(b.blocking for b in budgets):
+            lock = await asyncio.to_thread(single_proxy_lock, ledger)
+        try:
+            await recorder.start()
+            await asyncio.to_thread(import_legacy_state, ledger)
+            await reload_keys(ledger.state, auth)
+            if guard is not None:
+                await asyncio.to_thread(load_books, ledger, guard, recorder.wal)
+            scheduler.start()
+        except BaseException:
+            if lock is not None:
+                lock.close()
+            raise
         log.info("ledger %s, %d upstream(s), auth %s", config.ledger.path, len(config.upstreams), config.auth.mode)
         try:
             yield
@@ -142,6 +153,8 @@ def create_app(
                 await recorder.stop()
             finally:
                 await client.aclose()
+                if lock is not None:
+                    lock.close()
 
     app = Litestar(
         route_handlers=build_routes(forwarder),
@@ -156,4 +169,5 @@ def create_app(
     app.state.config = config
     app.state.scheduler = scheduler
     app.state.guard = guard
+    app.state.ledger = ledger
     return app

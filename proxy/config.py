@@ -55,10 +55,17 @@ class ServerConfig(_Section):
 
 
 class LedgerConfig(_Section):
-    """The DuckDB ledger file and how often queued rows are written to it (seconds, > 0)."""
+    """The DuckDB ledger file, and how its rows get there.
+
+    Every row is first made durable in the write-ahead log beside the file (``<path>.spool/``),
+    before the client sees its reply end; every ``flush_interval_s`` seconds (> 0) the log is
+    moved into the file. ``fsync``: also ``fsync`` the log at each write (survives power loss, not
+    only a crash of the process; costs latency on every request).
+    """
 
     path: str = "tokenward.duckdb"
     flush_interval_s: float = 1.0
+    fsync: bool = False
 
     def __post_init__(self) -> None:
         if not self.flush_interval_s > 0:

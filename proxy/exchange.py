@@ -42,6 +42,8 @@ class Outcome(enum.StrEnum):
     """The client went away before the whole reply reached it."""
     PROXY_ERROR = "proxy_error"
     """tokenward itself failed (500); a bug."""
+    INTERRUPTED = "interrupted"
+    """tokenward stopped (a crash, a shutdown) while the request was in flight."""
 
 
 @dataclass(slots=True)
@@ -56,6 +58,7 @@ class Exchange:
     ``row_kind`` is ``request`` except for the record of an earlier upstream attempt of a
     retried request (``attempt``, linked by ``parent_request_id``). ``price_fallback`` lets the
     configured fallback rates price a model with no price (the upstream's ``unpriced: fallback``).
+    ``reserved_usd`` is the worst case a blocking budget held for the request.
     """
 
     endpoint: str
@@ -88,6 +91,7 @@ class Exchange:
     maybe_billed: bool = False
     price_fallback: bool = False
     reservation: Any = None
+    reserved_usd: Decimal | None = None
     parts: list[tuple[str, Usage]] = field(default_factory=list)
     row_kind: str = "request"
     parent_request_id: str | None = None

@@ -157,6 +157,7 @@ class Forwarder:
     async def metered(self, request: Request[Any, Any, Any], endpoint: Endpoint) -> Relay:
         """Forward a metered request; the returned relay meters and records the reply."""
         ex = Exchange(endpoint=endpoint.name, method="POST", path=request.scope["path"])
+        self.recorder.admit(ex)
         watch: list[DisconnectWatch] = []
         try:
             return await self._metered(request, endpoint, ex, watch)
@@ -167,12 +168,14 @@ class Forwarder:
         """Forward any other ``/v1`` request as is (body streamed both ways); it is recorded unmetered."""
         scope = request.scope
         ex = Exchange(endpoint="passthrough", method=scope["method"], path=scope["path"])
+        self.recorder.admit(ex)
         try:
             inbound = self._inbound(scope, ex, keep_length=True)
             route = self.router.pick(None, inbound.upstream)
             self._attach(ex, route, inbound)
             has_body = any(name in (b"content-length", b"transfer-encoding") for name, _ in scope["headers"])
             content = request.stream() if has_body else None
+            await self.recorder.forwarding(ex)
             reply = await self._send(route, scope, inbound.headers, content, ex)
             return Relay(ex, reply, self.complete, drain_timeout_s=self.drain_timeout_s)
         except BaseException as exc:
@@ -219,6 +222,7 @@ class Forwarder:
             strip_usage = True
         budget_headers = await self._admit(ex, head, body, endpoint)
         watch.append(DisconnectWatch(request.receive))  # the body is read: receive now only reports a disconnect
+        await self.recorder.forwarding(ex)
         reply = await self._send_while_connected(route, scope, inbound.headers, body, ex, watch[0])
         meter = Meter(endpoint.dialect, header(reply.headers, b"content-encoding"))
         return Relay(
@@ -255,6 +259,7 @@ class Forwarder:
             if worst is not None:
                 try:
                     ex.reservation = guard.admit(attributes, worst, now, unbounded=unbounded)
+                    ex.reserved_usd = ex.reservation.amount
                 except BudgetRefusal as refusal:
                     headers = _budget_headers(refusal.budget, refusal.remaining) + _no_retry(refusal, now)
                     raise ProxyError(429, str(refusal), "budget_exceeded", "insufficient_quota", headers) from refusal
@@ -459,7 +464,7 @@ class Forwarder:
         attempt = ex.attempt(number)
         attempt.maybe_billed = True
         attempt.end(_OUTCOME_BY_STATUS.get(status, Outcome.UPSTREAM_UNREACHABLE), status, message)
-        self.recorder.finish(attempt)
+        self.recorder.finish(attempt)  # the request's own row (awaited) follows it in the log
 
     def _refuse(self, ex: Exchange, exc: BaseException, watch: DisconnectWatch | None = None) -> Relay:
         """End ``ex`` for a request that got no upstream reply, and build the error reply."""
@@ -475,6 +480,7 @@ class Forwarder:
         else:
             if not isinstance(exc, Exception):
                 ex.end(Outcome.PROXY_ERROR, 500, f"interrupted: {type(exc).__name__}")
+                ex.maybe_billed = ex.maybe_billed or ex.upstream is not None
                 self.recorder.finish(ex)
                 raise exc
             log.exception("request %s failed inside tokenward", ex.request_id, exc_info=exc)
@@ -482,16 +488,19 @@ class Forwarder:
             outcome = Outcome.PROXY_ERROR
         if gone:  # the client left while tokenward waited for the upstream: nobody gets this reply
             ex.end(Outcome.CLIENT_DISCONNECTED, error=f"client disconnected; then {error.message}")
+            self.recorder.finish(ex)
         else:
             ex.end(outcome, error.status, error.message)
-        self.recorder.finish(ex)
-        return Relay.refusal(ex, error)
+        return Relay.refusal(ex, error, self._record_refusal)
 
-    def complete(self, relay: Relay) -> None:
-        """Meter what the reply said and record the exchange (called once by the relay)."""
+    async def _record_refusal(self, relay: Relay) -> None:
+        await self.recorder.commit(relay.ex)
+
+    async def complete(self, relay: Relay) -> None:
+        """Meter what the reply said and record the exchange (awaited once by the relay)."""
         ex, meter, request_body = relay.ex, relay.meter, relay.request_body
         if meter is None:
-            self.recorder.finish(ex)
+            await self.recorder.commit(ex)
             return
         result = meter.finish()
         ex.served_model = result.model or None
@@ -505,7 +514,7 @@ class Forwarder:
             ex.usage = result.usage
             ex.parts = result.parts
             ex.raw_usage = result.raw_usage
-            self.recorder.finish(ex)
+            await self.recorder.commit(ex)
             return
         status = ex.http_status or 0
         billable = 200 <= status < 300 and result.error is None and relay.got_reply
@@ -513,7 +522,7 @@ class Forwarder:
             ex.usage_deferred = True
             billable = False
         if not billable:
-            self.recorder.finish(ex)
+            await self.recorder.commit(ex)
             return
         source = UsageSource.ESTIMATED if ex.outcome is Outcome.OK else UsageSource.PARTIAL
         job = partial(
@@ -525,7 +534,7 @@ class Forwarder:
             model=ex.served_model or ex.requested_model,
             source=source,
         )
-        self.recorder.finish(ex, estimate=job)
+        await self.recorder.commit(ex, estimate=job)
 
 
 def _attributes(ex: Exchange) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from zoneinfo import ZoneInfo
 
 from tokenward.pricing.budgets import Budget, evaluate
 
-__all__ = ["BudgetGuard", "BudgetRefusal", "Reservation", "attributes_of_row"]
+__all__ = ["BooksSpend", "BudgetGuard", "BudgetRefusal", "Reservation", "attributes_of_row", "spend_amount"]
 
 
 @dataclass(slots=True)
@@ -35,19 +35,55 @@ class _Book:
     end: dt.datetime
     spent: Decimal = Decimal(0)
     reserved: Decimal = Decimal(0)
-    events: deque[tuple[dt.datetime, Decimal]] = field(default_factory=deque)  # rolling periods only
+    # rolling periods only: (started_at, amount, model, key) of each row in the window
+    events: deque[tuple[dt.datetime, Decimal, str, str]] = field(default_factory=deque)
     crossed: set[int] = field(default_factory=set)
+    by_model: dict[str, Decimal] = field(default_factory=dict)
+    by_key: dict[str, Decimal] = field(default_factory=dict)
+    refused: int = 0
 
     def roll(self, now: dt.datetime) -> None:
         """Move to the period containing ``now`` (spend restarts at 0 for calendar periods)."""
         if self.budget.period.kind == "rolling":
             self.start, self.end = self.budget.period.window(now)
             while self.events and self.events[0][0] < self.start:
-                self.spent -= self.events.popleft()[1]
+                _, amount, model, key = self.events.popleft()
+                self.spent -= amount
+                _add(self.by_model, model, -amount)
+                _add(self.by_key, key, -amount)
         elif now >= self.end:
             self.start, self.end = self.budget.period.window(now)
             self.spent = Decimal(0)
             self.crossed.clear()
+            self.by_model.clear()
+            self.by_key.clear()
+            self.refused = 0
+
+    def count(self, started: dt.datetime, amount: Decimal, model: str, key: str) -> None:
+        self.spent += amount
+        _add(self.by_model, model, amount)
+        _add(self.by_key, key, amount)
+        if self.budget.period.kind == "rolling":
+            self.events.append((started, amount, model, key))
+
+
+def _add(totals: dict[str, Decimal], name: str, amount: Decimal) -> None:
+    value = totals.get(name, Decimal(0)) + amount
+    if value:
+        totals[name] = value
+    else:
+        totals.pop(name, None)
+
+
+def spend_amount(row: Mapping[str, Any]) -> Decimal | None:
+    """What a ledger row counts against its budgets (USD; ``SPEND_EXPRESSION`` in SQL).
+
+    Its cost, or the reservation a ``usage_unknown`` row still holds.
+    """
+    cost = row.get("cost_usd")
+    if cost is None and row.get("price_status") == "usage_unknown":
+        return row.get("reserved_usd")
+    return cost
 
 
 @dataclass(slots=True)
@@ -56,6 +92,11 @@ class Reservation:
 
     holds: list[tuple[_Book, Decimal]]
     id: int = 0
+
+    @property
+    def amount(self) -> Decimal | None:
+        """The largest amount held (USD; ``None`` when nothing is held)."""
+        return max((amount for _, amount in self.holds), default=None)
 
 
 class BudgetRefusal(Exception):
@@ -122,19 +163,31 @@ class BudgetGuard:
         """The guarded budgets."""
         return [book.budget for book in self._books]
 
-    def load(self, spent: Mapping[str, Decimal], events: Mapping[str, list[tuple[dt.datetime, Decimal]]]) -> None:
-        """Set each budget's spend so far this period (from the ledger, at start).
+    def load(self, source: Any, now: dt.datetime, unflushed: Iterable[Mapping[str, Any]] = ()) -> None:
+        """Set each budget's books for its current period from the ledger, at start.
 
         Args:
-            spent: budget name -> USD spent in its current calendar period.
-            events: budget name -> ``(started_at, cost)`` of rows in a rolling budget's window.
+            source: a :class:`~tokenward.reports.ledger.spend.DuckSpend` on the ledger.
+            now: the instant the books are opened at.
+            unflushed: rows not in the ledger yet (still in the write-ahead log), counted on top.
         """
         for book in self._books:
+            book.start, book.end = book.budget.period.window(now)
+            book.by_model, book.by_key, book.events = {}, {}, deque()
+            book.spent = Decimal(0)
             if book.budget.period.kind == "rolling":
-                book.events = deque(sorted(events.get(book.budget.name, [])))
-                book.spent = sum((cost for _, cost in book.events), Decimal(0))
+                for started, amount, model, key in source.rolling_events(book.budget, book.start):
+                    book.count(started, amount, model, key)
             else:
-                book.spent = spent.get(book.budget.name, Decimal(0))
+                book.spent = source.spend_in(book.budget, book.start, book.end)
+                for name, amount in source.top_spenders(book.budget, book.start, book.end, "model", 1000):
+                    book.by_model[name] = amount
+                for name, amount in source.top_spenders(book.budget, book.start, book.end, "key", 1000):
+                    book.by_key[name] = amount
+            book.refused = source.refusals(book.budget, book.start) if book.budget.blocking else 0
+        for row in unflushed:
+            self.observe(row, crossing=False)
+        for book in self._books:
             book.crossed = {t for t in book.budget.thresholds if book.spent * 100 >= book.budget.limit_usd * t}
 
     def in_scope(self, attributes: Mapping[str, Any], *, blocking_only: bool = False) -> list[Budget]:
@@ -164,6 +217,7 @@ class BudgetGuard:
             committed = book.spent + book.reserved
             remaining = max(book.budget.limit_usd - committed, Decimal(0))
             if committed + worst_case > book.budget.limit_usd or (unbounded and remaining <= worst_case):
+                book.refused += 1
                 raise BudgetRefusal(book.budget, remaining, worst_case, book.end, unbounded=unbounded)
             holds.append((book, remaining if unbounded else worst_case))
         for book, amount in holds:
@@ -178,22 +232,25 @@ class BudgetGuard:
             book.reserved -= amount
         reservation.holds = []
 
-    def observe(self, row: Mapping[str, Any]) -> None:
-        """Count a written ledger row's cost against the budgets in its scope and period."""
-        cost = row.get("cost_usd")
-        if not cost:
+    def observe(self, row: Mapping[str, Any], *, crossing: bool = True) -> None:
+        """Count a ledger row against the budgets in its scope and period (:func:`spend_amount`).
+
+        ``crossing``: call ``on_crossing`` for a threshold this row crosses.
+        """
+        amount = spend_amount(row)
+        if not amount:
             return
         started = dt.datetime.fromtimestamp(row["started_at"], dt.UTC)
         attributes = attributes_of_row(row)
+        model = str(row.get("served_model") or row.get("requested_model") or "(none)")
+        key = str(row.get("principal") or "anonymous")
         for book in self._matching(attributes):
             book.roll(max(started, book.start))
             if not book.start <= started < book.end and book.budget.period.kind != "rolling":
                 continue
-            book.spent += cost
-            if book.budget.period.kind == "rolling":
-                book.events.append((started, cost))
+            book.count(started, amount, model, key)
             newly = {t for t in book.budget.thresholds if book.spent * 100 >= book.budget.limit_usd * t} - book.crossed
-            if newly:
+            if newly and crossing:
                 book.crossed |= newly
                 if self.on_crossing is not None:
                     self.on_crossing(book.budget)
@@ -227,3 +284,70 @@ class BudgetGuard:
                 }
             )
         return result
+
+
+class BooksSpend:
+    """The guard's books as a :class:`~tokenward.reports.ledger.spend.SpendSource` (no ledger access).
+
+    Figures are a snapshot taken on the event loop when this object is made, so budget checks
+    can read them from a worker thread while a reader holds the ledger file. Windows other than a
+    budget's current period, and the digest's totals, are not in the books: those raise
+    ``LookupError`` (the caller reads the ledger instead).
+
+    Args:
+        guard: the proxy's budget guard.
+        now: the instant of the snapshot.
+        unpriced: the recorder's first unpriced row and count per (provider, model).
+    """
+
+    def __init__(
+        self, guard: BudgetGuard | None, now: dt.datetime, unpriced: Mapping[tuple[Any, Any], Mapping[str, Any]]
+    ) -> None:
+        self._books: dict[str, tuple[dt.datetime, Decimal, dict[str, Decimal], dict[str, Decimal], int]] = {}
+        for book in guard._books if guard is not None else ():
+            book.roll(now)
+            self._books[book.budget.name] = (
+                book.start, book.spent, dict(book.by_model), dict(book.by_key), book.refused
+            )
+        self._unpriced = [
+            (
+                provider,
+                model,
+                dt.datetime.fromtimestamp(seen["row"]["started_at"], dt.UTC),
+                int(seen["count"]),
+                str(seen["row"]["request_id"]),
+            )
+            for (provider, model), seen in unpriced.items()
+        ]
+
+    def _book(self, budget: Budget, start: dt.datetime) -> tuple[Any, ...]:
+        found = self._books.get(budget.name)
+        if found is None or (found[0] != start and budget.period.kind != "rolling"):
+            raise LookupError(f"no books for budget {budget.name!r} from {start.isoformat()}")
+        return found
+
+    def spend_in(self, budget: Budget, start: dt.datetime, end: dt.datetime) -> Decimal:
+        """USD in ``budget``'s current period (``start`` must be its start)."""
+        spent: Decimal = self._book(budget, start)[1]
+        return spent
+
+    def top_spenders(
+        self, budget: Budget, start: dt.datetime, end: dt.datetime, column: str, limit: int = 5
+    ) -> list[tuple[str, Decimal]]:
+        """The ``limit`` largest models or keys by spend in ``budget``'s current period."""
+        totals: dict[str, Decimal] = self._book(budget, start)[2 if column == "model" else 3]
+        ranked = sorted(totals.items(), key=lambda item: (-item[1], item[0]))
+        return [(name, amount) for name, amount in ranked[:limit] if amount]
+
+    def refusals(self, budget: Budget, start: dt.datetime) -> int:
+        """Requests ``budget`` refused in its current period (as this process saw them)."""
+        refused: int = self._book(budget, start)[4]
+        return refused
+
+    def unpriced_models(self) -> list[tuple[Any, Any, dt.datetime, int, str]]:
+        """Unpriced models this process recorded, first seen first."""
+        return sorted(self._unpriced, key=lambda item: item[2])
+
+    def totals(self, start: dt.datetime, end: dt.datetime) -> tuple[Decimal, int, int, int]:
+        """Not in the books: raises ``LookupError``."""
+        raise LookupError("totals come from the ledger")

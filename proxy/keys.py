@@ -75,17 +75,22 @@ class Authenticator:
         self._configured = {d: Identity(k.name, key_id(d), k.team, k.project) for d, k in digests}
         self._by_hash = dict(self._configured)
 
-    def use_stored(self, stored: Iterable[tuple[str, str, str | None, str | None]]) -> None:
-        """Accept the keys created with ``tokenward keys`` too.
+    def use_stored(
+        self, stored: Iterable[tuple[str, str, str | None, str | None]], revoked: Iterable[str] = ()
+    ) -> None:
+        """Accept the keys created with ``tokenward keys`` too, and refuse revoked ones.
 
         ``stored`` holds ``(name, key_sha256, team, project)`` for each key not revoked; it replaces
-        the stored keys known before (configured keys always stay).
+        the stored keys known before. ``revoked`` holds the sha256 of revoked keys: a configured key
+        among them is refused too (``tokenward keys revoke`` works on config keys, no restart).
         """
         by_hash = {
             digest.lower(): Identity(name, key_id(digest.lower()), team, project)
             for name, digest, team, project in stored
         }
         by_hash.update(self._configured)
+        for digest in revoked:
+            by_hash.pop(digest.lower(), None)
         self._by_hash = by_hash
 
     @property

@@ -30,6 +30,13 @@ from tokenward.proxy.sse import SSEDecoder, parse_event
 __all__ = ["Meter", "MeterResult", "count_input", "estimate"]
 
 _INTERESTING = re.compile(rb'"(?:usage|error)"\s*:\s*\{|^event:\s*error', re.MULTILINE)
+# the event after which a stream says nothing more: OpenAI's [DONE], Anthropic's message_stop,
+# the Responses API's terminal response.* events
+_TERMINAL = re.compile(
+    rb"^data:\s*\[DONE\]|^event:\s*(?:message_stop|response\.(?:completed|failed|incomplete))\s*$"
+    rb'|"type"\s*:\s*"(?:message_stop|response\.(?:completed|failed|incomplete))"',
+    re.MULTILINE,
+)
 _KEEP_FOR_ESTIMATE = 16 * 1024 * 1024  # bytes of reply kept in case the upstream reports no usage
 
 
@@ -67,7 +74,7 @@ class Meter:
         KeyError: unknown dialect.
     """
 
-    __slots__ = ("_decoder", "_dialect", "_inflate", "_kept", "_kept_bytes", "_seen", "events")
+    __slots__ = ("_decoder", "_dialect", "_inflate", "_kept", "_kept_bytes", "_seen", "events", "terminal")
 
     def __init__(self, dialect: str, content_encoding: str | None = None) -> None:
         self._dialect: ModuleType = DIALECTS[dialect]
@@ -77,6 +84,8 @@ class Meter:
         self._kept: list[bytes] = []
         self._kept_bytes = 0
         self.events = 0
+        self.terminal = False
+        """Whether the stream's terminal event has been seen (nothing more is expected)."""
 
     def feed_body(self, body: bytes) -> None:
         """Meter a whole (non-streamed) JSON reply; a body that is not JSON is kept, not parsed."""
@@ -111,6 +120,8 @@ class Meter:
 
     def _inspect(self, block: bytes) -> None:
         self.events += 1
+        if not self.terminal and _TERMINAL.search(block) is not None:
+            self.terminal = True
         if self._seen.model is not None and _INTERESTING.search(block) is None:
             return
         event, data = parse_event(block)

@@ -1,11 +1,19 @@
-"""From a finished exchange to a ledger row, off the request path.
+"""From a request to its one ledger row, durable before the client hears the end of the reply.
 
-:meth:`Recorder.finish` is called exactly once per exchange, on the event loop, and does only
-cheap work: price the usage (``tokenward.pricing.cost``), build the row dict, queue it. Token
-estimation (tokenizer work) is sent to a worker thread first. A writer task wakes every
-``flush_interval_s`` seconds and hands the queued rows to a worker thread, which spools them and
-bulk-inserts them into DuckDB (:class:`tokenward.reports.ledger.Spool`). :meth:`Recorder.stop`
-waits for estimates in flight and flushes everything on graceful shutdown.
+Three moments of an exchange reach the recorder, all on the event loop:
+
+* :meth:`Recorder.admit` when the request arrives: the write-ahead log notes it in flight (if
+  the process dies now, the request's row says ``interrupted``, not billed);
+* :meth:`Recorder.forwarding`, awaited just before the request leaves for the upstream: from
+  now on the fallback row says ``usage_unknown`` and keeps the budget reservation as spend;
+* :meth:`Recorder.commit`, awaited before the last bytes of the reply go to the client: the
+  usage is priced (``tokenward.pricing.cost``), the row built and appended to the log, and the
+  budget books settled. :meth:`Recorder.finish` does the same without waiting, for exchanges
+  whose client is gone.
+
+Token estimation (tokenizer work) runs in a worker thread first. Every ``flush_interval_s`` a
+task moves the log's closed segments into the ledger (:meth:`DuckLedger.flush`) in a worker
+thread. :meth:`Recorder.stop` records what is still open, then flushes.
 """
 
 from __future__ import annotations
@@ -21,12 +29,13 @@ from typing import Any
 from tokenward.pricing.catalog import PriceCatalog
 from tokenward.pricing.quote import PriceStatus, Quote, quote
 from tokenward.pricing.usage import TOKEN_FIELDS, Usage, UsageSource
-from tokenward.proxy.exchange import Exchange
+from tokenward.proxy.exchange import Exchange, Outcome
 from tokenward.proxy.guard import BudgetGuard
 from tokenward.proxy.metrics import Metrics
-from tokenward.reports.ledger import LedgerBusy, LedgerError, Spool, open_ledger
+from tokenward.reports.ledger import DuckLedger, LedgerBusy, LedgerError, WriteAheadLog
+from tokenward.reports.ledger.wal import encode_row
 
-__all__ = ["PriceStatus", "Recorder", "build_row", "build_rows"]
+__all__ = ["PriceStatus", "Recorder", "build_row", "build_rows", "fallback_row"]
 
 log = logging.getLogger("tokenward.recorder")
 
@@ -131,10 +140,55 @@ def build_row(
         "end_user": ex.end_user,
         "tags": list(ex.tags) or None,
         "session_id": ex.session_id,
+        "reserved_usd": ex.reserved_usd,
     }
     for name in TOKEN_FIELDS:
         row[name] = getattr(usage, name)
     return row
+
+
+def fallback_row(ex: Exchange, *, forwarded: bool) -> dict[str, Any]:
+    """The row ``ex`` gets if this process dies before it ends (what an admission record holds).
+
+    Before forwarding: ``interrupted`` and ``not_billed`` (the upstream never saw it); after:
+    ``usage_unknown`` (it may have been billed), keeping the budget reservation as spend.
+    """
+    row: dict[str, Any] = {
+        "request_id": ex.request_id,
+        "client_request_id": ex.client_request_id,
+        "started_at": ex.started_at,
+        "principal": ex.principal,
+        "key_id": ex.key_id,
+        "team": ex.team,
+        "project": ex.project,
+        "method": ex.method,
+        "path": ex.path,
+        "endpoint": ex.endpoint,
+        "outcome": str(Outcome.INTERRUPTED),
+        "usage_source": str(UsageSource.NONE),
+    }
+    if not forwarded:
+        row.update(price_status=PriceStatus.NOT_BILLED, cost_usd=Decimal(0), error=_STOPPED_BEFORE)
+        return row
+    row.update(
+        upstream=ex.upstream,
+        provider=ex.provider,
+        requested_model=ex.requested_model,
+        stream=ex.stream,
+        end_user=ex.end_user,
+        tags=list(ex.tags) or None,
+        session_id=ex.session_id,
+        reserved_usd=ex.reserved_usd,
+        price_status=(
+            PriceStatus.NOT_METERED if ex.endpoint == "passthrough" else PriceStatus.USAGE_UNKNOWN
+        ),
+        error=_STOPPED_DURING,
+    )
+    return row
+
+
+_STOPPED_BEFORE = "tokenward stopped before forwarding the request"
+_STOPPED_DURING = "tokenward stopped while the request was at the upstream; the provider may have billed it"
 
 
 def _log_unpriced(row: dict[str, Any]) -> None:
@@ -147,71 +201,112 @@ def _log_unpriced(row: dict[str, Any]) -> None:
 
 
 class Recorder:
-    """Queues one row per finished exchange and writes them to the ledger in batches.
+    """Writes one row per exchange ahead of the reply's end, and moves the log into the ledger.
 
     Args:
         catalog: prices for :func:`build_row`.
-        ledger_path: the DuckDB file.
-        flush_interval_s: seconds between writes (rows wait in memory at most this long).
+        ledger: the ledger (its log directory and file).
+        flush_interval_s: seconds between moves of the log into the ledger file.
         metrics: counters updated per row (a new set when omitted).
         on_unpriced: called with the first unpriced row of each (provider, model) this process
             sees (alerts hook in here); by default a warning is logged.
         guard: budgets to settle each exchange's reservation with and count its cost against.
+        fsync: ``fsync`` the log at every batch (power-loss durability; costs latency).
     """
 
     def __init__(
         self,
         catalog: PriceCatalog,
-        ledger_path: str,
+        ledger: DuckLedger | str,
         flush_interval_s: float = 1.0,
         metrics: Metrics | None = None,
         on_unpriced: Callable[[dict[str, Any]], None] | None = None,
         guard: BudgetGuard | None = None,
+        *,
+        fsync: bool = False,
     ) -> None:
         self.catalog = catalog
+        self.ledger = ledger if isinstance(ledger, DuckLedger) else DuckLedger(ledger)
         self.metrics = metrics or Metrics()
         self.on_unpriced = on_unpriced or _log_unpriced
         self.guard = guard
-        self._unpriced_seen: set[tuple[str | None, str | None]] = set()
-        self.spool = Spool(ledger_path)
+        self.wal = WriteAheadLog(self.ledger.spool_dir, fsync=fsync)
         self.flush_interval_s = flush_interval_s
-        self._rows: list[dict[str, Any]] = []
-        self._estimates: set[asyncio.Future[Any]] = set()
+        self.unpriced_seen: dict[tuple[str | None, str | None], dict[str, Any]] = {}
+        """First row and count of each unpriced (provider, model) this process recorded."""
+        self._open: dict[str, Exchange] = {}
+        self._tasks: set[asyncio.Future[Any]] = set()
         self._task: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
         self.rows_recorded = 0
+        self.last_flush: float | None = None
+        """``time.time()`` of the last successful move of the log into the ledger."""
+        self.flush_error: str | None = None
+        """Why the last move failed (``None`` after a success)."""
 
-    def finish(self, ex: Exchange, estimate: Callable[[], Usage] | None = None) -> None:
-        """Record ``ex`` (once; later calls are ignored). Call on the event loop.
+    # -- the three moments ---------------------------------------------------------------------
+
+    def admit(self, ex: Exchange) -> None:
+        """Note that ``ex`` arrived (written with the next batch; not awaited)."""
+        self._open[ex.request_id] = ex
+        self.wal.admit(ex.request_id, fallback_row(ex, forwarded=False))
+
+    async def forwarding(self, ex: Exchange) -> None:
+        """Make ``ex``'s in-flight record durable before it leaves for the upstream (await it)."""
+        self._open[ex.request_id] = ex
+        try:
+            await self.wal.forward(ex.request_id, fallback_row(ex, forwarded=True))
+        except OSError:
+            pass  # logged by the log's writer; the request goes on (the row stays queued)
+
+    async def commit(self, ex: Exchange, estimate: Callable[[], Usage] | None = None) -> None:
+        """Price ``ex``, append its rows and wait until they are written (once per exchange).
 
         Args:
             ex: the ended exchange.
-            estimate: when given, computes the usage in a worker thread before the row is queued
-                (the upstream reported none).
+            estimate: when given, computes the usage in a worker thread first (the upstream
+                reported none).
         """
         if ex.recorded:
             return
         ex.recorded = True
-        if estimate is None:
-            self._queue(ex)
+        if estimate is not None:
+            # shielded: a cancelled caller (a client gone, a shutdown) must not cost the row
+            await asyncio.shield(self._spawn(ex, estimate))
             return
-        future = asyncio.get_running_loop().run_in_executor(None, estimate)
-        self._estimates.add(future)
-        future.add_done_callback(lambda done: self._estimated(ex, done))
+        await self._append(ex)  # the rows are appended before the first await: never lost to a cancel
 
-    def _estimated(self, ex: Exchange, future: asyncio.Future[Usage]) -> None:
-        self._estimates.discard(future)
-        if future.cancelled() or future.exception() is not None:
-            log.error(
-                "token estimate failed for %s: %s",
-                ex.request_id,
-                future.exception() if not future.cancelled() else "cancelled",
-            )
-        else:
-            ex.usage = future.result()
-        self._queue(ex)
+    def finish(self, ex: Exchange, estimate: Callable[[], Usage] | None = None) -> None:
+        """:meth:`commit` without waiting for it (nobody waits for this exchange's reply)."""
+        if ex.recorded:
+            return
+        ex.recorded = True
+        self._spawn(ex, estimate)
 
-    def _queue(self, ex: Exchange) -> None:
+    def _spawn(self, ex: Exchange, estimate: Callable[[], Usage] | None) -> asyncio.Future[None]:
+        task = asyncio.ensure_future(self._estimated(ex, estimate))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _estimated(self, ex: Exchange, estimate: Callable[[], Usage] | None) -> None:
+        if estimate is not None:
+            try:
+                ex.usage = await asyncio.get_running_loop().run_in_executor(None, estimate)
+            except Exception as exc:
+                log.error("token estimate failed for %s: %s", ex.request_id, exc)
+        await self._append(ex)
+
+    async def _append(self, ex: Exchange) -> None:
+        data, ids = self._rows(ex)
+        self._open.pop(ex.request_id, None)
+        try:
+            await self.wal.commit(ids, data)
+        except OSError:
+            pass  # logged by the log's writer; the rows stay queued and are written again
+
+    def _rows(self, ex: Exchange) -> tuple[bytes, list[str]]:
+        """Build ``ex``'s rows, settle the books, count them; the encoded lines and the request ids ended."""
         try:
             rows = build_rows(ex, self.catalog)
         except Exception:  # never lose the row over a pricing bug
@@ -220,24 +315,46 @@ class Recorder:
         if self.guard is not None:
             self.guard.release(ex.reservation)
             ex.reservation = None
+        lines = []
         for row in rows:
-            self.metrics.observe(row)
-            if self.guard is not None:
-                self.guard.observe(row)
-            if row["price_status"] == PriceStatus.UNPRICED:
-                key = (row["provider"], row["served_model"] or row["requested_model"])
-                if key not in self._unpriced_seen:
-                    self._unpriced_seen.add(key)
-                    try:
-                        self.on_unpriced(row)
-                    except Exception:
-                        log.exception("unpriced-model hook failed")
-        self._rows.extend(rows)
+            try:
+                lines.append(encode_row(row))
+            except (TypeError, ValueError, OverflowError) as exc:  # a value JSON cannot hold
+                log.error("row %s cannot be encoded (%s); its raw usage is dropped", row["request_id"], exc)
+                row["raw_usage"] = None
+                row["violations"] = f"{row.get('violations') or ''}; row not encodable: {exc}".strip("; ")
+                lines.append(encode_row(row))
+            self._observe(row)
         self.rows_recorded += len(rows)
-        self.metrics.pending.set(len(self._rows))
+        return b"".join(lines), [ex.request_id]
+
+    def _observe(self, row: dict[str, Any]) -> None:
+        """Metrics, budget books and the unpriced-model hook: none of them may stop a row."""
+        try:
+            self.metrics.observe(row)
+        except Exception:
+            log.exception("metrics failed for row %s", row["request_id"])
+        if self.guard is not None:
+            try:
+                self.guard.observe(row)
+            except Exception:
+                log.exception("budget books failed for row %s", row["request_id"])
+        if row["price_status"] == PriceStatus.UNPRICED:
+            key = (row["provider"], row["served_model"] or row["requested_model"])
+            seen = self.unpriced_seen.get(key)
+            if seen is not None:
+                seen["count"] += 1
+                return
+            self.unpriced_seen[key] = {"row": row, "count": 1}
+            try:
+                self.on_unpriced(row)
+            except Exception:
+                log.exception("unpriced-model hook failed")
+
+    # -- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Open (create, migrate) the ledger, ingest rows a previous run left spooled, start the writer.
+        """Open the log, move what an earlier run left into the ledger, and start the periodic move.
 
         Raises:
             LedgerError: the ledger cannot be created or opened (a read-only directory, say): the
@@ -245,93 +362,92 @@ class Recorder:
             OSError: likewise, from the file system.
         """
         await asyncio.to_thread(self._open_check)
-        await asyncio.to_thread(self._ingest, True)
+        self.wal.open(asyncio.get_running_loop())
+        await self.flush(quiet=True)
         self._task = asyncio.create_task(self._run(), name="tokenward-ledger-writer")
 
     def _open_check(self) -> None:
         deadline = time.monotonic() + 10
         while True:
             try:
-                open_ledger(self.spool.ledger_path).close()
-                self.spool.directory.mkdir(parents=True, exist_ok=True)
+                self.ledger.session(lambda conn: None)
                 return
             except LedgerBusy:
                 if time.monotonic() > deadline:
-                    return  # held by a reader: rows will wait in the spool
+                    return  # held by a reader: rows will wait in the log
                 time.sleep(0.1)
 
     async def _run(self) -> None:
-        failing = False
         while not self._stopping.is_set():
             try:
                 await asyncio.wait_for(self._stopping.wait(), self.flush_interval_s)
             except TimeoutError:
                 pass
             if self._stopping.is_set():
-                return  # stop() takes over: it flushes what is left
-            try:
-                await self.flush()
-            except Exception:  # the writer must survive a full disk or a lost directory
-                if not failing:
-                    log.exception("cannot write ledger rows; %d kept in memory, retrying", len(self._rows))
-                failing = True
-            else:
-                if failing:
-                    log.warning("ledger rows are being written again")
-                failing = False
+                return  # stop() takes over
+            await self.flush(quiet=True)
 
-    async def flush(self) -> None:
-        """Write queued rows to the spool and try to move the spool into the ledger.
+    async def flush(self, *, quiet: bool = False) -> int:
+        """Move the log's closed segments (and what dead writers left) into the ledger; rows moved.
+
+        With ``quiet``, a busy or failing ledger is logged rather than raised (rows wait in the log).
 
         Raises:
-            OSError: the spool could not be written; the rows stay queued for the next try.
+            LedgerError: the ledger cannot be written (not with ``quiet``).
         """
-        rows, self._rows = self._rows, []
         try:
-            await asyncio.to_thread(self._write, rows)
-        except Exception:
-            self._rows[:0] = rows
-            raise
-        finally:
-            self.metrics.pending.set(len(self._rows))
+            moved = await asyncio.to_thread(self.ledger.flush, self.wal)
+        except LedgerBusy as exc:
+            self.flush_error = str(exc)
+            log.debug("ledger busy (a reader holds it); rows wait in the log until the next flush")
+            if not quiet:
+                raise
+            return 0
+        except (LedgerError, OSError) as exc:
+            if self.flush_error is None:
+                log.exception("cannot write the ledger; rows wait in %s", self.ledger.spool_dir)
+            self.flush_error = str(exc)
+            if not quiet:
+                raise
+            return 0
+        if self.flush_error is not None:
+            log.warning("ledger rows are being written again")
+        self.flush_error = None
+        self.last_flush = time.time()
+        return moved
 
-    def _write(self, rows: list[dict[str, Any]]) -> None:
-        if rows:
-            self.spool.write(rows)
-        self._ingest(False)
-
-    def _ingest(self, recover: bool) -> None:
-        try:
-            self.spool.ingest(recover=recover)
-        except LedgerBusy:
-            log.debug("ledger busy (a reader holds it); rows stay spooled until the next flush")
-        except LedgerError:
-            log.exception("cannot write the ledger; rows stay spooled in %s", self.spool.directory)
+    def open_exchanges(self) -> list[Exchange]:
+        """Exchanges admitted and not yet recorded."""
+        return list(self._open.values())
 
     async def stop(self, wait_busy_s: float = 5.0) -> None:
-        """Stop the writer and write every row.
+        """Record what is still open (``interrupted``), then move everything into the ledger.
 
-        A flush under way finishes first; estimates in flight are awaited; a busy ledger is retried
-        for ``wait_busy_s`` seconds (rows that still cannot go in stay spooled for the next start).
+        A busy ledger is retried for ``wait_busy_s`` seconds; rows that still cannot go in stay in
+        the log, and the next start moves them.
         """
         self._stopping.set()
         if self._task is not None:
             await self._task
-        if self._estimates:
-            await asyncio.gather(*self._estimates, return_exceptions=True)
-        rows, self._rows = self._rows, []
-        if rows:
-            await asyncio.to_thread(self.spool.write, rows)
+        for ex in list(self._open.values()):
+            if not ex.recorded:
+                ex.end(Outcome.INTERRUPTED, error="tokenward shut down while the request was in flight")
+                ex.maybe_billed = ex.maybe_billed or ex.upstream is not None
+                self.finish(ex)
+        if self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
         deadline = asyncio.get_running_loop().time() + wait_busy_s
         while True:
             try:
-                await asyncio.to_thread(self.spool.ingest)
-                return
+                await self.flush()
+                break
             except LedgerBusy:
                 if asyncio.get_running_loop().time() >= deadline:
-                    log.warning("ledger still busy at shutdown; rows stay spooled in %s", self.spool.directory)
-                    return
+                    log.warning("ledger still busy at shutdown; rows stay in %s", self.ledger.spool_dir)
+                    break
                 await asyncio.sleep(0.1)
-            except LedgerError:
-                log.exception("cannot write the ledger at shutdown; rows stay spooled in %s", self.spool.directory)
-                return
+            except (LedgerError, OSError):
+                break
+        await asyncio.to_thread(self.wal.close)
+        if self.flush_error is None:
+            await self.flush(quiet=True)  # what was appended after the last rotation

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -47,6 +47,7 @@ HOP_BY_HOP = frozenset(
 )
 """Headers that describe one connection, never forwarded (RFC 9110 section 7.6.1)."""
 _REPLY_DROPPED = HOP_BY_HOP | {b"content-length"}
+_BACKGROUND: set[asyncio.Future[None]] = set()  # recordings nobody waits for, kept alive until done
 _USAGE_NULL = (b',"usage":null', b'"usage":null,')
 
 
@@ -121,13 +122,15 @@ class Relay:
     """ASGI app sending one upstream reply to the client and metering it as it passes.
 
     Created by the forwarder; Litestar calls it once with the request's ``receive`` and ``send``.
-    When it is done (whatever happened), it calls ``on_done(relay)`` exactly once, which records
-    the exchange.
+    It calls ``complete(relay)`` exactly once, which records the exchange: before the bytes that
+    end the reply reach the client (the end of a JSON body, a stream's terminal event, the end of
+    a pass-through body), so a client that saw its reply end always finds its row, even if the
+    process is killed right after; or at the end, when the client is gone or the relay failed.
 
     Args:
         ex: the exchange being relayed.
         reply: the upstream reply (``None`` for a relay that only sends ``error``).
-        on_done: called once at the end, with this relay.
+        complete: records the exchange; awaited once, with this relay.
         meter: meters the reply (``None``: a pass-through endpoint, not metered).
         request_body: the request as sent upstream (for a token estimate).
         watch: a disconnect watch already running (the relay starts one otherwise).
@@ -139,7 +142,7 @@ class Relay:
         self,
         ex: Exchange,
         reply: UpstreamReply | None,
-        on_done: Callable[[Relay], None],
+        complete: Callable[[Relay], Awaitable[None]],
         *,
         meter: Meter | None = None,
         request_body: bytes = b"",
@@ -151,7 +154,7 @@ class Relay:
         drain_timeout_s: float = 60.0,
         extra_headers: list[tuple[bytes, bytes]] | None = None,
     ) -> None:
-        self.on_done = on_done
+        self.complete = complete
         self.extra_headers = extra_headers or []
         self.watch = watch
         self.drain_timeout_s = drain_timeout_s
@@ -165,15 +168,31 @@ class Relay:
         self.error = error
         self.streaming = False
         self.got_reply = False
+        self._completed = False
 
     @classmethod
-    def refusal(cls, ex: Exchange, error: ProxyError) -> Relay:
-        """A relay that only sends tokenward's own error reply (the exchange is already recorded)."""
-        return cls(ex, None, lambda _: None, error=error)
+    def refusal(cls, ex: Exchange, error: ProxyError, complete: Callable[[Relay], Awaitable[None]]) -> Relay:
+        """A relay that only sends tokenward's own error reply, once the exchange is recorded."""
+        return cls(ex, None, complete, error=error)
+
+    async def _complete(self) -> None:
+        """Record the exchange now (once), before the reply's last bytes go out."""
+        if not self._completed:
+            self._completed = True
+            await self.complete(self)
+
+    def _complete_later(self) -> None:
+        """Record the exchange without waiting (the client is gone, or the relay failed)."""
+        if not self._completed:
+            self._completed = True
+            task = asyncio.ensure_future(self.complete(self))
+            _BACKGROUND.add(task)
+            task.add_done_callback(_BACKGROUND.discard)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Send the reply; runs once per request."""
         if self.reply is None:
+            await self._complete()
             await self._send_error(send)
             return
         ex, reply = self.ex, self.reply
@@ -202,7 +221,7 @@ class Relay:
                 await reply.aclose()
             except BaseException:  # noqa: S110 - closing must not stop the row from being recorded
                 pass
-            self.on_done(self)
+            self._complete_later()
 
     async def _send_error(self, send: Send) -> None:
         error = self.error
@@ -229,6 +248,7 @@ class Relay:
         )
         self.ex.end(Outcome.UPSTREAM_FAILED, failure.status, failure.message)
         self.error = error
+        await self._complete()
         await self._send_error(send)
 
     async def _relay_body(self, send: Send, headers: list[tuple[bytes, bytes]], listener: DisconnectWatch) -> None:
@@ -245,21 +265,29 @@ class Relay:
             self.ex.end(Outcome.CLIENT_DISCONNECTED, error="client disconnected before the reply")
             return
         headers.append((b"content-length", str(len(body)).encode()))
-        await send({"type": "http.response.start", "status": self.ex.http_status, "headers": headers})
-        await send({"type": "http.response.body", "body": body, "more_body": False})
         self.ex.mark_first_byte()
         self._end_ok()
+        await self._complete()
+        await send({"type": "http.response.start", "status": self.ex.http_status, "headers": headers})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
 
     async def _relay_raw(self, send: Send, headers: list[tuple[bytes, bytes]], listener: DisconnectWatch) -> None:
         assert self.reply is not None
         length = header(self.reply.headers, b"content-length")
+        expected = int(length) if length is not None and length.isdigit() else None
         if length is not None:
             headers.append((b"content-length", length.encode()))
         await send({"type": "http.response.start", "status": self.ex.http_status, "headers": headers})
         self.got_reply = True
+        sent = 0
         try:
             async for chunk in self.reply.chunks():
+                if expected is not None and sent + len(chunk) >= expected:  # this chunk ends the body
+                    self.ex.mark_first_byte()
+                    self._end_ok()
+                    await self._complete()
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                sent += len(chunk)
                 self.ex.mark_first_byte()
                 if listener.gone():
                     self.ex.end(Outcome.CLIENT_DISCONNECTED, error="client disconnected during the reply")
@@ -267,8 +295,9 @@ class Relay:
         except UpstreamError as exc:
             self._broke_off(exc)
             return
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
         self._end_ok()
+        await self._complete()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _relay_stream(self, send: Send, headers: list[tuple[bytes, bytes]], listener: DisconnectWatch) -> None:
         assert self.reply is not None and self.meter is not None
@@ -280,6 +309,10 @@ class Relay:
         try:
             async for chunk in chunks:
                 blocks = meter.feed_stream(chunk)
+                if meter.terminal and not self._completed:  # this chunk ends the reply: record first
+                    ex.mark_first_byte()
+                    self._end_ok()
+                    await self._complete()
                 if strip:
                     chunk = b"".join([strip_usage(block) for block in blocks])
                     if not chunk:
@@ -291,6 +324,8 @@ class Relay:
                     await self._drain(chunks)
                     return
             tail = meter.end_stream()
+            self._end_ok()
+            await self._complete()
             if strip and tail:
                 await send({"type": "http.response.body", "body": b"".join(map(strip_usage, tail)), "more_body": True})
         except UpstreamError as exc:
@@ -298,7 +333,6 @@ class Relay:
             self._broke_off(exc)
             return
         await send({"type": "http.response.body", "body": b"", "more_body": False})
-        self._end_ok()
 
     def _broke_off(self, exc: UpstreamError) -> None:
         """End the exchange for an upstream that broke off mid-reply.

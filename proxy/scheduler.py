@@ -8,7 +8,8 @@ jobs coalesce missed runs and never run twice at once (``max_instances=1``).
 * Budget check (every ``alerts.evaluate_every_s``, and soon after a threshold is crossed):
   claim and send the alerts due (:mod:`tokenward.reports.budget_check`).
 * Digest (``alerts.digest``): a daily or weekly spend summary by email.
-* Stored keys: keys created or revoked with ``tokenward keys`` take effect within 30 s.
+* Stored keys: keys created or revoked with ``tokenward keys`` take effect within 5 s (they live in
+  the state store, which no ledger reader can block).
 """
 
 from __future__ import annotations
@@ -31,16 +32,17 @@ from tokenward.pricing.imports import to_yaml
 from tokenward.pricing.refresh import plan_refresh
 from tokenward.pricing.settings import RefreshSettings
 from tokenward.proxy.keys import Authenticator
-from tokenward.reports.alerts import AlertSettings, Notifier
-from tokenward.reports.budget_check import Session, digest_alert, evaluate_and_notify, record_deliveries
-from tokenward.reports.keys import stored_keys
-from tokenward.reports.ledger import LedgerBusy, Spool
+from tokenward.reports.alerts import Alert, AlertSettings, Notifier
+from tokenward.reports.budget_check import deliver, digest_alert, evaluate_and_notify, record_deliveries
+from tokenward.reports.ledger import DuckLedger
+from tokenward.reports.ledger.spend import DuckSpend, SpendSource
+from tokenward.reports.ledger.state import StateStore
 
 __all__ = [
+    "KEY_RELOAD_S",
     "add_alert_jobs",
     "check_budgets",
     "create_scheduler",
-    "ledger_session",
     "refresh_prices",
     "reload_keys",
     "run_budget_check_soon",
@@ -48,6 +50,9 @@ __all__ = [
 ]
 
 log = logging.getLogger("tokenward.scheduler")
+
+KEY_RELOAD_S = 5
+"""Seconds between reloads of stored keys and revocations (a revoked key stops working within this)."""
 
 
 def create_scheduler() -> AsyncIOScheduler:
@@ -108,17 +113,13 @@ async def refresh_prices(
     return plan.changes
 
 
-def ledger_session(spool: Spool) -> Session:
-    """A :data:`~tokenward.reports.budget_check.Session` on the proxy's ledger, between flushes."""
-
-    async def run(work: Callable[[Any], Any]) -> Any:
-        return await asyncio.to_thread(spool.run, work)
-
-    return run
+SpendFactory = Callable[[], SpendSource]
+"""Makes the spend source a budget check reads (the proxy's books, snapshotted on the event loop)."""
 
 
 async def check_budgets(
-    session: Session,
+    spend: SpendFactory,
+    state: StateStore,
     budgets: list[Budget],
     settings: AlertSettings,
     notifier: Notifier,
@@ -127,13 +128,11 @@ async def check_budgets(
 ) -> int:
     """Evaluate budgets and send the alerts now due (the scheduled job); returns how many were sent.
 
-    A ledger held by a reader is skipped quietly: the next run catches up.
+    Spend comes from the proxy's books and claims go to the state store, so a reader holding
+    the ledger file delays nothing.
     """
     try:
-        sent = await evaluate_and_notify(session, budgets, settings, notifier, now or dt.datetime.now(dt.UTC))
-    except LedgerBusy:
-        log.debug("budget check skipped: ledger busy")
-        return 0
+        sent = await evaluate_and_notify(spend(), state, budgets, settings, notifier, now or dt.datetime.now(dt.UTC))
     except Exception:
         log.exception("budget check failed")
         return 0
@@ -141,43 +140,54 @@ async def check_budgets(
 
 
 async def send_digest(
-    session: Session,
+    ledger: DuckLedger,
     budgets: list[Budget],
     settings: AlertSettings,
     notifier: Notifier,
     *,
     now: dt.datetime | None = None,
 ) -> bool:
-    """Send the configured spend digest once for the period that just ended; true if sent."""
+    """Send the configured spend digest once for the period that just ended; true if sent.
+
+    Figures come from the ledger (read-only); while a writer holds it, the job tries again at the
+    next budget check.
+    """
     digest = settings.digest
     if digest is None:
         return False
     when = now or dt.datetime.now(dt.UTC)
+    state = ledger.state
+
+    def claim(conn: Any) -> Alert | None:
+        return digest_alert(DuckSpend(conn), state, budgets, digest.to, digest.every, digest.timezone, when)
+
     try:
-        alert = await session(lambda conn: digest_alert(conn, budgets, digest.to, digest.every, digest.timezone, when))
+        alert = await asyncio.to_thread(ledger.session, claim, read_only=True)
         if alert is None:
             return False
-        deliveries = await notifier.send(alert)
-        await session(lambda conn: record_deliveries(conn, alert, deliveries, when))
+        deliveries = await deliver(state, notifier, alert)
+        await asyncio.to_thread(record_deliveries, state, alert, deliveries, when)
     except Exception:
         log.exception("spend digest failed")
         return False
     return True
 
 
-async def reload_keys(session: Session, auth: Authenticator) -> None:
-    """Pick up keys created or revoked with ``tokenward keys`` (the scheduled job)."""
+async def reload_keys(state: StateStore, auth: Authenticator) -> None:
+    """Pick up keys created or revoked with ``tokenward keys`` (the scheduled job, every 5 s)."""
     try:
-        rows = await session(lambda conn: stored_keys(conn))
+        keys, revoked = await asyncio.to_thread(lambda: (state.keys(), state.revoked_hashes()))
     except Exception:
-        log.debug("stored keys not reloaded this time", exc_info=True)
+        log.warning("stored keys not reloaded this time", exc_info=True)
         return
-    auth.use_stored(rows)
+    live = [(k.name, k.key_sha256, k.team, k.project) for k in keys if k.revoked_at is None]
+    auth.use_stored(live, revoked)
 
 
 def add_alert_jobs(
     scheduler: AsyncIOScheduler,
-    session: Session,
+    ledger: DuckLedger,
+    spend: SpendFactory,
     budgets: list[Budget],
     settings: AlertSettings,
     notifier: Notifier,
@@ -190,7 +200,7 @@ def add_alert_jobs(
             "interval",
             seconds=settings.evaluate_every_s,
             id="budgets",
-            args=[session, budgets, settings, notifier],
+            args=[spend, ledger.state, budgets, settings, notifier],
         )
     if settings.digest is not None:
         hour, minute = (int(part) for part in settings.digest.at.split(":"))
@@ -200,8 +210,8 @@ def add_alert_jobs(
             day_of_week="mon" if settings.digest.every == "weekly" else "*",
             timezone=ZoneInfo(settings.digest.timezone),
         )
-        scheduler.add_job(send_digest, trigger, id="digest", args=[session, budgets, settings, notifier])
-    scheduler.add_job(reload_keys, "interval", seconds=30, id="keys", args=[session, auth])
+        scheduler.add_job(send_digest, trigger, id="digest", args=[ledger, budgets, settings, notifier])
+    scheduler.add_job(reload_keys, "interval", seconds=KEY_RELOAD_S, id="keys", args=[ledger.state, auth])
 
 
 def run_budget_check_soon(scheduler: AsyncIOScheduler, delay_s: float) -> None:

@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import email.policy
+import email.utils
+import hashlib
 import html
 import logging
 import os
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from email.message import EmailMessage
 from typing import Annotated, Any, Literal
@@ -41,6 +44,7 @@ __all__ = [
     "Notifier",
     "SmtpSettings",
     "WebhookSettings",
+    "delivery_id",
     "html_document",
     "html_text",
 ]
@@ -125,7 +129,12 @@ class AlertSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 @dataclass(frozen=True, slots=True)
 class Alert:
-    """One message to send: its identity (budget, period start, kind, threshold), text, targets."""
+    """One message to send: its identity (budget, period start, kind, thresholds), text, targets.
+
+    ``thresholds`` are every threshold the message stands for (one message may name several
+    crossed at once); ``threshold`` is the highest of them. Empty ``thresholds`` mean
+    ``(threshold,)``.
+    """
 
     budget: str
     period_start: Any
@@ -136,6 +145,24 @@ class Alert:
     html: str
     targets: tuple[str, ...]
     payload: dict[str, Any] = field(default_factory=dict)
+    thresholds: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.thresholds:
+            object.__setattr__(self, "thresholds", (self.threshold,))
+
+
+def delivery_id(alert: Alert, target: str) -> str:
+    """A stable identifier of ``alert`` as delivered to ``target``.
+
+    The same (budget, period start, kind, thresholds, target) always gives the same value, so a
+    message sent again after a crash carries the ``Message-ID`` (or webhook ``Idempotency-Key``)
+    of the first one and a receiver can drop the duplicate.
+    """
+    start = alert.period_start.isoformat() if hasattr(alert.period_start, "isoformat") else str(alert.period_start)
+    thresholds = ",".join(str(t) for t in sorted(alert.thresholds))
+    seed = "\x1f".join([alert.budget, start, alert.kind, thresholds, target])
+    return hashlib.sha256(seed.encode()).hexdigest()[:32]
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,45 +189,59 @@ class Notifier:
         self._webhooks = {w.name: w for w in settings.webhooks}
         self._transport = transport
 
-    async def send(self, alert: Alert) -> list[Delivery]:
-        """Deliver ``alert`` to every target; one :class:`Delivery` per target."""
+    async def send(
+        self, alert: Alert, on_delivery: Callable[[Delivery], Awaitable[None]] | None = None
+    ) -> list[Delivery]:
+        """Deliver ``alert`` to every target; one :class:`Delivery` per target.
+
+        Each email address gets its own message (so each target's success is known on its
+        own). ``on_delivery`` is awaited with each target's outcome as soon as it is known.
+        """
         results = []
-        emails = [t for t in alert.targets if "@" in t]
-        if emails and self.settings.smtp is None:  # a configuration problem: no point retrying
-            results.append(Delivery("email", ",".join(emails), False, 0, "no SMTP server is configured (alerts.smtp)"))
-        elif emails:
-            results += await self._retry("email", ",".join(emails), lambda: self._email(alert, emails))
-        for name in (t for t in alert.targets if "@" not in t):
-            hook = self._webhooks.get(name)
-            if hook is None:
-                results.append(Delivery("webhook", name, False, 0, f"no webhook named {name!r} is configured"))
-                continue
-            results += await self._retry("webhook", name, lambda hook=hook: self._webhook(alert, hook))
+        for target in alert.targets:
+            if "@" in target:
+                if self.settings.smtp is None:  # a configuration problem: no point retrying
+                    result = Delivery("email", target, False, 0, "no SMTP server is configured (alerts.smtp)")
+                else:
+                    result = await self._retry("email", target, lambda t=target: self._email(alert, t))
+            else:
+                hook = self._webhooks.get(target)
+                if hook is None:
+                    result = Delivery("webhook", target, False, 0, f"no webhook named {target!r} is configured")
+                else:
+                    result = await self._retry("webhook", target, lambda hook=hook: self._webhook(alert, hook))
+            results.append(result)
+            if on_delivery is not None:
+                await on_delivery(result)
         return results
 
-    async def _retry(self, channel: str, target: str, attempt: Any) -> list[Delivery]:
+    async def _retry(self, channel: str, target: str, attempt: Any) -> Delivery:
         delay = self.settings.backoff_s
         error = None
         for number in range(1, self.settings.retries + 2):
             try:
                 await attempt()
-                return [Delivery(channel, target, True, number)]
+                return Delivery(channel, target, True, number)
             except Exception as exc:  # any failure is retried, then reported
                 error = f"{type(exc).__name__}: {exc}"
                 log.warning("alert delivery by %s to %s failed (attempt %d): %s", channel, target, number, error)
                 if number <= self.settings.retries:
                     await asyncio.sleep(delay)
                     delay *= 2
-        return [Delivery(channel, target, False, self.settings.retries + 1, error)]
+        return Delivery(channel, target, False, self.settings.retries + 1, error)
 
-    async def _email(self, alert: Alert, recipients: list[str]) -> None:
+    async def _email(self, alert: Alert, recipient: str) -> None:
         smtp = self.settings.smtp
         if smtp is None:
             raise RuntimeError("no SMTP server is configured (alerts.smtp)")
+        recipients = [recipient]
         message = EmailMessage()
         message["From"] = smtp.sender
-        message["To"] = ", ".join(recipients)
+        message["To"] = recipient
         message["Subject"] = alert.subject
+        message["Date"] = email.utils.formatdate(usegmt=True)
+        domain = smtp.sender.rpartition("@")[2] or "tokenward.invalid"
+        message["Message-ID"] = f"<{delivery_id(alert, recipient)}@{domain}>"
         message.set_content(alert.text)
         message.add_alternative(alert.html, subtype="html")
         username = os.environ.get(smtp.username_env) if smtp.username_env else None
@@ -224,9 +265,10 @@ class Notifier:
         url = hook.resolved_url()
         if not url:
             raise RuntimeError(f"webhook {hook.name!r} has no URL (set {hook.url_env or 'url'})")
-        body = {"text": f"*{alert.subject}*\n{alert.text}", "tokenward": alert.payload}
+        key = delivery_id(alert, hook.name)
+        body = {"text": f"*{alert.subject}*\n{alert.text}", "tokenward": {**alert.payload, "idempotency_key": key}}
         async with httpx.AsyncClient(transport=self._transport, timeout=30) as client:
-            response = await client.post(url, json=body)
+            response = await client.post(url, json=body, headers={"Idempotency-Key": key})
             response.raise_for_status()
 
 

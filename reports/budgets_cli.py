@@ -21,8 +21,10 @@ from rich.table import Table
 from tokenward.pricing.budgets import Budget
 from tokenward.reports.alerts import Alert, AlertSettings, Notifier, html_text
 from tokenward.reports.budget_check import evaluate_and_notify, status_of, usd
-from tokenward.reports.cli_common import open_named, parse_when
+from tokenward.reports.cli_common import ledger_path, open_named, parse_when
 from tokenward.reports.keys import create_key, list_keys, revoke_key
+from tokenward.reports.ledger import DuckLedger
+from tokenward.reports.ledger.spend import DuckSpend
 
 __all__ = ["alerts", "budgets", "keys"]
 
@@ -85,7 +87,7 @@ def status(config: str | None, db: str | None, wait: float, at_text: str | None)
     now = _instant(at_text)
     conn = open_named(db, config, wait, read_only=True)
     try:
-        statuses = [status_of(conn, budget, now) for budget in configured]
+        statuses = [status_of(DuckSpend(conn), budget, now) for budget in configured]
     finally:
         conn.close()
     table = Table("budget", "scope", "period", "spent", "limit", "%", "left", "forecast", "at limit", title="budgets")
@@ -118,13 +120,12 @@ def check(config: str | None, db: str | None, wait: float, dry_run: bool, at_tex
     """Evaluate budgets now and send the alerts due (as the proxy does on its schedule)."""
     configured, settings = load_sections(config)
     now = _instant(at_text)
-    conn = open_named(db, config, wait, read_only=dry_run)
-
-    async def session(work: Callable[[Any], Any]) -> Any:
-        return work(conn)
-
+    state = DuckLedger(ledger_path(db, config)).state
+    conn = open_named(db, config, wait, read_only=True)  # claims go to the state store, not the file
     try:
-        sent = asyncio.run(evaluate_and_notify(session, configured, settings, Notifier(settings), now, dry_run=dry_run))
+        sent = asyncio.run(
+            evaluate_and_notify(DuckSpend(conn), state, configured, settings, Notifier(settings), now, dry_run=dry_run)
+        )
     finally:
         conn.close()
     if not sent:
@@ -148,30 +149,24 @@ def alerts() -> None:
 @click.option("--limit", default=50, show_default=True)
 def history(config: str | None, db: str | None, wait: float, limit: int) -> None:
     """Alerts claimed, newest first, with every delivery attempt and its result."""
-    conn = open_named(db, config, wait, read_only=True)
-    try:
-        rows = conn.execute(
-            "SELECT a.created_at, a.budget, a.kind, a.threshold, a.status, a.attempts, a.last_error, "
-            "string_agg(d.channel || ' ' || d.target || ': ' || CASE WHEN d.ok THEN 'ok' ELSE 'failed' END, '; ') "
-            "FROM budget_alerts a LEFT JOIN alert_deliveries d USING (budget, period_start, kind, threshold) "
-            "GROUP BY ALL ORDER BY a.created_at DESC LIMIT ?",
-            [limit],
-        ).fetchall()
-    finally:
-        conn.close()
+    state = DuckLedger(ledger_path(db, config)).state
+    claims = sorted(state.claims(), key=lambda c: c.created_at, reverse=True)[:limit]
     table = Table("claimed at", "budget", "kind", "threshold", "status", "attempts", "deliveries", "last error")
-    for created, budget, kind, threshold, state, attempts, error, deliveries in rows:
-        table.add_row(
-            created.isoformat(timespec="seconds"),
-            budget,
-            kind,
-            str(threshold or ""),
-            state,
-            str(attempts),
-            deliveries or "",
-            error or "",
+    for claim in claims:
+        deliveries = "; ".join(
+            f"{d.channel} {d.target}: {'ok' if d.ok else 'failed'}" for d in state.deliveries(claim.key)
         )
-    _console().print(table if rows else "no alerts yet")
+        table.add_row(
+            claim.created_at.isoformat(timespec="seconds"),
+            claim.key.budget,
+            claim.key.kind,
+            str(claim.key.threshold or ""),
+            claim.status,
+            str(claim.attempts),
+            deliveries,
+            claim.last_error or "",
+        )
+    _console().print(table if claims else "no alerts yet")
 
 
 @alerts.command(name="test")
@@ -213,17 +208,15 @@ def create(config: str | None, db: str | None, wait: float, name: str, team: str
             raise click.BadParameter(str(exc), param_hint="--config") from exc
         if name in configured:
             raise click.ClickException(f"the config already has a key named {name!r}; choose another name")
-    conn = open_named(db, config, wait, read_only=False)
+    state = DuckLedger(ledger_path(db, config)).state
     try:
-        key = create_key(conn, name, team=team, project=project, now=dt.datetime.now(dt.UTC))
+        key = create_key(state, name, team=team, project=project, now=dt.datetime.now(dt.UTC))
     except ValueError as exc:
         raise click.ClickException(str(exc)) from exc
-    finally:
-        conn.close()
     click.echo(key)
     click.echo(
         f"key {name!r} created; it is shown only now. A proxy on this ledger in auth mode virtual_keys "
-        "accepts it within 30 s.",
+        "accepts it within 5 s.",
         err=True,
     )
 
@@ -232,19 +225,15 @@ def create(config: str | None, db: str | None, wait: float, name: str, team: str
 @_options
 def list_command(config: str | None, db: str | None, wait: float) -> None:
     """Stored keys (names, attribution, state; never the keys)."""
-    conn = open_named(db, config, wait, read_only=True)
-    try:
-        rows = list_keys(conn)
-    finally:
-        conn.close()
+    rows = list_keys(DuckLedger(ledger_path(db, config)).state)
     table = Table("name", "team", "project", "created", "state")
-    for name, team, project, created, revoked in rows:
+    for key in rows:
         table.add_row(
-            name,
-            team or "",
-            project or "",
-            created.isoformat(timespec="seconds"),
-            f"revoked {revoked.isoformat(timespec='seconds')}" if revoked else "live",
+            key.name,
+            key.team or "",
+            key.project or "",
+            key.created_at.isoformat(timespec="seconds"),
+            f"revoked {key.revoked_at.isoformat(timespec='seconds')}" if key.revoked_at else "live",
         )
     _console().print(table if rows else "no stored keys")
 
@@ -253,12 +242,21 @@ def list_command(config: str | None, db: str | None, wait: float) -> None:
 @_options
 @click.argument("name")
 def revoke(config: str | None, db: str | None, wait: float, name: str) -> None:
-    """Revoke the stored key NAME (the proxy refuses it within 30 s)."""
-    conn = open_named(db, config, wait, read_only=False)
-    try:
-        done = revoke_key(conn, name, now=dt.datetime.now(dt.UTC))
-    finally:
-        conn.close()
+    """Revoke the key NAME, stored or from --config's virtual_keys (the proxy refuses it within 5 s)."""
+    configured: dict[str, str] = {}
+    if config:
+        import hashlib
+
+        from tokenward.proxy.config import ConfigError, load_config
+
+        try:
+            for key in load_config(config).virtual_keys:
+                digest = key.key_sha256 or hashlib.sha256((key.key or "").encode()).hexdigest()
+                configured[key.name] = digest.lower()
+        except ConfigError as exc:
+            raise click.BadParameter(str(exc), param_hint="--config") from exc
+    state = DuckLedger(ledger_path(db, config)).state
+    done = revoke_key(state, name, now=dt.datetime.now(dt.UTC), configured=configured)
     if not done:
-        raise click.ClickException(f"no live stored key named {name!r}")
+        raise click.ClickException(f"no live key named {name!r}")
     click.echo(f"key {name!r} revoked")

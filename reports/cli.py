@@ -17,7 +17,7 @@ from typing import TextIO
 
 import click
 
-from tokenward.reports import migrations, queries, render
+from tokenward.reports import queries, render
 from tokenward.reports.cli_common import (
     ledger_options,
     ledger_path,
@@ -26,7 +26,7 @@ from tokenward.reports.cli_common import (
     range_options,
     zone_named,
 )
-from tokenward.reports.ledger import LedgerError, open_ledger
+from tokenward.reports.ledger import LedgerError, migrations, open_ledger
 from tokenward.reports.report_cli import report
 
 __all__ = ["export", "ledger", "ledger_path", "parse_when", "report"]

@@ -1,7 +1,9 @@
-"""Virtual keys stored in the ledger (``tokenward keys create/list/revoke``).
+"""Virtual keys stored in the state store (``tokenward keys create/list/revoke``).
 
-A key is shown once, when created; only its sha256 is stored. The proxy reloads stored keys
-every 30 seconds, so a created key works and a revoked one stops working without a restart.
+A key is shown once, when created; only its sha256 is stored. A running proxy reloads stored
+keys and revocations every 5 seconds from the state store, which no reader of the ledger can
+block: a created key works, and a revoked one (stored or from the config file) stops working,
+without a restart.
 """
 
 from __future__ import annotations
@@ -10,13 +12,19 @@ import datetime as dt
 import hashlib
 import secrets
 
-import duckdb
+from tokenward.reports.ledger.state import StateStore, StoredKey
 
-__all__ = ["create_key", "list_keys", "revoke_key", "stored_keys"]
+__all__ = ["create_key", "list_keys", "revoke_key"]
 
 
 def create_key(
-    conn: duckdb.DuckDBPyConnection, name: str, *, team: str | None, project: str | None, now: dt.datetime
+    state: StateStore,
+    name: str,
+    *,
+    team: str | None,
+    project: str | None,
+    now: dt.datetime,
+    role: str = "user",
 ) -> str:
     """Create a key named ``name`` and return it (the only time it is visible).
 
@@ -25,35 +33,22 @@ def create_key(
     """
     if not name.strip():
         raise ValueError("a key needs a name")
-    found = conn.execute("SELECT revoked_at FROM virtual_keys WHERE name = ?", [name]).fetchone()
-    if found:
-        state = "was revoked (names are not reused, so old usage stays attributable)" if found[0] else "exists"
-        raise ValueError(f"a key named {name!r} {state}; choose another name")
     key = "tw-" + secrets.token_urlsafe(32)
-    conn.execute(
-        "INSERT INTO virtual_keys VALUES (?, ?, ?, ?, ?, NULL)",
-        [name, hashlib.sha256(key.encode()).hexdigest(), team, project, now],
-    )
+    state.create_key(name, hashlib.sha256(key.encode()).hexdigest(), team=team, project=project, role=role, now=now)
     return key
 
 
-def revoke_key(conn: duckdb.DuckDBPyConnection, name: str, *, now: dt.datetime) -> bool:
-    """Revoke the key ``name``; false if there is no live key by that name."""
-    row = conn.execute(
-        "UPDATE virtual_keys SET revoked_at = ? WHERE name = ? AND revoked_at IS NULL RETURNING name", [now, name]
-    ).fetchone()
-    return row is not None
+def revoke_key(state: StateStore, name: str, *, now: dt.datetime, configured: dict[str, str] | None = None) -> bool:
+    """Revoke the stored key ``name``, or the config key ``name`` (``configured``: name -> sha256).
+
+    Returns:
+        False when there is no live key by that name.
+    """
+    if configured and name in configured:
+        return state.revoke(name, configured[name], now)
+    return state.revoke(name, None, now)
 
 
-def list_keys(
-    conn: duckdb.DuckDBPyConnection,
-) -> list[tuple[str, str | None, str | None, dt.datetime, dt.datetime | None]]:
-    """Every stored key: ``(name, team, project, created_at, revoked_at)``, oldest first."""
-    return conn.execute(
-        "SELECT name, team, project, created_at, revoked_at FROM virtual_keys ORDER BY created_at"
-    ).fetchall()
-
-
-def stored_keys(conn: duckdb.DuckDBPyConnection) -> list[tuple[str, str, str | None, str | None]]:
-    """Live stored keys as ``(name, key_sha256, team, project)`` (what the proxy accepts)."""
-    return conn.execute("SELECT name, key_sha256, team, project FROM virtual_keys WHERE revoked_at IS NULL").fetchall()
+def list_keys(state: StateStore) -> list[StoredKey]:
+    """Every stored key, oldest first."""
+    return state.keys()

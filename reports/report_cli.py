@@ -322,13 +322,14 @@ def _budget_forecasts(db: str | None, config: str | None, wait: float, now: dt.d
     """Print each configured budget's spend, limit and forecast (the forecast view's second half)."""
     from tokenward.reports.budget_check import status_of, usd
     from tokenward.reports.budgets_cli import load_sections
+    from tokenward.reports.ledger.spend import DuckSpend
 
     budgets, _ = load_sections(config)
     if not budgets:
         return
     conn = open_read_only(db, config, wait)
     try:
-        statuses = [status_of(conn, budget, now) for budget in budgets]
+        statuses = [status_of(DuckSpend(conn), budget, now) for budget in budgets]
     finally:
         conn.close()
     table = Table("budget", "scope", "period", "spent", "limit", "forecast", "forecast/limit", title="budgets")

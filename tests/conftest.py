@@ -123,16 +123,22 @@ class Proxy:
 
     def flush(self) -> None:
         """Wait until every finished exchange is in the ledger file."""
+        from tokenward.proxy import relay
+        from tokenward.reports.ledger import LedgerBusy
+
         recorder = self.app.state.recorder
         deadline = time.monotonic() + 10
-        while recorder._estimates and time.monotonic() < deadline:
-            time.sleep(0.01)
-        # the writer runs every flush_interval_s (0.05 s in tests); wait for two cycles
-        time.sleep(0.15)
-        while recorder._rows or recorder.spool.pending_files():
-            if time.monotonic() > deadline:
-                raise AssertionError("ledger rows were not written in time")
-            time.sleep(0.02)
+        time.sleep(0.05)  # a reply just received may still be finishing its relay
+        while (recorder._tasks or relay._BACKGROUND) and time.monotonic() < deadline:
+            time.sleep(0.01)  # estimates and rows of exchanges whose client is gone
+        while True:
+            try:
+                recorder.ledger.flush(recorder.wal)  # every row committed so far goes into the file
+                return
+            except LedgerBusy:
+                if time.monotonic() > deadline:
+                    raise AssertionError("ledger rows were not written in time") from None
+                time.sleep(0.02)
 
     def rows(self, expect: int | None = None, where: str = "", params: list[Any] | None = None) -> list[dict[str, Any]]:
         """Ledger rows as dicts (after :meth:`flush`); with ``expect``, wait until there are that many."""

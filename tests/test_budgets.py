@@ -16,7 +16,7 @@ from tokenward.pricing.catalog import load_catalog
 from tokenward.pricing.settings import BudgetSettings
 from tokenward.proxy.config import UpstreamConfig, VirtualKeyConfig
 from tokenward.proxy.simulator import FAULT_HEADER, RECORD_HEADER, Recording
-from tokenward.reports.ledger import Spool
+from tokenward.reports.ledger import write_rows
 
 from .test_ledger import make_row
 
@@ -97,26 +97,28 @@ def test_b35_spend_stays_until_the_window_ends(tmp_path):
     """A 30-day rolling budget's spend is what the ledger holds in the window: no reset job wipes it."""
     from tokenward.reports.budget_check import status_of
     from tokenward.reports.ledger import open_ledger
+    from tokenward.reports.ledger.spend import DuckSpend
 
     path = tmp_path / "l.duckdb"
     created = at("2026-11-29T10:00:00+00:00").timestamp()
-    Spool(path).write(
+    write_rows(
+        path,
         [
             make_row(
                 f"c{i}", started_at=created + i, ended_at=created + i, end_user="cust-0042", cost_usd=Decimal(cost)
             )
             for i, cost in enumerate(("1.00", "1.10", "1.00"))
-        ]
+        ],
     )
-    Spool(path).ingest()
     budget = BudgetSettings(
         name="cust-0042", limit_usd=20, scope={"end_user": "cust-0042"}, period="rolling", rolling_hours=720
     ).to_budget()
     conn = open_ledger(path, read_only=True)
     try:
-        assert status_of(conn, budget, at("2026-11-29T10:10:00+00:00")).spent == Decimal("3.10")
-        assert status_of(conn, budget, at("2026-12-28T09:00:00+00:00")).spent == Decimal("3.10")
-        assert status_of(conn, budget, at("2026-12-29T10:00:05+00:00")).spent == Decimal(0)
+        spend = DuckSpend(conn)
+        assert status_of(spend, budget, at("2026-11-29T10:10:00+00:00")).spent == Decimal("3.10")
+        assert status_of(spend, budget, at("2026-12-28T09:00:00+00:00")).spent == Decimal("3.10")
+        assert status_of(spend, budget, at("2026-12-29T10:00:05+00:00")).spent == Decimal(0)
     finally:
         conn.close()
 
@@ -169,8 +171,7 @@ def budget_proxy(start_proxy, simulator, budgets, *, seed_rows=(), **extra):
     factory = start_proxy
     ledger = factory.directory / f"ledger{len(factory.contexts)}.duckdb"
     if seed_rows:
-        Spool(ledger).write(list(seed_rows))
-        Spool(ledger).ingest()
+        write_rows(ledger, list(seed_rows))
     upstream = UpstreamConfig(
         name="test", base_url=f"{simulator.url}/test/v1", default=True, provider="test", api_key_env="SIM_UPSTREAM_KEY"
     )
@@ -505,8 +506,8 @@ def test_budget_config_is_validated(tmp_path):
 
 
 def test_a_model_scope_covers_its_dated_snapshots_in_the_guard_and_the_ledger(tmp_path):
-    from tokenward.reports.budget_check import spend_in
     from tokenward.reports.ledger import open_ledger
+    from tokenward.reports.ledger.spend import DuckSpend
 
     dated = Budget("dated", Decimal(1), scope=(("model", "gpt-4o-2024-08-06"),), action="block")
     plain = Budget("plain", Decimal(1), scope=(("model", "gpt-4o"),), action="block")
@@ -520,25 +521,26 @@ def test_a_model_scope_covers_its_dated_snapshots_in_the_guard_and_the_ledger(tm
         ("c", "gpt-4o-mini", "gpt-4o-mini-2024-07-18", "4"),
         ("d", "gpt-4o-2024-08-06", None, "8"),
     ]
-    Spool(path).write(
+    write_rows(
+        path,
         [
             make_row(i, requested_model=r, served_model=s, cost_usd=Decimal(c), started_at=1_780_000_000.0)
             for i, r, s, c in rows
-        ]
+        ],
     )
-    Spool(path).ingest()
     conn = open_ledger(path, read_only=True)
     window = (dt.datetime(2020, 1, 1, tzinfo=UTC), dt.datetime(2030, 1, 1, tzinfo=UTC))
     # dated: a (served as it), b (requested as gpt-4o, which the snapshot belongs to), d (requested as it)
     # plain: a, b and d (all gpt-4o); never gpt-4o-mini
-    assert (spend_in(conn, dated, *window), spend_in(conn, plain, *window)) == (Decimal(11), Decimal(11))
+    spend = DuckSpend(conn)
+    assert (spend.spend_in(dated, *window), spend.spend_in(plain, *window)) == (Decimal(11), Decimal(11))
     conn.close()
     for row_id, requested, served, _ in rows:
         attributes = {"model": (requested, served) if served else (requested,)}
         assert dated.matches(attributes) == (row_id in "abd") and plain.matches(attributes) == (row_id in "abd")
 
 
-def test_a_client_that_leaves_before_the_reply_frees_its_reservation(start_proxy, simulator):
+def test_a_client_that_leaves_before_the_reply_keeps_its_reservation_as_spend(start_proxy, simulator):
     request = long_prompt_request(10, 100)
     register(simulator, "slow", request, prompt_tokens=17, completion_tokens=100)
     # worst case (17 x 2.50 + 100 x 10.00) / 1M = $0.0010425: the budget has room for one at a time
@@ -553,5 +555,8 @@ def test_a_client_that_leaves_before_the_reply_frees_its_reservation(start_proxy
     # tokenward waited 0.3 s more for the upstream, then gave up: the provider may bill it, so no $0
     assert (left["outcome"], left["price_status"], left["cost_usd"]) == ("client_disconnected", "usage_unknown", None)
     assert left["latency_ms"] < 5000  # not the 600 s read timeout
-    ok = httpx.post(f"{proxy.url}/v1/chat/completions", json=request, headers=headers)
-    assert ok.status_code == 200  # the reservation was released with the abandoned request
+    # the provider may have billed up to the worst case: it stays counted (never a silent $0), so
+    # $0.0015 - $0.0010425 = $0.0004575 is left, too little for another worst case
+    assert left["reserved_usd"] == Decimal("0.0010425")
+    refused = httpx.post(f"{proxy.url}/v1/chat/completions", json=request, headers=headers)
+    assert refused.status_code == 429 and "$0.0004575 left" in refused.json()["error"]["message"]

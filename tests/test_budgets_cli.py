@@ -6,12 +6,12 @@ import datetime as dt
 import hashlib
 import time
 
-import duckdb
 import httpx
 from click.testing import CliRunner
 
 from tokenward.pricing.settings import BudgetSettings
 from tokenward.proxy.cli import main
+from tokenward.reports.ledger import DuckLedger
 
 from .test_alerts import cost_row, seed
 from .test_budgets import budget_proxy, long_prompt_request, register
@@ -78,9 +78,7 @@ def test_budgets_check_dry_run_claims_nothing(tmp_path):
     assert (
         "[tokenward] budget research-monthly: 85.00% of $100.00 (crossed 50%, 80%) -> lead@example.com (would send)"
     ) in output
-    conn = duckdb.connect(str(db), read_only=True)
-    assert conn.execute("SELECT count(*) FROM budget_alerts").fetchone() == (0,)
-    conn.close()
+    assert DuckLedger(db).state.claims() == []
 
 
 def test_budgets_status_needs_budgets(tmp_path):
@@ -107,7 +105,7 @@ def test_keys_created_on_the_command_line_work_in_the_running_proxy(start_proxy,
         )
 
     def reload_now() -> None:
-        # the proxy re-reads stored keys every 30 s; bring that job forward instead of waiting
+        # the proxy re-reads stored keys every 5 s; bring that job forward instead of waiting
         job = proxy.app.state.scheduler.get_job("keys")
         job.modify(next_run_time=dt.datetime.now(dt.UTC))
         time.sleep(0.5)

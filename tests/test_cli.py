@@ -25,7 +25,7 @@ from click.testing import CliRunner
 from tokenward.proxy.cli import main
 from tokenward.proxy.demo import send_recorded
 from tokenward.reports.cli import parse_when
-from tokenward.reports.ledger import Spool
+from tokenward.reports.ledger import write_rows
 
 from .test_ledger import make_row
 
@@ -119,7 +119,8 @@ def seeded(tmp_path):
     path = tmp_path / "seeded.duckdb"
     day1 = dt.datetime(2026, 11, 2, 23, 30, tzinfo=dt.UTC).timestamp()  # 2026-11-03 00:30 in Paris
     day2 = dt.datetime(2026, 11, 3, 12, 0, tzinfo=dt.UTC).timestamp()
-    Spool(path).write(
+    write_rows(
+        path,
         [
             make_row(
                 "r1",
@@ -150,9 +151,8 @@ def seeded(tmp_path):
                 cost_usd=None,
                 price_status="unpriced",
             ),
-        ]
+        ],
     )
-    Spool(path).ingest()
     return path
 
 
@@ -240,7 +240,8 @@ def test_demo_runs_offline_and_prints_the_report(tmp_path):
 def test_drift_against_the_providers_own_cost(tmp_path):
     path = tmp_path / "drift.duckdb"
     now = dt.datetime(2026, 11, 3, 12, 0, tzinfo=dt.UTC).timestamp()
-    Spool(path).write(
+    write_rows(
+        path,
         [
             make_row(
                 "o1",
@@ -258,9 +259,8 @@ def test_drift_against_the_providers_own_cost(tmp_path):
                 cost_usd=Decimal("0.001"),
                 provider_cost_usd=Decimal("0.001"),
             ),
-        ]
+        ],
     )
-    Spool(path).ingest()
     result = CliRunner().invoke(
         main, ["report", "--db", str(path), "--by", "model", "--format", "json", "--drift"], catch_exceptions=False
     )
@@ -279,13 +279,15 @@ def test_drift_against_the_providers_own_cost(tmp_path):
 def test_ledger_migrate_says_what_it_did(tmp_path):
     path = tmp_path / "new.duckdb"
     created = CliRunner().invoke(main, ["ledger", "migrate", "--db", str(path)], catch_exceptions=False)
-    assert created.output.startswith(f"created ledger {path} (4 migrations applied)")
+    from tokenward.reports.ledger import migrations
+
+    assert created.output.startswith(f"created ledger {path} ({len(migrations.MIGRATIONS)} migrations applied)")
     again = CliRunner().invoke(main, ["ledger", "migrate", "--db", str(path)], catch_exceptions=False)
     assert again.output.strip() == f"ledger {path} is up to date"
 
 
 def test_m004_fills_output_cost_from_stored_cost_lines(tmp_path, monkeypatch):
-    from tokenward.reports import migrations
+    from tokenward.reports.ledger import migrations
 
     conn = duckdb.connect(str(tmp_path / "old.duckdb"))
     monkeypatch.setattr(migrations, "MIGRATIONS", migrations.MIGRATIONS[:3])  # a ledger from before m004
@@ -297,12 +299,12 @@ def test_m004_fills_output_cost_from_stored_cost_lines(tmp_path, monkeypatch):
     ]
     for request_id, cost, stored in (("old", Decimal("0.0057"), json.dumps(lines)), ("unpriced", None, None)):
         row = make_row(request_id, cost_usd=cost, price_status="priced" if cost else "unpriced")
-        values = {k: v for k, v in row.items() if k not in ("output_cost_usd", "cache_savings_usd")}
+        values = {k: v for k, v in row.items() if k not in ("output_cost_usd", "cache_savings_usd", "reserved_usd")}
         values.update(started_at=dt.datetime.now(dt.UTC), ended_at=dt.datetime.now(dt.UTC), cost_lines=stored)
         names = ", ".join(values)
         conn.execute(f"INSERT INTO requests ({names}) VALUES ({', '.join('?' * len(values))})", list(values.values()))
     monkeypatch.undo()
-    assert migrations.migrate(conn) == ["m004_cost_breakdown"]
+    assert migrations.migrate(conn)[0] == "m004_cost_breakdown"
     rows = conn.execute("SELECT request_id, output_cost_usd FROM requests ORDER BY request_id").fetchall()
     conn.close()
     # output + reasoning lines: 0.002 + 0.0012 = 0.0032; the unpriced row stays NULL, never $0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -13,8 +14,17 @@ import duckdb
 import pytest
 
 from tokenward.pricing.usage import TOKEN_FIELDS
-from tokenward.reports import migrations
-from tokenward.reports.ledger import ROW_COLUMNS, LedgerBusy, LedgerError, Spool, open_ledger
+from tokenward.reports.ledger import (
+    ROW_COLUMNS,
+    DuckLedger,
+    LedgerBusy,
+    LedgerError,
+    WriteAheadLog,
+    migrations,
+    open_ledger,
+    write_rows,
+)
+from tokenward.reports.ledger.wal import encode_row
 
 
 def make_row(request_id: str, **overrides):
@@ -83,11 +93,26 @@ def test_read_only_open_refuses_missing_or_outdated_files(tmp_path, monkeypatch)
         open_ledger(path, read_only=True)
 
 
-def test_spooled_rows_are_inserted_exactly(tmp_path):
+def log_rows(path, rows, *, flush=True):
+    """Append ``rows`` through a real write-ahead log beside ``path``; returns the ledger and the log."""
+    ledger = DuckLedger(path)
+    wal = WriteAheadLog(ledger.spool_dir)
+
+    async def run():
+        wal.open(asyncio.get_running_loop())
+        await wal.commit([r["request_id"] for r in rows], b"".join(encode_row(r) for r in rows))
+
+    asyncio.run(run())
+    if flush:
+        ledger.flush(wal)
+    return ledger, wal
+
+
+def test_logged_rows_are_inserted_exactly(tmp_path):
     path = tmp_path / "l.duckdb"
-    spool = Spool(path)
-    spool.write([make_row("a"), make_row("b", cost_usd=None, price_status="unpriced", input_tokens=7)])
-    assert spool.ingest() == 2 and spool.pending_files() == []
+    ledger, wal = log_rows(path, [make_row("a"), make_row("b", cost_usd=None, price_status="unpriced", input_tokens=7)])
+    assert wal.closed_rows() == []  # moved into the ledger, then removed
+    wal.close()
     conn = open_ledger(path, read_only=True)
     rows = conn.execute(
         "SELECT request_id, cost_usd, input_tokens, started_at, cost_lines, raw_usage FROM requests ORDER BY request_id"
@@ -98,6 +123,22 @@ def test_spooled_rows_are_inserted_exactly(tmp_path):
     assert json.loads(rows[0][4])[0]["rate"] == "0.15" and json.loads(rows[0][5]) == {"prompt_tokens": 3}
 
 
+def test_one_bad_value_costs_only_its_own_row(tmp_path):
+    path = tmp_path / "l.duckdb"
+    rows = [make_row(f"r{i}", input_tokens=i) for i in range(31)]
+    rows[17]["input_tokens"] = 10**19  # beyond BIGINT: DuckDB refuses this one line
+    rows[23]["output_tokens"] = "many"  # not a number at all
+    ledger, wal = log_rows(path, rows)
+    wal.close()
+    conn = open_ledger(path, read_only=True)
+    kept = {r[0] for r in conn.execute("SELECT request_id FROM requests").fetchall()}
+    conn.close()
+    assert kept == {f"r{i}" for i in range(31)} - {"r17", "r23"}
+    quarantined = [json.loads(line) for line in ledger.quarantine.read_text().splitlines()]
+    assert sorted(json.loads(q["line"])["request_id"] for q in quarantined) == ["r17", "r23"]
+    assert wal.closed_rows() == []
+
+
 HOLDER = """
 import duckdb, sys, time
 conn = duckdb.connect(sys.argv[1], read_only=True)
@@ -106,19 +147,19 @@ time.sleep(float(sys.argv[2]))
 """
 
 
-def test_busy_file_keeps_rows_spooled_until_free(tmp_path):
+def test_busy_file_keeps_rows_in_the_log_until_free(tmp_path):
     path = tmp_path / "l.duckdb"
     open_ledger(path).close()
-    spool = Spool(path)
     with subprocess.Popen(
         [sys.executable, "-c", HOLDER, str(path), "1.5"], stdout=subprocess.PIPE, text=True
     ) as holder:
         assert holder.stdout.readline().strip() == "holding"
-        spool.write([make_row("x")])
+        ledger, wal = log_rows(path, [make_row("x")], flush=False)
         with pytest.raises(LedgerBusy):
-            spool.ingest()
-        assert len(spool.pending_files()) == 1  # waiting on disk, not lost
-    assert spool.ingest() == 1
+            ledger.flush(wal)
+        assert len(wal.closed_rows()) == 1  # waiting on disk, not lost
+    assert ledger.flush(wal) == 1
+    wal.close()
     conn = open_ledger(path, read_only=True)
     assert conn.execute("SELECT count(*) FROM requests").fetchone() == (1,)
     conn.close()
@@ -138,20 +179,17 @@ def test_read_only_open_waits_for_a_writer(tmp_path):
         conn.close()
 
 
-def test_recovery_skips_rows_already_committed(tmp_path):
+def test_files_of_the_earlier_spool_format_are_recovered_once(tmp_path):
     path = tmp_path / "l.duckdb"
-    dead_pid = 2**22 + 12345  # beyond pid_max on this machine: no such process
+    write_rows(path, [make_row("committed")])
     spool_dir = tmp_path / "l.duckdb.spool"
-    spool_dir.mkdir()
-    Spool(path).write([make_row("committed")])
-    Spool(path).ingest()
-    lines = b"".join(json.dumps(make_row(r), default=str).encode() + b"\n" for r in ("committed", "lost"))
-    (spool_dir / f"{time.time_ns()}-{dead_pid}-1.jsonl").write_bytes(lines)
-    spool = Spool(path)
-    assert spool.pending_files() == []  # another process's file is not taken while running...
-    assert spool.ingest(recover=True) == 1  # ...but recovered at start, without duplicating
+    lines = b"".join(json.dumps(make_row(r), default=str).encode() + b"\n" for r in ("committed", "lost", "half"))
+    # a live process's PID (ours) no longer matters: the writer lock does
+    (spool_dir / f"{time.time_ns()}-{os.getpid()}-1.jsonl").write_bytes(lines[: lines.rindex(b'{"request_id": "half"')])
+    (spool_dir / f"{time.time_ns()}-{os.getpid()}-2.part").write_bytes(lines[lines.rindex(b'{"request_id": "half"') :])
+    assert DuckLedger(path).flush() == 2  # "lost" and the .part file's "half"; "committed" is not doubled
     conn = open_ledger(path, read_only=True)
-    assert sorted(r[0] for r in conn.execute("SELECT request_id FROM requests").fetchall()) == ["committed", "lost"]
+    ids = sorted(r[0] for r in conn.execute("SELECT request_id FROM requests").fetchall())
     conn.close()
-    assert not any(spool_dir.iterdir())
-    assert os.path.exists(path)
+    assert ids == ["committed", "half", "lost"]
+    assert [p.name for p in spool_dir.iterdir()] == []

@@ -19,7 +19,7 @@ from tokenward.pricing.usage import Usage
 from tokenward.proxy.cli import main
 from tokenward.proxy.config import UpstreamConfig
 from tokenward.proxy.scheduler import refresh_prices
-from tokenward.reports.ledger import Spool, open_ledger
+from tokenward.reports.ledger import open_ledger, write_rows
 
 from .test_ledger import make_row
 
@@ -143,7 +143,8 @@ def history(tmp_path):
     ledger = tmp_path / "ledger.duckdb"
     old = dt.datetime(2026, 11, 1, 12, 0, tzinfo=dt.UTC).timestamp()
     new = dt.datetime(2026, 11, 20, 12, 0, tzinfo=dt.UTC).timestamp()
-    Spool(ledger).write(
+    write_rows(
+        ledger,
         [
             make_row(
                 "priced-old",
@@ -186,9 +187,8 @@ def history(tmp_path):
                 price_status="unpriced",
                 cost_lines=None,
             ),
-        ]
+        ],
     )
-    Spool(ledger).ingest()
     prices = tmp_path / "prices.yaml"
     config = tmp_path / "config.yaml"
     config.write_text(

@@ -106,20 +106,32 @@ async def test_recorder_records_once_and_flushes_on_stop(tmp_path, catalog):
     assert rows == [(ex.request_id, 1, "reported"), (late.request_id, 4, "estimated")]
 
 
-async def test_writer_survives_a_failing_spool_and_keeps_the_rows(tmp_path, catalog, caplog):
+async def test_a_full_disk_delays_rows_but_loses_none(tmp_path, catalog, caplog, monkeypatch):
+    import errno
+
+    from tokenward.reports.ledger import wal as wal_module
+
     path = tmp_path / "l.duckdb"
     recorder = Recorder(catalog, str(path), flush_interval_s=0.01)
     await recorder.start()
-    spool = recorder.spool.directory
-    spool.rmdir()
-    spool.write_text("not a directory")  # the spool can no longer be written
+    real = wal_module._write_all
+    failures = []
+
+    def full_disk(fd, data):
+        if len(failures) < 3:
+            failures.append(fd)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(fd, data)
+
+    monkeypatch.setattr(wal_module, "_write_all", full_disk)
     ex = make_exchange(requested_model="gpt-4o", usage=Usage(input_tokens=1, output_tokens=1))
-    recorder.finish(ex)
-    await asyncio.sleep(0.1)
-    assert recorder._task is not None and not recorder._task.done()  # the writer is still alive
-    assert len(recorder._rows) == 1 and "cannot write ledger rows" in caplog.text
-    spool.unlink()
-    await asyncio.sleep(0.1)
+    await asyncio.wait_for(recorder.commit(ex), 5)  # the caller is told (and goes on), the row is kept
+    assert "No space left on device" in caplog.text
+    for _ in range(100):
+        if recorder.wal.failing is None and len(failures) == 3:
+            break
+        await asyncio.sleep(0.05)
+    assert recorder.wal.failing is None  # written once the disk had room again
     await recorder.stop()
     conn = open_ledger(path, read_only=True)
     assert conn.execute("SELECT request_id FROM requests").fetchall() == [(ex.request_id,)]

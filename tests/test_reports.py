@@ -34,7 +34,7 @@ from click.testing import CliRunner
 
 from tokenward.proxy.cli import main
 from tokenward.reports import views
-from tokenward.reports.ledger import Spool
+from tokenward.reports.ledger import write_rows
 
 from .test_ledger import make_row
 
@@ -201,8 +201,7 @@ def ledger(tmp_path: Path) -> Path:
             cache_savings_usd=D(0),
         ),
     ]
-    Spool(path).write(rows)
-    Spool(path).ingest()
+    write_rows(path, rows)
     return path
 
 
@@ -570,30 +569,30 @@ def test_cache_savings_and_output_cost_per_row():
 def test_the_hour_repeated_when_summer_time_ends_stays_two_hours(tmp_path):
     path = tmp_path / "dst.duckdb"
     # 2026-10-25 in Paris: 02:00-03:00 happens twice, first at +02:00 (00:00Z), then at +01:00 (01:00Z)
-    Spool(path).write(
+    write_rows(
+        path,
         [
             row(f"r{i}", when, "k", "t", "gpt-4o", "1")
             for i, when in enumerate(
                 ["2026-10-25T00:10:00+00:00", "2026-10-25T00:50:00+00:00", "2026-10-25T01:10:00+00:00"]
             )
-        ]
+        ],
     )
-    Spool(path).ingest()
     hours = report(path, "--tz", "Europe/Paris", "--by", "hour")
     assert [(r["hour"], r["requests"]) for r in hours] == [("2026-10-25T02:00+02:00", 2), ("2026-10-25T02:00+01:00", 1)]
 
 
 def test_filters_match_snapshots_and_untagged_rows(ledger, tmp_path):
     path = tmp_path / "snap.duckdb"
-    Spool(path).write(
+    write_rows(
+        path,
         [
             row("s", "2026-11-02T09:00:00+00:00", "k", "t", "gpt-4o-2024-08-06", "1", requested_model="gpt-4o"),
             row(
                 "m", "2026-11-02T09:00:00+00:00", "k", "t", "gpt-4o-mini-2024-07-18", "2", requested_model="gpt-4o-mini"
             ),
-        ]
+        ],
     )
-    Spool(path).ingest()
     # a request for gpt-4o served as gpt-4o-2024-08-06 is kept by either name, never by gpt-4o-mini's
     assert [r["requests"] for r in report(path, "--by", "model", "--where", "model=gpt-4o")] == [1]
     assert [r["model"] for r in report(path, "--by", "model", "--where", "model=gpt-4o-2024-08-06")] == [
@@ -645,8 +644,7 @@ def test_wide_tables_are_never_cut():
 
 def test_markdown_shows_html_as_text(tmp_path):
     path = tmp_path / "md.duckdb"
-    Spool(path).write([row("x", "2026-11-02T09:00:00+00:00", '<img src="http://x/y.png">', "t", "gpt-4o", "1")])
-    Spool(path).ingest()
+    write_rows(path, [row("x", "2026-11-02T09:00:00+00:00", '<img src="http://x/y.png">', "t", "gpt-4o", "1")])
     text = (
         CliRunner()
         .invoke(main, ["report", "--db", str(path), "--by", "key", "--format", "markdown"], catch_exceptions=False)

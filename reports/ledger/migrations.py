@@ -1,4 +1,4 @@
-"""Versioned schema migrations for the DuckDB ledger.
+"""Versioned schema migrations for the DuckDB ledger (the ``requests`` table and its history).
 
 Each migration is a function ``mNNN_what(conn)`` registered with :func:`migration`, applied
 once in registration order; applied names are kept in ``_migrations``. Never edit a migration
@@ -208,3 +208,15 @@ def m004_cost_breakdown(conn: duckdb.DuckDBPyConnection) -> None:
         WHERE cost_usd IS NOT NULL AND cost_lines IS NOT NULL
         """
     )
+
+
+@migration
+def m005_reserved(conn: duckdb.DuckDBPyConnection) -> None:
+    """What a blocking budget held for each request (USD), so that spend survives a crash.
+
+    ``reserved_usd`` is the worst case reserved before forwarding; NULL when no blocking budget
+    was in scope. A ``usage_unknown`` row (the request may have been billed, no reply or usage
+    came back: a crash, a client gone before the reply) counts it against its budgets until it
+    is reconciled.
+    """
+    conn.execute("ALTER TABLE requests ADD COLUMN reserved_usd DECIMAL(38, 12)")

@@ -1,0 +1,97 @@
+"""What the proxy does once before serving: one proxy per DuckDB ledger, old state moved, books opened.
+
+* :func:`single_proxy_lock`: with blocking budgets, the budget books live in one proxy's memory,
+  so a second proxy on the same DuckDB ledger would enforce every limit a second time; it
+  refuses to start (field case: two proxies overshot a hard budget by 90 %).
+* :func:`import_legacy_state`: keys and alert claims an earlier version kept in the DuckDB
+  file move to the state store once.
+* :func:`load_books`: the budget books start from the ledger plus every row still in the
+  write-ahead log (what a crash left: rows, and the reservation of each request that was at the
+  upstream), so a hard limit holds across kill -9 and restart.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import fcntl
+import logging
+import os
+import time
+from functools import partial
+from typing import IO, Any
+
+from tokenward.proxy.guard import BudgetGuard
+from tokenward.reports.ledger import DuckLedger, LedgerBusy, LedgerError, WriteAheadLog
+from tokenward.reports.ledger.legacy import import_legacy_state as _import
+from tokenward.reports.ledger.spend import DuckSpend
+
+__all__ = ["StartupError", "import_legacy_state", "load_books", "single_proxy_lock"]
+
+log = logging.getLogger("tokenward.proxy")
+
+
+class StartupError(RuntimeError):
+    """The proxy must not start (the message says why and what to do)."""
+
+
+def single_proxy_lock(ledger: DuckLedger) -> IO[str]:
+    """Hold ``<ledger>.proxy.lock`` for as long as the returned file stays open.
+
+    Raises:
+        StartupError: another proxy holds it.
+    """
+    path = ledger.path + ".proxy.lock"
+    handle = open(path, "a+", encoding="utf-8")  # noqa: SIM115 - held for the proxy's lifetime
+    try:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise StartupError(
+            f"another tokenward proxy ({holder}) serves the ledger {ledger.path} with blocking budgets. "
+            "Their books are kept in that process, so a second proxy would enforce every hard limit again "
+            "(and overshoot it): run one proxy per DuckDB ledger, or give all replicas a shared Postgres "
+            "ledger (ledger.url)."
+        ) from None
+    handle.truncate(0)
+    handle.write(f"pid {os.getpid()}\n")
+    handle.flush()
+    return handle
+
+
+def import_legacy_state(ledger: DuckLedger) -> None:
+    """Move keys and alert claims from an earlier version's DuckDB tables into the state store (once)."""
+    try:
+        copied = ledger.session(lambda conn: _import(conn, ledger.state), read_only=True)
+    except LedgerError as exc:
+        log.debug("earlier state not imported this time: %s", exc)
+        return
+    if copied:
+        log.info("moved %d keys, alert claims and deliveries into %s", copied, ledger.state.path)
+
+
+def load_books(ledger: DuckLedger, guard: BudgetGuard, wal: WriteAheadLog, wait_s: float = 30.0) -> None:
+    """Open the budget books from the ledger (read-only) plus the rows not yet moved into it.
+
+    Raises:
+        LedgerError: the ledger could not be read within ``wait_s`` seconds (another process kept
+            writing it): serving without the books would let hard limits be overshot.
+    """
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            unflushed = ledger.unflushed_rows(wal)
+            now = dt.datetime.now(dt.UTC)
+            ledger.session(partial(_load, guard, now, unflushed), read_only=True)
+            if unflushed:
+                log.info("budget books count %d rows not yet in the ledger", len(unflushed))
+            return
+        except LedgerBusy:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def _load(guard: BudgetGuard, now: dt.datetime, unflushed: list[dict[str, Any]], conn: Any) -> None:
+    guard.load(DuckSpend(conn), now, unflushed)
