@@ -157,7 +157,6 @@ class Forwarder:
     async def metered(self, request: Request[Any, Any, Any], endpoint: Endpoint) -> Relay:
         """Forward a metered request; the returned relay meters and records the reply."""
         ex = Exchange(endpoint=endpoint.name, method="POST", path=request.scope["path"])
-        self.recorder.admit(ex)
         watch: list[DisconnectWatch] = []
         try:
             return await self._metered(request, endpoint, ex, watch)
@@ -168,9 +167,9 @@ class Forwarder:
         """Forward any other ``/v1`` request as is (body streamed both ways); it is recorded unmetered."""
         scope = request.scope
         ex = Exchange(endpoint="passthrough", method=scope["method"], path=scope["path"])
-        self.recorder.admit(ex)
         try:
             inbound = self._inbound(scope, ex, keep_length=True)
+            self.recorder.admit(ex)
             route = self.router.pick(None, inbound.upstream)
             self._attach(ex, route, inbound)
             has_body = any(name in (b"content-length", b"transfer-encoding") for name, _ in scope["headers"])
@@ -193,6 +192,7 @@ class Forwarder:
     ) -> Relay:
         scope = request.scope
         inbound = self._inbound(scope, ex, keep_length=False)
+        self.recorder.admit(ex)  # from here on, a crash leaves this request a row
         body = await request.body()
         if not body.strip():
             raise ProxyError(400, "The request body is empty: send a JSON object.", "invalid_json")
