@@ -84,7 +84,7 @@ def create_app(
         client = HttpxUpstream(upstream_transport)
     else:
         client = AiohttpUpstream()
-    auth = Authenticator(config.auth.mode, config.virtual_keys)
+    auth = Authenticator(config.auth, config.virtual_keys)
     if config.auth.mode == "virtual_keys" and not config.virtual_keys:
         log.warning("auth mode virtual_keys, no keys in the config: only keys from `tokenward keys create` work")
     forwarder = Forwarder(

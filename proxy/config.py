@@ -18,9 +18,12 @@ import yaml
 from tokenward.pricing.budgets import Budget
 from tokenward.pricing.catalog import load_exact_yaml
 from tokenward.pricing.settings import BudgetSettings, GuardSettings, PricingSettings, UnpricedPolicy
+from tokenward.proxy.edge import FREE_ENDPOINTS, UnmeteredPolicy, parse_base
 from tokenward.reports.alerts import AlertSettings
 
 __all__ = [
+    "AttributionRule",
+    "AttributionSettings",
     "AuthConfig",
     "Config",
     "ConfigError",
@@ -72,21 +75,74 @@ class LedgerConfig(_Section):
             raise ValueError("flush_interval_s must be > 0 - at `$.ledger.flush_interval_s`")
 
 
+class AttributionRule(_Section):
+    """How one attribution field (``end_user``, ``tags`` or ``session``) is taken from a request.
+
+    None of ``pinned``, ``allow``, ``prefix``: the client's value, as sent. ``pinned``: this value
+    whatever the client sends (for ``tags``, a list). ``allow``: the client's value must be one of
+    these (for ``tags``: every tag). ``prefix``: the client's value (every tag) must start with
+    it. A value that breaks ``allow`` or ``prefix`` is refused with 403 ``attribution_refused``;
+    ``required``: a request without a value is refused too.
+    """
+
+    pinned: str | list[str] | None = None
+    allow: list[str] | None = None
+    prefix: Annotated[str, msgspec.Meta(min_length=1)] | None = None
+    required: bool = False
+
+    def __post_init__(self) -> None:
+        if sum(x is not None for x in (self.pinned, self.allow, self.prefix)) > 1:
+            raise ValueError("give at most one of pinned, allow and prefix")
+        if self.required and self.pinned is not None:
+            raise ValueError("required means nothing with pinned (the pinned value is always there)")
+
+
+class AttributionSettings(_Section):
+    """Attribution rules per field (``None``: take the client's value; per key: the global rule)."""
+
+    end_user: AttributionRule | None = None
+    tags: AttributionRule | None = None
+    session: AttributionRule | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("end_user", "session"):
+            rule = getattr(self, name)
+            if rule is not None and isinstance(rule.pinned, list):
+                raise ValueError(f"{name}.pinned is one value, not a list")
+
+
+def _check_unmetered(entries: list[str] | None) -> None:
+    if entries is not None:
+        UnmeteredPolicy(entries)  # raises ValueError naming the bad entry
+
+
 class AuthConfig(_Section):
-    """How clients authenticate.
+    """How clients authenticate, which unmetered endpoints they may use, and what they may claim.
 
     ``virtual_keys``: clients present a tokenward key from ``virtual_keys``; ``passthrough``: the
     client's own provider key goes upstream and usage is attributed to its fingerprint.
+    ``allow_unmetered`` (``virtual_keys`` mode only): endpoints tokenward does not meter that may
+    still pass, as ``[METHOD ]pattern`` globs over the path below ``/v1`` (see
+    :class:`~tokenward.proxy.edge.UnmeteredPolicy`); everything else unmetered is refused with 403.
+    Default: the free endpoints, :data:`~tokenward.proxy.edge.FREE_ENDPOINTS`. ``attribution``:
+    the default rules for ``end_user``, ``tags`` and ``session`` (:class:`AttributionRule`).
     """
 
     mode: Literal["passthrough", "virtual_keys"] = "passthrough"
+    allow_unmetered: list[str] = msgspec.field(default_factory=lambda: list(FREE_ENDPOINTS))
+    attribution: AttributionSettings = msgspec.field(default_factory=AttributionSettings)
+
+    def __post_init__(self) -> None:
+        _check_unmetered(self.allow_unmetered)
 
 
 class VirtualKeyConfig(_Section):
     """A tokenward key: give ``key`` (the secret itself) or, better, ``key_sha256`` (its hex sha256).
 
     ``team`` and ``project`` attribute its usage (budgets and reports group by them). Keys can
-    also be created with ``tokenward keys create`` (stored hashed in the ledger).
+    also be created with ``tokenward keys create`` (stored hashed in the ledger; they follow the
+    global ``auth`` settings). ``allow_unmetered`` replaces ``auth.allow_unmetered`` for this key;
+    each field of ``attribution`` set here replaces the global rule for that field.
     """
 
     name: Annotated[str, msgspec.Meta(min_length=1)]
@@ -94,26 +150,42 @@ class VirtualKeyConfig(_Section):
     key_sha256: Annotated[str, msgspec.Meta(pattern="^[0-9a-fA-F]{64}$")] | None = None
     team: str | None = None
     project: str | None = None
+    allow_unmetered: list[str] | None = None
+    attribution: AttributionSettings | None = None
+
+    def __post_init__(self) -> None:
+        _check_unmetered(self.allow_unmetered)
+
+
+_USAGE_UNASKED = frozenset({"groq", "mistral"})
 
 
 class UpstreamConfig(_Section):
     """One provider endpoint.
 
-    ``base_url`` is the provider's OpenAI-style base (``https://api.openai.com/v1``); a client
-    request to ``/v1/<path>`` goes to ``<base_url>/<path>``. ``models`` are glob patterns of the
-    model names routed here; the ``default`` upstream takes everything else. The API key is read
+    ``base_url`` is the provider's OpenAI-style base (``https://api.openai.com/v1``), parsed once
+    into scheme, host, port and path (no user, query or fragment); a client request to
+    ``/v1/<path>`` goes to ``<base_url>/<path>``, built from those parts. ``models`` are glob
+    patterns of the model names routed here; the ``default`` upstream (one per dialect) takes
+    everything else. The API key is read
     from the environment variable ``api_key_env`` and sent as ``<api_key_header>:
     <api_key_prefix><key>``. ``provider`` names the price catalog's provider (default: ``name``).
     Timeouts are in seconds; ``read_timeout_s`` bounds each wait for reply bytes.
     ``stream_usage``: ``ask`` (OpenAI's behaviour: streams carry usage only when
     ``stream_options.include_usage`` is set, so tokenward sets it and hides what it added from
     clients that had not asked) or ``always`` (the upstream reports stream usage unasked:
-    tokenward changes neither the request nor the stream).
+    tokenward changes neither the request nor the stream). Default: ``always`` for providers seen to
+    report usage unasked on the finishing chunk (``groq``, ``mistral``: recorded streams in
+    ``shared/fixtures/recorded``), ``ask`` otherwise; under ``ask`` tokenward removes every usage
+    member it made the upstream add, also from a chunk that carries choices.
     ``retries``: how many times tokenward itself retries a request whose body it holds, before any
     reply byte reached the client, when the connection fails or the upstream answers one of
     ``retry_statuses`` (backoff ``retry_backoff_s`` doubling, or the reply's ``Retry-After`` up to
     30 s). Off by default: client SDKs retry on their own. ``unpriced`` overrides the pricing
-    section's policy for requests to a model with no price.
+    section's policy for requests to a model with no price. ``dialect``: the API the upstream
+    speaks, ``openai`` or ``anthropic`` (default: ``anthropic`` when the name, the provider or the
+    base URL's host says so, else ``openai``); Anthropic requests (``/v1/messages...``, or any
+    request with ``anthropic-version``) go to an Anthropic upstream when one is configured.
     """
 
     name: str
@@ -126,11 +198,28 @@ class UpstreamConfig(_Section):
     default: bool = False
     connect_timeout_s: float = 10.0
     read_timeout_s: float = 600.0
-    stream_usage: Literal["ask", "always"] = "ask"
+    stream_usage: Literal["ask", "always"] | None = None
     unpriced: UnpricedPolicy | None = None
     retries: int = 0
     retry_statuses: list[int] = msgspec.field(default_factory=lambda: [429, 500, 502, 503, 504])
     retry_backoff_s: float = 0.5
+    dialect: Literal["openai", "anthropic"] | None = None
+
+    @property
+    def api_dialect(self) -> str:
+        """The API dialect this upstream speaks (``dialect``, else inferred from name, provider, host)."""
+        if self.dialect is not None:
+            return self.dialect
+        host = (urlsplit(self.base_url).hostname or "").lower()
+        named = f"{self.name} {self.provider or ''}".lower()
+        return "anthropic" if "anthropic" in named or host.endswith("anthropic.com") else "openai"
+
+    @property
+    def stream_usage_mode(self) -> str:
+        """``stream_usage``, or its default for this upstream's provider (``always`` for groq, mistral)."""
+        if self.stream_usage is not None:
+            return self.stream_usage
+        return "always" if self.catalog_provider in _USAGE_UNASKED else "ask"
 
     @property
     def catalog_provider(self) -> str:
@@ -169,8 +258,13 @@ class Config(_Section):
             parts = urlsplit(upstream.base_url)
             if parts.scheme not in ("http", "https") or not parts.netloc:
                 raise ValueError(f"base_url must be an http(s) URL - at `$.upstreams[{i}].base_url`")
-        if sum(u.default for u in self.upstreams) > 1:
-            raise ValueError("at most one upstream can be the default - at `$.upstreams`")
+            try:
+                parse_base(upstream.base_url)
+            except ValueError as exc:
+                raise ValueError(f"{exc} - at `$.upstreams[{i}].base_url`") from exc
+        for dialect in {u.api_dialect for u in self.upstreams}:
+            if sum(u.default for u in self.upstreams if u.api_dialect == dialect) > 1:
+                raise ValueError(f"at most one {dialect} upstream can be the default - at `$.upstreams`")
         key_names = [k.name for k in self.virtual_keys]
         for i, key in enumerate(self.virtual_keys):
             if (key.key is None) == (key.key_sha256 is None):

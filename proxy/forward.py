@@ -1,11 +1,14 @@
 """Where a request's bytes go: client -> tokenward -> upstream (the way back is ``relay.py``).
 
-:meth:`Forwarder.metered` handles the metered endpoints (``/v1/chat/completions``,
-``/v1/completions``, ``/v1/embeddings``, ``/v1/responses``, ``/v1/messages``);
-:meth:`Forwarder.passthrough` forwards every other ``/v1`` request untouched. Both read who is
-calling, pick the upstream, send the request there (retrying as configured) and return a
+:meth:`Forwarder.handle` checks the request line once (:func:`tokenward.proxy.edge.target`) and
+routes on exactly the path that will be sent: :meth:`Forwarder.metered` handles the metered
+endpoints (:data:`~tokenward.proxy.edge.METERED_ENDPOINTS`), :meth:`Forwarder.passthrough`
+forwards every other ``/v1`` request untouched (in ``virtual_keys`` mode only the endpoints the
+caller's ``allow_unmetered`` lets pass). Both read who is calling, pick the upstream, send the
+request to the URL built from its parsed base (retrying as configured) and return a
 :class:`~tokenward.proxy.relay.Relay` for the reply. For streamed chat/completions requests
-tokenward asks the upstream for usage (``stream_options.include_usage``) when the client did not.
+tokenward asks the upstream for usage (``stream_options.include_usage``, spliced into the body)
+when the client did not, and then asks for an uncompressed reply, since it edits the stream.
 
 Every path ends the :class:`~tokenward.proxy.exchange.Exchange` once and hands it to the
 recorder once, including refusals, upstream failures and client disconnects.
@@ -35,48 +38,34 @@ from tokenward.pricing.usage import UsageSource
 from tokenward.proxy import tokenizer
 from tokenward.proxy.bounds import Unmetered, scan
 from tokenward.proxy.config import UpstreamConfig
+from tokenward.proxy.edge import METERED_ENDPOINTS, EdgeError, Endpoint, Target, request_dialect, target
 from tokenward.proxy.errors import ProxyError
 from tokenward.proxy.exchange import Exchange, Outcome
 from tokenward.proxy.guard import BudgetGuard, BudgetRefusal
-from tokenward.proxy.keys import AUTH_HEADERS, Authenticator, presented_key
+from tokenward.proxy.keys import AUTH_HEADERS, Authenticator, Identity, presented_key, upstream_credential
 from tokenward.proxy.metering import Meter, count_input, estimate
 from tokenward.proxy.recorder import Recorder
 from tokenward.proxy.relay import HOP_BY_HOP, DisconnectWatch, Relay, header
 from tokenward.proxy.routing import Route, Router
+from tokenward.proxy.splice import find_member, set_member
 from tokenward.proxy.upstream import UpstreamClient, UpstreamError, UpstreamReply
 
 __all__ = ["METERED_ENDPOINTS", "Endpoint", "Forwarder"]
 
 log = logging.getLogger("tokenward.proxy")
 
-
-@dataclass(frozen=True, slots=True)
-class Endpoint:
-    """A metered endpoint: its ledger name, its dialect, and whether streams need usage asked for."""
-
-    name: str
-    dialect: str
-    asks_stream_usage: bool
-
-
-METERED_ENDPOINTS = {
-    "chat/completions": Endpoint("chat_completions", "openai", True),
-    "completions": Endpoint("completions", "openai", True),
-    "embeddings": Endpoint("embeddings", "openai", False),
-    "responses": Endpoint("responses", "openai", False),
-    "messages": Endpoint("anthropic_messages", "anthropic", False),
-}
-"""Metered endpoints by path below ``/v1``."""
-
 _NOT_FORWARDED = HOP_BY_HOP | {b"host", b"content-length"}
 _UPSTREAM_HEADER = b"x-tokenward-upstream"
 _TAGS_HEADER = b"x-tokenward-tags"
 _SESSION_HEADER = b"x-tokenward-session"
 _USER_HEADER = b"x-tokenward-user"
+_ANTHROPIC_HEADERS = frozenset({b"anthropic-version", b"anthropic-beta"})
 _INCLUDE_USAGE = b'"stream_options":{"include_usage":true}'
 _OUTCOME_BY_CODE = {
     "model_not_priced": Outcome.REJECTED,
     "budget_exceeded": Outcome.REJECTED,
+    "endpoint_not_allowed": Outcome.REJECTED,
+    "attribution_refused": Outcome.REJECTED,
     "client_disconnected": Outcome.CLIENT_DISCONNECTED,
 }
 _OUTCOME_BY_STATUS = {
@@ -115,6 +104,9 @@ class _Inbound:
     key: str | None = None
     client_request_id: str | None = None
     upstream: str | None = None
+    identity: Identity | None = None
+    anthropic: bool = False
+    """The request carries Anthropic's headers (``anthropic-version``/``-beta``, or ``x-api-key``)."""
 
 
 class Forwarder:
@@ -154,28 +146,59 @@ class Forwarder:
         self.guard = guard
         self.guard_settings = guard_settings or GuardSettings()
 
-    async def metered(self, request: Request[Any, Any, Any], endpoint: Endpoint) -> Relay:
-        """Forward a metered request; the returned relay meters and records the reply."""
-        ex = Exchange(endpoint=endpoint.name, method="POST", path=request.scope["path"])
+    async def handle(self, request: Request[Any, Any, Any]) -> Relay:
+        """Route one request on its checked raw path (every method, every path but tokenward's own).
+
+        A path :func:`~tokenward.proxy.edge.target` refuses gets 400 ``invalid_path``, one outside
+        ``/v1/`` a 404; ``POST`` to a metered endpoint goes to :meth:`metered`, anything else to
+        :meth:`passthrough`. Each of these is recorded.
+        """
+        scope = request.scope
+        raw: bytes = scope.get("raw_path") or scope["path"].encode()
+        try:
+            found = target(raw, scope["method"], scope["query_string"])
+        except EdgeError as exc:
+            shown = raw[:1000].decode("ascii", "backslashreplace")
+            ex = Exchange(endpoint="unknown", method=scope["method"], path=shown)
+            return self._refuse(ex, ProxyError(exc.status, exc.message, exc.code))
+        if found is None:
+            return self.not_found(request)
+        if found.endpoint is not None:
+            return await self.metered(request, found)
+        return await self.passthrough(request, found)
+
+    async def metered(self, request: Request[Any, Any, Any], found: Target) -> Relay:
+        """Forward a request to a metered endpoint; the returned relay meters and records the reply."""
+        assert found.endpoint is not None
+        ex = Exchange(endpoint=found.endpoint.name, method="POST", path=found.path)
         watch: list[DisconnectWatch] = []
         try:
-            return await self._metered(request, endpoint, ex, watch)
+            return await self._metered(request, found, found.endpoint, ex, watch)
         except BaseException as exc:
             return self._refuse(ex, exc, watch[0] if watch else None)
 
-    async def passthrough(self, request: Request[Any, Any, Any]) -> Relay:
-        """Forward any other ``/v1`` request as is (body streamed both ways); it is recorded unmetered."""
+    async def passthrough(self, request: Request[Any, Any, Any], found: Target) -> Relay:
+        """Forward any other ``/v1`` request as is (body streamed both ways); it is recorded unmetered.
+
+        In ``virtual_keys`` mode it must be allowed by the caller's ``allow_unmetered`` (else 403
+        ``endpoint_not_allowed``). It goes to an upstream of the request's dialect
+        (:func:`~tokenward.proxy.edge.request_dialect`).
+        """
         scope = request.scope
-        ex = Exchange(endpoint="passthrough", method=scope["method"], path=scope["path"])
+        ex = Exchange(endpoint="passthrough", method=scope["method"], path=found.path)
         try:
             inbound = self._inbound(scope, ex, keep_length=True)
+            assert inbound.identity is not None
+            if not self.auth.passthrough and not inbound.identity.unmetered.allows(found.method, found.tail):
+                raise _not_allowed(found, inbound.identity)
             self.recorder.admit(ex)
-            route = self.router.pick(None, inbound.upstream)
+            _settle_attribution(ex, inbound.identity)
+            route = self.router.pick(None, inbound.upstream, request_dialect(found.tail, inbound.anthropic))
             self._attach(ex, route, inbound)
             has_body = any(name in (b"content-length", b"transfer-encoding") for name, _ in scope["headers"])
             content = request.stream() if has_body else None
             await self.recorder.forwarding(ex)
-            reply = await self._send(route, scope, inbound.headers, content, ex)
+            reply = await self._send(route, found, inbound.headers, content, ex)
             return Relay(ex, reply, self.complete, drain_timeout_s=self.drain_timeout_s)
         except BaseException as exc:
             return self._refuse(ex, exc)
@@ -183,12 +206,19 @@ class Forwarder:
     def not_found(self, request: Request[Any, Any, Any]) -> Relay:
         """Refuse a request outside the API with a 404 (recorded like every other request)."""
         scope = request.scope
-        ex = Exchange(endpoint="unknown", method=scope["method"], path=scope["path"])
-        message = f"Unknown path {scope['path']}: the OpenAI-compatible API is under /v1."
+        raw: bytes = scope.get("raw_path") or scope["path"].encode()
+        path = raw[:1000].decode("ascii", "backslashreplace")
+        ex = Exchange(endpoint="unknown", method=scope["method"], path=path)
+        message = f"Unknown path {path}: the OpenAI-compatible API is under /v1."
         return self._refuse(ex, ProxyError(404, message, "not_found"))
 
     async def _metered(
-        self, request: Request[Any, Any, Any], endpoint: Endpoint, ex: Exchange, watch: list[DisconnectWatch]
+        self,
+        request: Request[Any, Any, Any],
+        found: Target,
+        endpoint: Endpoint,
+        ex: Exchange,
+        watch: list[DisconnectWatch],
     ) -> Relay:
         scope = request.scope
         inbound = self._inbound(scope, ex, keep_length=False)
@@ -209,21 +239,26 @@ class Forwarder:
             if user is None and isinstance(head.metadata, dict):  # Anthropic: metadata.user_id
                 user = head.metadata.get("user_id") if isinstance(head.metadata.get("user_id"), str) else None
             ex.end_user = user
-        route = self.router.pick(ex.requested_model, inbound.upstream)
+        assert inbound.identity is not None
+        _settle_attribution(ex, inbound.identity)
+        route = self.router.pick(ex.requested_model, inbound.upstream, endpoint.dialect)
         self._attach(ex, route, inbound)
         strip_usage = False
         if (
             ex.stream
             and endpoint.asks_stream_usage
-            and route.config.stream_usage == "ask"
+            and route.config.stream_usage_mode == "ask"
             and not _asks_usage(head.stream_options)
         ):
             body = _with_include_usage(body, head.stream_options)
             strip_usage = True
+            # tokenward edits this stream: ask for it uncompressed (the relay decodes it if not)
+            inbound.headers = [h for h in inbound.headers if h[0] != b"accept-encoding"]
+            inbound.headers.append((b"accept-encoding", b"identity"))
         budget_headers = await self._admit(ex, head, body, endpoint)
         watch.append(DisconnectWatch(request.receive))  # the body is read: receive now only reports a disconnect
         await self.recorder.forwarding(ex)
-        reply = await self._send_while_connected(route, scope, inbound.headers, body, ex, watch[0])
+        reply = await self._send_while_connected(route, found, inbound.headers, body, ex, watch[0])
         meter = Meter(endpoint.dialect, header(reply.headers, b"content-encoding"))
         return Relay(
             ex,
@@ -305,18 +340,28 @@ class Forwarder:
         return bound, extra.unbounded
 
     def _inbound(self, scope: Scope, ex: Exchange, *, keep_length: bool) -> _Inbound:
-        """One pass over the client's headers: what to forward, who is calling, what it asked."""
+        """One pass over the client's headers: what to forward, who is calling, what it asked.
+
+        Raises:
+            ProxyError: 400 ``ambiguous_credentials`` for more than one credential header; 401
+                from :meth:`Authenticator.identify`.
+        """
         passthrough = self.auth.passthrough
         dropped = HOP_BY_HOP | {b"host"} if keep_length else _NOT_FORWARDED
         inbound = _Inbound(headers=[])
         has_encoding = False
+        credential: tuple[bytes, bytes] | None = None
+        credentials = 0
         for name, value in scope["headers"]:
             if name in dropped:
                 continue
             if name in AUTH_HEADERS:
-                inbound.key = inbound.key or presented_key(name, value)
+                credential = (name, value)
+                credentials += 1
                 if not passthrough:
                     continue
+            elif name in _ANTHROPIC_HEADERS:
+                inbound.anthropic = True
             elif name == b"x-request-id":
                 inbound.client_request_id = value.decode("latin-1")
             elif name == _UPSTREAM_HEADER:
@@ -337,7 +382,17 @@ class Forwarder:
         if not has_encoding:
             inbound.headers.append((b"accept-encoding", b"identity"))
         ex.client_request_id = inbound.client_request_id
-        identity = self.auth.identify(inbound.key)
+        if credentials > 1:
+            raise ProxyError(
+                400,
+                "The request carries more than one credential header (authorization, x-api-key, api-key): "
+                "send exactly one, so that the key tokenward attributes is the key the upstream uses.",
+                "ambiguous_credentials",
+            )
+        if credential is not None:
+            inbound.anthropic = inbound.anthropic or credential[0] == b"x-api-key"
+            inbound.key = upstream_credential(*credential) if passthrough else presented_key(*credential)
+        identity = inbound.identity = self.auth.identify(inbound.key)
         ex.principal, ex.key_id = identity.principal, identity.key_id
         ex.team, ex.project = identity.team, identity.project
         return inbound
@@ -369,7 +424,7 @@ class Forwarder:
     async def _send_while_connected(
         self,
         route: Route,
-        scope: Scope,
+        found: Target,
         headers: list[tuple[bytes, bytes]],
         body: bytes,
         ex: Exchange,
@@ -403,7 +458,7 @@ class Forwarder:
         pending = watch.pending
         pending.add_done_callback(on_receive)
         try:
-            return await self._send(route, scope, headers, body, ex)
+            return await self._send(route, found, headers, body, ex)
         except asyncio.CancelledError:
             if not abandoned or task is None:
                 raise
@@ -418,26 +473,28 @@ class Forwarder:
                 handle.cancel()
 
     async def _send(
-        self, route: Route, scope: Scope, headers: list[tuple[bytes, bytes]], content: Any, ex: Exchange
+        self, route: Route, found: Target, headers: list[tuple[bytes, bytes]], content: Any, ex: Exchange
     ) -> UpstreamReply:
         """Send upstream, retrying as the route allows when ``content`` can be sent again.
 
-        Each failed attempt that may have reached the provider is recorded as an ``attempt`` row.
+        The URL is the route's parsed base plus the checked tail and the raw query
+        (:meth:`~tokenward.proxy.edge.Base.url`), never text glued together. Each failed attempt
+        that may have reached the provider is recorded as an ``attempt`` row.
 
         Raises:
-            ProxyError: 502/504 once no attempt is left.
+            ProxyError: 400 when the URL would leave the base; 502/504 once no attempt is left.
         """
-        path: bytes = scope.get("raw_path") or scope["path"].encode()
-        url = route.base_url + path[3:].decode("latin-1")  # path starts with /v1
-        if scope["query_string"]:
-            url += "?" + scope["query_string"].decode("latin-1")
+        try:
+            url = route.base.url(found.tail, found.query)
+        except EdgeError as exc:
+            raise ProxyError(exc.status, exc.message, exc.code) from exc
         policy = route.config
         retries = policy.retries if content is None or isinstance(content, bytes) else 0
         notes: list[str] = []
         for attempt in range(retries + 1):
             last = attempt == retries
             try:
-                reply = await self.client.send(scope["method"], url, headers, content, route.timeouts)
+                reply = await self.client.send(found.method, url, headers, content, route.timeouts)
             except UpstreamError as exc:
                 failure = exc.failure
                 if last:
@@ -537,6 +594,27 @@ class Forwarder:
         await self.recorder.commit(ex, estimate=job)
 
 
+def _not_allowed(found: Target, identity: Identity) -> ProxyError:
+    """The 403 for an unmetered endpoint the caller's ``allow_unmetered`` does not let pass."""
+    method = "GET" if found.method == "HEAD" else found.method
+    first, _, rest = found.tail.partition("/")
+    suggestion = f"{method} {first.lower()}" + ("/*" if rest else "")
+    return ProxyError(
+        403,
+        f"tokenward does not meter {found.method} /v1/{found.tail}, and in virtual_keys mode unmetered endpoints "
+        f"are refused unless allowed: add {suggestion!r} to {identity.unmetered_setting} to let it pass.",
+        "endpoint_not_allowed",
+        "permission_error",
+    )
+
+
+def _settle_attribution(ex: Exchange, identity: Identity) -> None:
+    """Hold the client's ``end_user``, ``tags`` and ``session`` claims to the caller's rules (403 if broken)."""
+    attribution = identity.attribution
+    if not attribution.open:
+        ex.end_user, ex.tags, ex.session_id = attribution.settle(ex.end_user, ex.tags, ex.session_id)
+
+
 def _attributes(ex: Exchange) -> dict[str, Any]:
     """A request's budget-scope attributes before the reply (the model is the requested one)."""
     return {
@@ -593,15 +671,24 @@ def _asks_usage(options: Any) -> bool:
 
 
 def _with_include_usage(body: bytes, options: Any) -> bytes:
-    """The request body with ``stream_options.include_usage`` set to true.
+    """The request body with ``stream_options.include_usage`` set to true, every other byte kept.
 
-    The common case (no ``stream_options`` member) splices the member in after the opening
-    brace without re-encoding the body; otherwise the body is re-encoded.
+    No ``stream_options`` member: one is spliced in after the opening brace. An object: its
+    ``include_usage`` is set (or added) in place. Anything else (``null``): the value is replaced.
+    Only a body the splice cannot follow (never seen; it was decoded once already) is re-encoded.
     """
     if options is msgspec.UNSET:
         start = body.index(b"{") + 1
         rest = body[start:].lstrip()
         return body[:start] + _INCLUDE_USAGE + (b"," if not rest.startswith(b"}") else b"") + body[start:]
+    member = find_member(body, "stream_options")
+    if member is not None:
+        if isinstance(options, dict):
+            edited = set_member(body, "include_usage", b"true", member.value_start)
+            if edited is not None:
+                return edited
+        else:
+            return body[: member.value_start] + b'{"include_usage":true}' + body[member.value_end :]
     document = msgspec.json.decode(body)
     document["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
     return msgspec.json.encode(document)

@@ -1,10 +1,16 @@
-"""Who is calling: virtual keys, or fingerprints of the client's own provider key.
+"""Who is calling, what they may reach unmetered, and what they may claim about who spent it.
 
 Clients present a key the way their SDK does: ``Authorization: Bearer <key>`` (OpenAI SDKs),
-``x-api-key`` (Anthropic SDKs) or ``api-key`` (Azure). In ``virtual_keys`` mode the key must
-be one of the configured tokenward keys, compared by sha256 so that config files may hold only
-hashes. In ``passthrough`` mode the key goes upstream untouched and usage is attributed to
-``fp-`` plus the first 12 hex digits of its sha256; the key itself is never stored.
+``x-api-key`` (Anthropic SDKs) or ``api-key`` (Azure), and exactly one of them (a request with
+two is refused: the upstream would pick one and tokenward could attribute the other). In
+``virtual_keys`` mode the key must be one of the configured tokenward keys, compared by sha256 so
+that config files may hold only hashes. In ``passthrough`` mode the key goes upstream untouched
+and usage is attributed to ``fp-`` plus the first 12 hex digits of the sha256 of the credential
+the upstream checks (:func:`upstream_credential`); the key itself is never stored.
+
+Each :class:`Identity` carries its key's :class:`~tokenward.proxy.edge.UnmeteredPolicy` and
+:class:`Attribution` (``end_user``, ``tags``, ``session``: the client's word, pinned by the key,
+or held to an allowlist or a prefix).
 """
 
 from __future__ import annotations
@@ -13,10 +19,21 @@ import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from tokenward.proxy.config import VirtualKeyConfig
+from tokenward.proxy.config import AttributionRule, AttributionSettings, AuthConfig, VirtualKeyConfig
+from tokenward.proxy.edge import FREE_ENDPOINTS, UnmeteredPolicy
 from tokenward.proxy.errors import ProxyError
 
-__all__ = ["AUTH_HEADERS", "Authenticator", "Identity", "fingerprint", "key_id"]
+__all__ = [
+    "AUTH_HEADERS",
+    "Attribution",
+    "Authenticator",
+    "Identity",
+    "Rule",
+    "fingerprint",
+    "key_id",
+    "presented_key",
+    "upstream_credential",
+]
 
 AUTH_HEADERS = frozenset({b"authorization", b"x-api-key", b"api-key"})
 """Request headers that can carry a client's key (lower-case, as in ASGI scopes)."""
@@ -36,23 +53,157 @@ def presented_key(name: bytes, value: bytes) -> str | None:
     return text or None
 
 
+def upstream_credential(name: bytes, value: bytes) -> str | None:
+    """The secret an upstream checks in one credential header (passthrough mode's fingerprint input).
+
+    A bearer token for ``Authorization: Bearer``, the whole value for any other scheme (the
+    upstream sees it all), the value of ``x-api-key``/``api-key``; ``None`` for an empty header.
+    """
+    text = value.decode("latin-1").strip()
+    if name == b"authorization":
+        scheme, _, token = text.partition(" ")
+        if scheme.lower() == "bearer":
+            return token.strip() or None
+    return text or None
+
+
 def key_id(digest: str) -> str:
     """Stable id of a virtual key from its sha256 hex digest: ``vk-`` + 12 hex digits."""
     return "vk-" + digest[:12]
 
 
 @dataclass(frozen=True, slots=True)
+class Rule:
+    """One field's attribution rule (see :class:`~tokenward.proxy.config.AttributionRule`).
+
+    ``pinned`` replaces the client's value; ``allow``/``prefix`` bound it; ``required`` refuses a
+    request without one. ``where`` names the config setting, for refusal messages.
+    """
+
+    field: str
+    where: str
+    pinned: tuple[str, ...] | None = None
+    allow: frozenset[str] | None = None
+    prefix: str | None = None
+    required: bool = False
+
+    @classmethod
+    def from_config(cls, field: str, where: str, rule: AttributionRule) -> Rule:
+        """Build from a config rule; ``pinned`` becomes a tuple (one value, or the pinned tags)."""
+        pinned = rule.pinned
+        return cls(
+            field,
+            where,
+            pinned=None if pinned is None else tuple([pinned] if isinstance(pinned, str) else pinned),
+            allow=None if rule.allow is None else frozenset(rule.allow),
+            prefix=rule.prefix,
+            required=rule.required,
+        )
+
+    def check(self, values: tuple[str, ...]) -> tuple[str, ...]:
+        """The values to record for the client's ``values``.
+
+        Raises:
+            ProxyError: 403 ``attribution_refused`` for a value outside ``allow``/``prefix``, or
+                none under ``required``.
+        """
+        if self.pinned is not None:
+            return self.pinned
+        if not values:
+            if self.required:
+                raise ProxyError(
+                    403,
+                    f"This key must name its {self.field} ({_HOW[self.field]}): {self.where}.required is set.",
+                    "attribution_refused",
+                    "permission_error",
+                )
+            return values
+        for value in values:
+            if (self.allow is not None and value not in self.allow) or (
+                self.prefix is not None and not value.startswith(self.prefix)
+            ):
+                rule = f"be one of {sorted(self.allow)}" if self.allow is not None else f"start with {self.prefix!r}"
+                label = "tag" if self.field == "tags" else self.field
+                raise ProxyError(
+                    403,
+                    f"{label} {value!r} is not allowed for this key: it must {rule} ({self.where}).",
+                    "attribution_refused",
+                    "permission_error",
+                )
+        return values
+
+
+_HOW = {
+    "end_user": "the request's user field, metadata.user_id or X-Tokenward-User",
+    "tags": "X-Tokenward-Tags",
+    "session": "X-Tokenward-Session",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Attribution:
+    """The attribution rules one caller is held to (``None``: the client's value as sent)."""
+
+    end_user: Rule | None = None
+    tags: Rule | None = None
+    session: Rule | None = None
+
+    @classmethod
+    def from_settings(cls, *layers: tuple[str, AttributionSettings | None]) -> Attribution:
+        """Merge settings, later layers winning per field; each layer is ``(config path, settings)``."""
+        rules: dict[str, Rule | None] = {"end_user": None, "tags": None, "session": None}
+        for where, settings in layers:
+            if settings is None:
+                continue
+            for field in rules:
+                rule = getattr(settings, field)
+                if rule is not None:
+                    rules[field] = Rule.from_config(field, f"{where}.{field}", rule)
+        return cls(**rules)
+
+    @property
+    def open(self) -> bool:
+        """Whether every field is the client's word (nothing to check)."""
+        return self.end_user is None and self.tags is None and self.session is None
+
+    def settle(
+        self, end_user: str | None, tags: tuple[str, ...], session: str | None
+    ) -> tuple[str | None, tuple[str, ...], str | None]:
+        """The ``(end_user, tags, session)`` to record for what the client claimed.
+
+        Raises:
+            ProxyError: 403 ``attribution_refused`` (see :meth:`Rule.check`).
+        """
+        if self.end_user is not None:
+            end_user = next(iter(self.end_user.check((end_user,) if end_user else ())), None)
+        if self.tags is not None:
+            tags = tuple(sorted(set(self.tags.check(tags))))
+        if self.session is not None:
+            session = next(iter(self.session.check((session,) if session else ())), None)
+        return end_user, tags, session
+
+
+_OPEN = Attribution()
+_FREE = UnmeteredPolicy(FREE_ENDPOINTS)
+
+
+@dataclass(frozen=True, slots=True)
 class Identity:
-    """Who is calling: principal, key id, team and project.
+    """Who is calling: principal, key id, team and project, and the rules the caller is held to.
 
     ``principal`` is a virtual key's name or ``fp-...``; ``key_id`` the key's stable id
-    (``vk-...`` or ``fp-...``; ``None`` without a key).
+    (``vk-...`` or ``fp-...``; ``None`` without a key). ``unmetered`` says which unmetered
+    endpoints the caller may use (``virtual_keys`` mode), ``unmetered_setting`` where that list is
+    configured; ``attribution`` what the caller may claim.
     """
 
     principal: str
     key_id: str | None = None
     team: str | None = None
     project: str | None = None
+    unmetered: UnmeteredPolicy = _FREE
+    unmetered_setting: str = "auth.allow_unmetered"
+    attribution: Attribution = _OPEN
 
 
 _ANONYMOUS = Identity("anonymous")
@@ -62,17 +213,35 @@ class Authenticator:
     """Turns a presented key into an :class:`Identity`.
 
     Args:
-        mode: ``virtual_keys`` or ``passthrough``.
+        mode: ``virtual_keys`` or ``passthrough`` (or the whole ``auth`` section, whose
+            ``allow_unmetered`` and ``attribution`` then apply to every caller without rules of
+            its own).
         keys: the configured virtual keys (used in ``virtual_keys`` mode).
     """
 
-    def __init__(self, mode: str, keys: list[VirtualKeyConfig]) -> None:
-        self.mode = mode
-        digests = [
-            (hashlib.sha256(k.key.encode()).hexdigest() if k.key is not None else (k.key_sha256 or "").lower(), k)
-            for k in keys
-        ]
-        self._configured = {d: Identity(k.name, key_id(d), k.team, k.project) for d, k in digests}
+    def __init__(self, mode: str | AuthConfig, keys: list[VirtualKeyConfig]) -> None:
+        settings = mode if isinstance(mode, AuthConfig) else AuthConfig(mode=mode)  # type: ignore[arg-type]
+        self.mode = settings.mode
+        unmetered = UnmeteredPolicy(settings.allow_unmetered)
+        attribution = Attribution.from_settings(("auth.attribution", settings.attribution))
+        self._default = Identity("anonymous", unmetered=unmetered, attribution=attribution)
+        self._anonymous = self._default if self.mode == "passthrough" else _ANONYMOUS
+        configured: dict[str, Identity] = {}
+        for i, k in enumerate(keys):
+            digest = hashlib.sha256(k.key.encode()).hexdigest() if k.key is not None else (k.key_sha256 or "").lower()
+            setting = f"virtual_keys[{i}].allow_unmetered (key {k.name!r})"
+            configured[digest] = Identity(
+                k.name,
+                key_id(digest),
+                k.team,
+                k.project,
+                unmetered=UnmeteredPolicy(k.allow_unmetered) if k.allow_unmetered is not None else unmetered,
+                unmetered_setting=setting if k.allow_unmetered is not None else "auth.allow_unmetered",
+                attribution=Attribution.from_settings(
+                    ("auth.attribution", settings.attribution), (f"virtual_keys[{i}].attribution", k.attribution)
+                ),
+            )
+        self._configured = configured
         self._by_hash = dict(self._configured)
 
     def use_stored(
@@ -84,8 +253,16 @@ class Authenticator:
         the stored keys known before. ``revoked`` holds the sha256 of revoked keys: a configured key
         among them is refused too (``tokenward keys revoke`` works on config keys, no restart).
         """
+        default = self._default
         by_hash = {
-            digest.lower(): Identity(name, key_id(digest.lower()), team, project)
+            digest.lower(): Identity(
+                name,
+                key_id(digest.lower()),
+                team,
+                project,
+                unmetered=default.unmetered,
+                attribution=default.attribution,
+            )
             for name, digest, team, project in stored
         }
         by_hash.update(self._configured)
@@ -106,9 +283,9 @@ class Authenticator:
         """
         if self.passthrough:
             if not key:
-                return _ANONYMOUS
+                return self._anonymous
             fp = fingerprint(key)
-            return Identity(fp, fp)
+            return Identity(fp, fp, attribution=self._default.attribution)
         if key is None:
             raise ProxyError(
                 401,

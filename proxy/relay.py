@@ -4,7 +4,10 @@ Status, headers (minus hop-by-hop ones) and body bytes are the upstream's own; a
 ``Content-Encoding`` is relayed as is and decoded on the side for the meter. An SSE reply is
 relayed chunk by chunk as it arrives, never buffered; a JSON reply is sent whole, then
 metered. When tokenward asked for stream usage the client had not asked for, the extra
-usage-only chunk and the ``"usage":null`` members are removed again (:func:`strip_usage`).
+usage-only chunk, the ``"usage":null`` members and the usage on a chunk that carries choices are
+removed again (:func:`strip_usage`); such a stream was asked for uncompressed, and if the
+upstream compressed it all the same, the client gets the decoded events without
+``Content-Encoding``.
 
 The relay watches the client: one that leaves before the reply is complete ends the exchange
 as ``client_disconnected``, and an SSE upstream is then read on (up to ``drain_timeout_s``) so
@@ -25,6 +28,7 @@ from litestar.types import Receive, Scope, Send
 from tokenward.proxy.errors import ProxyError, error_body
 from tokenward.proxy.exchange import Exchange, Outcome
 from tokenward.proxy.metering import Meter
+from tokenward.proxy.splice import remove_member
 from tokenward.proxy.sse import parse_event
 from tokenward.proxy.upstream import UpstreamError, UpstreamReply
 
@@ -60,10 +64,12 @@ def header(headers: list[tuple[bytes, bytes]], name: bytes) -> str | None:
 
 
 def strip_usage(block: bytes) -> bytes:
-    """Undo what asking for stream usage added to one event.
+    """Undo what asking for stream usage added to one event (bytes in, bytes out).
 
-    Drops the usage-only chunk, and the ``"usage":null`` member that chunks carry only when usage
-    was asked for.
+    Drops the usage-only chunk (``"choices": []``); removes the ``"usage":null`` member that chunks
+    carry only when usage was asked for, and the usage object of a chunk that also carries choices
+    (OpenRouter and z.ai put asked-for usage on the finishing chunk), keeping every other byte of it.
+    Only for upstreams that report stream usage only when asked (``stream_usage: ask``).
     """
     if b'"usage"' not in block:
         return block
@@ -77,9 +83,12 @@ def strip_usage(block: bytes) -> bytes:
         chunk = msgspec.json.decode(data)
     except msgspec.DecodeError:
         return block
-    if isinstance(chunk, dict) and chunk.get("choices") == [] and isinstance(chunk.get("usage"), dict):
+    if not isinstance(chunk, dict) or "usage" not in chunk:
+        return block
+    if chunk.get("choices") == [] and isinstance(chunk["usage"], dict):
         return b""
-    return block
+    edited = remove_member(data, "usage") if data in block else None  # a multi-line data field stays as is
+    return block.replace(data, edited, 1) if edited is not None else block
 
 
 class DisconnectWatch:
@@ -302,7 +311,10 @@ class Relay:
     async def _relay_stream(self, send: Send, headers: list[tuple[bytes, bytes]], listener: DisconnectWatch) -> None:
         assert self.reply is not None and self.meter is not None
         meter, ex = self.meter, self.ex
-        strip = self.strip_usage and header(self.reply.headers, b"content-encoding") in (None, "identity")
+        strip = self.strip_usage
+        if strip and (header(self.reply.headers, b"content-encoding") or "identity").strip().lower() != "identity":
+            # asked for identity, compressed all the same: the client gets the meter's decoded events
+            headers = [(name, value) for name, value in headers if name != b"content-encoding"]
         await send({"type": "http.response.start", "status": ex.http_status, "headers": headers})
         self.got_reply = True
         chunks = self.reply.chunks()

@@ -1,8 +1,11 @@
 """Which upstream a request goes to.
 
-In order: the upstream named by the ``x-tokenward-upstream`` request header; the first
-upstream (in config order) whose ``models`` patterns match the requested model; the default
-upstream; the only upstream when there is just one.
+In order: the upstream named by the ``x-tokenward-upstream`` request header; the first upstream
+(in config order) that speaks the request's dialect and whose ``models`` patterns match the
+requested model, then the first of any dialect whose patterns match; the dialect's default (its
+upstream marked ``default``, or its only upstream); the default upstream; the only upstream when
+there is just one. So in a mixed OpenAI + Anthropic config, ``/v1/messages/count_tokens`` and the
+Anthropic SDK's ``/v1/models`` reach the Anthropic upstream although they name no model.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import logging
 from dataclasses import dataclass
 
 from tokenward.proxy.config import UpstreamConfig
+from tokenward.proxy.edge import Base, parse_base
 from tokenward.proxy.errors import ProxyError
 from tokenward.proxy.upstream import Timeouts
 
@@ -21,12 +25,13 @@ log = logging.getLogger("tokenward.proxy")
 
 @dataclass(frozen=True, slots=True)
 class Route:
-    """An upstream prepared for forwarding: base URL without trailing slash, auth header, timeouts."""
+    """An upstream prepared for forwarding: its parsed base URL, auth header, timeouts and dialect."""
 
     config: UpstreamConfig
-    base_url: str
+    base: Base
     auth_header: tuple[bytes, bytes] | None
     timeouts: Timeouts
+    dialect: str
 
     @property
     def name(self) -> str:
@@ -41,6 +46,9 @@ class Router:
         upstreams: the configured upstreams, in priority order.
         sends_own_keys: tokenward sends each upstream's own key (``virtual_keys`` mode); a
             missing key is then worth a warning at start.
+
+    Raises:
+        ValueError: an upstream's ``base_url`` cannot be parsed (:func:`~tokenward.proxy.edge.parse_base`).
     """
 
     def __init__(self, upstreams: list[UpstreamConfig], *, sends_own_keys: bool = False) -> None:
@@ -48,15 +56,21 @@ class Router:
         self._by_name = {route.name: route for route in self._routes}
         defaults = [r for r in self._routes if r.config.default]
         self._default = defaults[0] if defaults else (self._routes[0] if len(self._routes) == 1 else None)
-        self._by_model: dict[str, Route | None] = {}
+        self._dialect_default: dict[str, Route] = {}
+        for dialect in {r.dialect for r in self._routes}:
+            speaking = [r for r in self._routes if r.dialect == dialect]
+            marked = [r for r in speaking if r.config.default]
+            if marked or len(speaking) == 1:
+                self._dialect_default[dialect] = (marked or speaking)[0]
+        self._by_model: dict[tuple[str, str], Route | None] = {}
 
     @property
     def routes(self) -> list[Route]:
         """All routes, in config order."""
         return list(self._routes)
 
-    def pick(self, model: str | None, explicit: str | None = None) -> Route:
-        """Choose the upstream for a request for ``model``.
+    def pick(self, model: str | None, explicit: str | None = None, dialect: str = "openai") -> Route:
+        """Choose the upstream for a request for ``model`` in ``dialect`` (``openai`` or ``anthropic``).
 
         Raises:
             ProxyError: 400 when ``explicit`` names no upstream, or when nothing serves ``model``.
@@ -72,16 +86,20 @@ class Router:
                 )
             return route
         if model:
-            if model not in self._by_model:
-                match = next((r for r in self._routes if r.config.serves(model)), None)
+            key = (dialect, model)
+            if key not in self._by_model:
+                serving = [r for r in self._routes if r.config.serves(model)]
+                match = next((r for r in serving if r.dialect == dialect), serving[0] if serving else None)
                 if len(self._by_model) < 10_000:
-                    self._by_model[model] = match
-            found = self._by_model.get(model)
-            if found is not None:
-                return found
-        if self._default is None:
+                    self._by_model[key] = match
+            else:
+                match = self._by_model[key]
+            if match is not None:
+                return match
+        found = self._dialect_default.get(dialect) or self._default
+        if found is None:
             raise ProxyError(400, f"No upstream is configured for model {model!r}.", "model_not_found")
-        return self._default
+        return found
 
 
 def _prepare(config: UpstreamConfig, sends_own_keys: bool) -> Route:
@@ -91,4 +109,4 @@ def _prepare(config: UpstreamConfig, sends_own_keys: bool) -> Route:
         log.warning("upstream %s: %s; its requests will be refused (virtual_keys mode)", config.name, missing)
     header = (config.api_key_header.lower().encode(), (config.api_key_prefix + key).encode()) if key else None
     timeouts = Timeouts(connect=config.connect_timeout_s, read=config.read_timeout_s)
-    return Route(config, config.base_url.rstrip("/"), header, timeouts)
+    return Route(config, parse_base(config.base_url), header, timeouts, config.api_dialect)

@@ -11,6 +11,9 @@ lower-cased raw headers, raw body chunks as they arrive, no decoding). Two imple
 * :class:`HttpxUpstream`, over any ``httpx.AsyncBaseTransport``: tests use it with
   ``httpx.MockTransport`` to inject faults, and ``upstream_client: httpx`` selects it.
 
+Both take the URL as a ``yarl.URL`` built from components (:meth:`tokenward.proxy.edge.Base.url`)
+and send its path and query bytes as they are: nothing re-quotes or normalises them.
+
 Every failure surfaces as :class:`UpstreamError` carrying a classified :class:`Failure`:
 whether it was a timeout (504) or not (502), and whether the request may have reached the
 provider (``maybe_sent``): only a refused connection or an unresolvable name proves it did
@@ -28,6 +31,7 @@ from typing import Protocol
 import aiohttp
 import httpx
 from multidict import CIMultiDict
+from yarl import URL
 
 __all__ = [
     "AiohttpUpstream",
@@ -102,9 +106,11 @@ class UpstreamClient(Protocol):
     """Sends requests to upstreams; one instance is shared by the whole proxy."""
 
     async def send(
-        self, method: str, url: str, headers: list[tuple[bytes, bytes]], body: Body, timeouts: Timeouts
+        self, method: str, url: URL, headers: list[tuple[bytes, bytes]], body: Body, timeouts: Timeouts
     ) -> UpstreamReply:
         """Send a request and return once the reply's status and headers arrived.
+
+        ``url`` is sent as it is: its raw path and query go on the request line unchanged.
 
         Raises:
             UpstreamError: the request could not be sent or no reply head arrived.
@@ -176,9 +182,9 @@ class AiohttpUpstream:
         )
 
     async def send(
-        self, method: str, url: str, headers: list[tuple[bytes, bytes]], body: Body, timeouts: Timeouts
+        self, method: str, url: URL, headers: list[tuple[bytes, bytes]], body: Body, timeouts: Timeouts
     ) -> UpstreamReply:
-        """See :meth:`UpstreamClient.send`."""
+        """See :meth:`UpstreamClient.send` (aiohttp writes ``url.raw_path_qs`` on the request line)."""
         session = self._session or self._set_session()
         timeout = self._timeouts.get(timeouts)
         if timeout is None:
@@ -236,11 +242,14 @@ class HttpxUpstream:
             del self._client.headers[name]
 
     async def send(
-        self, method: str, url: str, headers: list[tuple[bytes, bytes]], body: Body, timeouts: Timeouts
+        self, method: str, url: URL, headers: list[tuple[bytes, bytes]], body: Body, timeouts: Timeouts
     ) -> UpstreamReply:
-        """See :meth:`UpstreamClient.send`."""
+        """See :meth:`UpstreamClient.send` (the httpx URL is built from components, not parsed from text)."""
         timeout = httpx.Timeout(timeouts.read, connect=timeouts.connect)
-        request = self._client.build_request(method, url, headers=headers, content=body, timeout=timeout)
+        target = httpx.URL(
+            scheme=url.scheme, host=url.raw_host or "", port=url.explicit_port, raw_path=url.raw_path_qs.encode("ascii")
+        )
+        request = self._client.build_request(method, target, headers=headers, content=body, timeout=timeout)
         try:
             response = await self._client.send(request, stream=True)
         except _ERRORS as exc:

@@ -68,8 +68,9 @@ PROVIDER_CATALOG = {
 }
 
 
-STREAM_USAGE_UNASKED = {"huggingface"}
-"""Recorded providers whose streams carry usage without ``include_usage`` (HF's novita router)."""
+STREAM_USAGE_UNASKED = {"huggingface", "groq", "mistral"}
+"""Recorded providers whose streams carry usage without ``include_usage`` (HF's novita router; Groq and
+Mistral on the finishing chunk)."""
 
 
 def upstreams_for(simulator_url: str, providers: list[str], **overrides: Any) -> list[UpstreamConfig]:

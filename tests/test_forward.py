@@ -24,12 +24,20 @@ def test_include_usage_is_spliced_without_reencoding():
     assert json.loads(out)["stream_options"] == {"include_usage": True}
 
 
-def test_existing_stream_options_are_kept():
-    body = b'{"model":"m","stream":true,"stream_options":{"include_obfuscation":false}}'
-    out = json.loads(_with_include_usage(body, {"include_obfuscation": False}))
-    assert out["stream_options"] == {"include_obfuscation": False, "include_usage": True}
-    null = json.loads(_with_include_usage(b'{"model":"m","stream":true,"stream_options":null}', None))
-    assert null["stream_options"] == {"include_usage": True}
+def test_existing_stream_options_are_edited_in_place_without_reencoding():
+    body = b'{"model": "m", "stream": true, "stream_options": {"include_obfuscation": false}, "x": "\\u00e9", "n": 1.0}'
+    assert (
+        _with_include_usage(body, {"include_obfuscation": False})
+        == b'{"model": "m", "stream": true, "stream_options": {"include_usage":true,"include_obfuscation": false}, "x": "\\u00e9", "n": 1.0}'
+    )
+    asked_not = b'{"stream_options": {"include_usage": false}, "stream": true, "messages": [{"content": "1e2"}]}'
+    assert (
+        _with_include_usage(asked_not, {"include_usage": False})
+        == b'{"stream_options": {"include_usage": true}, "stream": true, "messages": [{"content": "1e2"}]}'
+    )
+    null = _with_include_usage(b'{"model":"m","stream":true,"stream_options":null, "n": 1E2}', None)
+    assert null == b'{"model":"m","stream":true,"stream_options":{"include_usage":true}, "n": 1E2}'
+    assert json.loads(null)["stream_options"] == {"include_usage": True}
 
 
 def test_strip_usage_removes_only_what_include_usage_added():
@@ -42,8 +50,15 @@ def test_strip_usage_removes_only_what_include_usage_added():
     assert _strip_usage(usage_only) == b""
     azure_first = b'data: {"choices":[],"created":0,"id":"","model":"","prompt_filter_results":[]}\n\n'
     assert _strip_usage(azure_first) == azure_first
-    finishing = b'data: {"choices":[{"delta":{},"finish_reason":"stop"}],"usage":{"prompt_tokens":3}}\n\n'
-    assert _strip_usage(finishing) == finishing  # a provider that puts usage there sends it unasked
+    # usage that tokenward made ride on a chunk with choices: the member goes, the chunk stays
+    finishing = b'data: {"choices":[{"delta":{},"finish_reason":"stop"}],"usage":{"prompt_tokens":3},"x":1}\n\n'
+    assert _strip_usage(finishing) == b'data: {"choices":[{"delta":{},"finish_reason":"stop"}],"x":1}\n\n'
+    first = b'data:{"usage": {"prompt_tokens": 3}, "choices": [{"delta": {"content": "usage"}}]}\r\n\r\n'
+    assert _strip_usage(first) == b'data:{"choices": [{"delta": {"content": "usage"}}]}\r\n\r\n'
+    spaced_null = b'data: {"choices":[{"delta":{}}], "usage": null}\n\n'
+    assert _strip_usage(spaced_null) == b'data: {"choices":[{"delta":{}}]}\n\n'
+    nested = b'data: {"choices":[{"delta":{}}],"x_groq":{"usage":{"prompt_tokens":3}}}\n\n'
+    assert _strip_usage(nested) == nested  # not the member include_usage adds
     assert _strip_usage(b"data: [DONE]\n\n") == b"data: [DONE]\n\n"
 
 
