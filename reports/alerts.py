@@ -20,7 +20,9 @@ Configuration (the ``alerts:`` section)::
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import email.policy
+import email.utils
 import html
 import logging
 import os
@@ -43,6 +45,7 @@ __all__ = [
     "WebhookSettings",
     "html_document",
     "html_text",
+    "message_id",
 ]
 
 log = logging.getLogger("tokenward.alerts")
@@ -201,6 +204,8 @@ class Notifier:
         message["From"] = smtp.sender
         message["To"] = ", ".join(recipients)
         message["Subject"] = alert.subject
+        message["Date"] = email.utils.format_datetime(dt.datetime.now(dt.UTC))
+        message["Message-ID"] = message_id(alert, recipients, smtp.sender)
         message.set_content(alert.text)
         message.add_alternative(alert.html, subtype="html")
         username = os.environ.get(smtp.username_env) if smtp.username_env else None
@@ -228,6 +233,17 @@ class Notifier:
         async with httpx.AsyncClient(transport=self._transport, timeout=30) as client:
             response = await client.post(url, json=body)
             response.raise_for_status()
+
+
+def message_id(alert: Alert, recipients: list[str], sender: str) -> str:
+    """The ``Message-ID`` of ``alert``'s mail to ``recipients``: ``<unique@the sender's domain>`` (RFC 5322 3.6.4).
+
+    Random today; every mail's id is made here, so that it can become a function of the alert's
+    identity (budget, period, kind, threshold) and its recipients, letting mail clients and
+    archives recognise a resend as the same message.
+    """
+    domain = email.utils.parseaddr(sender)[1].rpartition("@")[2] or "localhost"
+    return email.utils.make_msgid("tokenward", domain=domain)
 
 
 def html_document(title: str, rows: list[tuple[str, str]], sections: list[tuple[str, list[tuple[str, str]]]]) -> str:
