@@ -106,7 +106,8 @@ def create_app(
             )
 
     session = ledger_session(recorder.spool)
-    add_alert_jobs(scheduler, session, budgets, config.alerts, notifier or Notifier(config.alerts), auth)
+    sender = recorder.metrics.counting(notifier or Notifier(config.alerts))  # failed deliveries feed /metrics
+    add_alert_jobs(scheduler, session, budgets, config.alerts, sender, auth)  # type: ignore[arg-type]
     refresh = config.pricing.refresh
     if refresh is not None:
         scheduler.add_job(

@@ -21,6 +21,7 @@ from typing import Any
 from tokenward.pricing.catalog import PriceCatalog
 from tokenward.pricing.quote import PriceStatus, Quote, quote
 from tokenward.pricing.usage import TOKEN_FIELDS, Usage, UsageSource
+from tokenward.proxy import access_log
 from tokenward.proxy.exchange import Exchange
 from tokenward.proxy.guard import BudgetGuard
 from tokenward.proxy.metrics import Metrics
@@ -180,6 +181,10 @@ class Recorder:
         self._task: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
         self.rows_recorded = 0
+        self._written_at = time.monotonic()  # the last write that left nothing behind (health)
+        self.stale_after_s = max(5 * flush_interval_s, 10.0)
+        self._write_problem: str | None = None
+        self._spooled_rows = 0
 
     def finish(self, ex: Exchange, estimate: Callable[[], Usage] | None = None) -> None:
         """Record ``ex`` (once; later calls are ignored). Call on the event loop.
@@ -235,6 +240,7 @@ class Recorder:
         self._rows.extend(rows)
         self.rows_recorded += len(rows)
         self.metrics.pending.set(len(self._rows))
+        access_log.record(rows)
 
     async def start(self) -> None:
         """Open (create, migrate) the ledger, ingest rows a previous run left spooled, start the writer.
@@ -275,6 +281,7 @@ class Recorder:
                 if not failing:
                     log.exception("cannot write ledger rows; %d kept in memory, retrying", len(self._rows))
                 failing = True
+                self._write_problem = "spool_write_failed"
             else:
                 if failing:
                     log.warning("ledger rows are being written again")
@@ -295,18 +302,45 @@ class Recorder:
         finally:
             self.metrics.pending.set(len(self._rows))
 
+    def health(self) -> dict[str, Any]:
+        """The ledger writer's state, for ``/healthz`` (lists the spool directory; no ledger access).
+
+        Returns:
+            ``writable``: a write left nothing behind within :attr:`stale_after_s` seconds (five
+            flush intervals, at least 10 s: a report briefly holding the file is no failure);
+            ``last_write_age_s``: seconds since then; ``problem``: why the last try failed
+            (``ledger_busy``, ``ledger_error``, ``spool_write_failed``) or ``None``;
+            ``queued_rows``: rows in memory; ``spool_files``/``spool_rows``: spool files on disk
+            (left by this process or a dead one) and the rows this process wrote to them.
+        """
+        age = time.monotonic() - self._written_at
+        return {
+            "writable": age <= self.stale_after_s,
+            "last_write_age_s": round(age, 3),
+            "stale_after_s": self.stale_after_s,
+            "problem": self._write_problem,
+            "queued_rows": len(self._rows),
+            "spool_files": len(self.spool.pending_files(recover=True)),
+            "spool_rows": self._spooled_rows,
+        }
+
     def _write(self, rows: list[dict[str, Any]]) -> None:
         if rows:
             self.spool.write(rows)
+            self._spooled_rows += len(rows)
         self._ingest(False)
 
     def _ingest(self, recover: bool) -> None:
         try:
             self.spool.ingest(recover=recover)
         except LedgerBusy:
+            self._write_problem = "ledger_busy"
             log.debug("ledger busy (a reader holds it); rows stay spooled until the next flush")
         except LedgerError:
+            self._write_problem = "ledger_error"
             log.exception("cannot write the ledger; rows stay spooled in %s", self.spool.directory)
+        else:
+            self._written_at, self._write_problem, self._spooled_rows = time.monotonic(), None, 0
 
     async def stop(self, wait_busy_s: float = 5.0) -> None:
         """Stop the writer and write every row.
