@@ -1,4 +1,4 @@
-# `make run` starts the proxy on config.example.yaml; `make test` runs the test suite.
+# `make run` starts the proxy on config.example.yaml (PORT=, HOST=, DB=, CONFIG= override); `make test` runs the tests.
 # Both create .venv on first use (a fresh machine needs only python3 >= 3.11).
 
 PYTHON ?= python3
@@ -13,8 +13,12 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/python -m pip install --quiet -e ".[test]"
 	touch $@
 
+# `make run PORT=4100 HOST=0.0.0.0 DB=/tmp/t.duckdb CONFIG=my.yaml` overrides the config's port,
+# interface and ledger, or the config file itself.
+CONFIG ?= config.example.yaml
+
 run: $(BIN)/.installed
-	$(BIN)/tokenward serve --config config.example.yaml
+	$(BIN)/tokenward serve --config $(CONFIG)$(if $(PORT), --port $(PORT))$(if $(HOST), --host $(HOST))$(if $(DB), --db $(DB))
 
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest

@@ -110,7 +110,8 @@ def create_app(
     def spend() -> BooksSpend:
         return BooksSpend(guard, dt.datetime.now(dt.UTC), recorder.unpriced_seen)
 
-    add_alert_jobs(scheduler, ledger, spend, budgets, config.alerts, notifier or Notifier(config.alerts), auth)
+    sender = recorder.metrics.counting(notifier or Notifier(config.alerts))  # failed deliveries feed /metrics
+    add_alert_jobs(scheduler, ledger, spend, budgets, config.alerts, sender, auth)  # type: ignore[arg-type]
     refresh = config.pricing.refresh
     if refresh is not None:
         scheduler.add_job(

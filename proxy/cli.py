@@ -3,20 +3,28 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import click
 
 from tokenward.pricing.catalog import CatalogError
-from tokenward.proxy.config import ConfigError, config_from_args, load_config
+from tokenward.proxy.access_log import ACCESS_LOGGER
+from tokenward.proxy.config import Config, ConfigError, config_from_args, load_config
+from tokenward.proxy.preflight import check_environment
 from tokenward.reports.budgets_cli import alerts, budgets, keys
 from tokenward.reports.cli import export, ledger, report
 from tokenward.reports.ledger import LedgerError, open_ledger
 from tokenward.reports.pricing_cli import pricing
 
-__all__ = ["main"]
+__all__ = ["LOG_LEVELS", "main"]
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+"""``--log-level`` values (Python's logging levels; the access log is ``info``)."""
+
+_PORT = click.IntRange(1, 65535)
 
 
-@click.group()
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="tokenward")
 def main() -> None:
     """tokenward: meter, price and cap what your LLM traffic costs."""
@@ -31,9 +39,13 @@ def main() -> None:
 )
 @click.option("--db", help="Ledger DuckDB file (overrides the config's ledger.path).")
 @click.option("--host", default=None, help="Interface to listen on (default 127.0.0.1).")
-@click.option("--port", type=int, default=None, help="Port to listen on (default 4000).")
-@click.option("--log-level", default="info", show_default=True)
-@click.option("--access-log/--no-access-log", default=False, show_default=True)
+@click.option("--port", type=_PORT, default=None, help="Port to listen on (default 4000).")
+@click.option("--log-level", type=click.Choice(LOG_LEVELS, case_sensitive=False), default="info", show_default=True)
+@click.option(
+    "--access-log/--no-access-log",
+    default=None,
+    help="One log line per request (default: on, or the config's server.access_log).",
+)
 def serve(
     config_path: str | None,
     upstream: str | None,
@@ -43,7 +55,7 @@ def serve(
     host: str | None,
     port: int | None,
     log_level: str,
-    access_log: bool,
+    access_log: bool | None,
 ) -> None:
     """Run the proxy: point your OpenAI SDK's base URL at http://HOST:PORT/v1."""
     from tokenward.proxy.app import create_app
@@ -51,21 +63,19 @@ def serve(
 
     if bool(config_path) == bool(upstream):
         raise click.UsageError("give either --config FILE or --upstream URL")
-    try:
-        if config_path:
-            config = load_config(config_path)
-        else:
-            assert upstream is not None
-            config = config_from_args(upstream, auth=auth or "passthrough", provider=provider)  # type: ignore[arg-type]
-    except ConfigError as exc:
-        raise click.ClickException(str(exc)) from exc
+    config = _load(config_path, upstream, auth, provider)
     if db:
         config.ledger.path = db
     if host:
         config.server.host = host
     if port:
         config.server.port = port
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if access_log is not None:
+        config.server.access_log = access_log
+    warnings = _preflight(config, config_path)
+    _configure_logging(log_level, config.server.access_log)
+    for warning in warnings:
+        logging.getLogger("tokenward.proxy").warning("%s", warning)
     try:
         app = create_app(config)
     except CatalogError as exc:
@@ -79,7 +89,36 @@ def serve(
         f"(ledger {config.ledger.path}, auth {config.auth.mode})",
         err=True,
     )
-    run(app, config.server.host, config.server.port, log_level=log_level, access_log=access_log)
+    try:
+        run(app, config.server.host, config.server.port, log_level=log_level.lower())
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown: nothing left to say
+        pass
+
+
+def _load(config_path: str | None, upstream: str | None, auth: str | None, provider: str | None) -> Config:
+    try:
+        if config_path:
+            return load_config(config_path)
+        assert upstream is not None
+        return config_from_args(upstream, auth=auth or "passthrough", provider=provider)  # type: ignore[arg-type]
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+def _preflight(config: Config, config_path: str | None) -> list[str]:
+    try:
+        return check_environment(config)
+    except ConfigError as exc:
+        raise click.ClickException(f"{config_path}: {exc}" if config_path else str(exc)) from exc
+
+
+def _configure_logging(level: str, access_log: bool) -> None:
+    """Log to stderr at ``level``; the access log only when asked; APScheduler quiet below debug."""
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if level.lower() != "debug":  # "Running job ..." and "... executed successfully" for every budget check
+        logging.getLogger("apscheduler").setLevel(logging.WARNING)
+    if not access_log:
+        logging.getLogger(ACCESS_LOGGER).setLevel(logging.WARNING)
 
 
 @main.command()
@@ -92,17 +131,19 @@ def demo(db: str | None) -> None:
 
 
 @main.command()
-@click.option("--port", default=9100, show_default=True, help="Port to listen on (127.0.0.1).")
+@click.option("--port", type=_PORT, default=9100, show_default=True, help="Port to listen on (127.0.0.1).")
 @click.option(
     "--recordings",
     type=click.Path(exists=True, dir_okay=False),
     help="JSON lines of recorded exchanges (default: the sample shipped with tokenward).",
 )
 def simulate(port: int, recordings: str | None) -> None:
-    """Run the upstream simulator: an OpenAI-compatible provider replaying recorded exchanges.
+    """Run the upstream simulator: a stand-in provider for trying tokenward without an API key.
 
-    Each recorded provider answers under http://127.0.0.1:PORT/<provider>/v1 (e.g. /openai/v1);
-    point an upstream's base_url there to try tokenward without an API key.
+    It answers under http://127.0.0.1:PORT/<provider>/v1 (e.g. /openai/v1, /anthropic/v1): a
+    request identical to a recorded one gets the recorded reply; any other well-formed request
+    to chat/completions, completions, responses, embeddings or messages gets a made-up reply in
+    that API's shape, with usage counted by the tokenizer. Point an upstream's base_url there.
     """
     from aiohttp import web
 
@@ -112,10 +153,46 @@ def simulate(port: int, recordings: str | None) -> None:
     providers = sorted({r.provider for r in loaded})
     click.echo(
         f"simulator: {len(loaded)} recorded exchanges; providers at http://127.0.0.1:{port}/<provider>/v1: "
-        + ", ".join(providers),
+        + ", ".join(providers)
+        + " (other requests get made-up replies)",
         err=True,
     )
     web.run_app(Simulator(loaded).app(), host="127.0.0.1", port=port, print=None, access_log=None)
+
+
+@main.group("config")
+def config_group() -> None:
+    """Check a configuration file; print the reference of every option."""
+
+
+@config_group.command("check")
+@click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False), help="YAML config file.")
+def config_check(config_path: str) -> None:
+    """Validate FILE as `serve` would at start (schema, then environment variables)."""
+    config = _load(config_path, None, None, None)
+    warnings = _preflight(config, config_path)
+    for warning in warnings:
+        click.echo(f"warning: {warning}", err=True)
+    click.echo(
+        f"{config_path}: ok ({len(config.upstreams)} upstreams, {len(config.budgets)} budgets, "
+        f"auth {config.auth.mode}, ledger {config.ledger.path})"
+    )
+
+
+@config_group.command("reference")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write to this file (default: stdout).")
+def config_reference(output: str | None) -> None:
+    """Print every configuration option (Markdown, generated from the schema)."""
+    from tokenward.proxy.config_reference import render
+
+    text = render()
+    if output is None:
+        click.echo(text, nl=False)
+        return
+    try:
+        Path(output).write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise click.ClickException(f"cannot write {output}: {exc}") from exc
 
 
 main.add_command(report)

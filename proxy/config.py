@@ -7,6 +7,7 @@ See ``config.example.yaml`` for every option with its default. Relative paths in
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import os
 from pathlib import Path
 from typing import Annotated, Literal
@@ -50,11 +51,13 @@ class ServerConfig(_Section):
     ``drain_after_disconnect_s``: when a client hangs up during a streamed reply, the provider
     still bills what it generates; tokenward keeps reading the upstream (without sending) for up
     to this many seconds so the usage report is recorded. 0 closes the upstream at once.
+    ``access_log``: one log line per request (``tokenward serve --no-access-log`` turns it off).
     """
 
     host: str = "127.0.0.1"
-    port: int = 4000
-    drain_after_disconnect_s: float = 60.0
+    port: Annotated[int, msgspec.Meta(ge=1, le=65535)] = 4000
+    drain_after_disconnect_s: Annotated[float, msgspec.Meta(ge=0)] = 60.0
+    access_log: bool = True
 
 
 class LedgerConfig(_Section):
@@ -196,13 +199,15 @@ class UpstreamConfig(_Section):
     provider: str | None = None
     models: list[str] = []
     default: bool = False
-    connect_timeout_s: float = 10.0
-    read_timeout_s: float = 600.0
+    connect_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0
+    read_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 600.0
     stream_usage: Literal["ask", "always"] | None = None
     unpriced: UnpricedPolicy | None = None
-    retries: int = 0
-    retry_statuses: list[int] = msgspec.field(default_factory=lambda: [429, 500, 502, 503, 504])
-    retry_backoff_s: float = 0.5
+    retries: Annotated[int, msgspec.Meta(ge=0, le=10)] = 0
+    retry_statuses: list[Annotated[int, msgspec.Meta(ge=400, le=599)]] = msgspec.field(
+        default_factory=lambda: [429, 500, 502, 503, 504]
+    )
+    retry_backoff_s: Annotated[float, msgspec.Meta(ge=0)] = 0.5
     dialect: Literal["openai", "anthropic"] | None = None
 
     @property
@@ -266,11 +271,17 @@ class Config(_Section):
             if sum(u.default for u in self.upstreams if u.api_dialect == dialect) > 1:
                 raise ValueError(f"at most one {dialect} upstream can be the default - at `$.upstreams`")
         key_names = [k.name for k in self.virtual_keys]
+        key_digests: dict[str, str] = {}
         for i, key in enumerate(self.virtual_keys):
             if (key.key is None) == (key.key_sha256 is None):
                 raise ValueError(f"give exactly one of key or key_sha256 - at `$.virtual_keys[{i}]`")
             if key_names.count(key.name) > 1:
                 raise ValueError(f"duplicate key name {key.name!r} - at `$.virtual_keys[{i}].name`")
+            digest = key.key_sha256.lower() if key.key_sha256 else hashlib.sha256(str(key.key).encode()).hexdigest()
+            if digest in key_digests:  # one secret, two names: which one would the usage belong to?
+                names = f"{key_digests[digest]!r} and {key.name!r}"
+                raise ValueError(f"virtual keys {names} have the same key - at `$.virtual_keys[{i}]`")
+            key_digests[digest] = key.name
         names = [b.name for b in self.budgets]
         for i, settings in enumerate(self.budgets):
             if names.count(settings.name) > 1:

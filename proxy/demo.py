@@ -2,12 +2,16 @@
 
 Starts the upstream simulator (replaying the recorded exchanges shipped with the package),
 starts the proxy in front of it with one upstream per recorded provider, sends streamed and
-non-streamed requests through it with the real ``openai`` SDK, then prints the report.
+non-streamed requests through it with the real ``openai`` SDK (the recorded ones, then one the
+simulator makes up), then prints the report. Without ``--db`` the ledger lives in a temporary
+directory that is removed when the demo ends, however it ends.
 """
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -78,20 +82,44 @@ def demo_config(simulator_url: str, ledger: str, recordings: list[Recording]) ->
 
 
 def run_demo(db: str | None = None) -> None:
-    """Run the demo and print the report; the ledger goes to ``db`` (default: a temporary file)."""
-    ledger = db or str(Path(tempfile.mkdtemp(prefix="tokenward-demo-")) / "demo.duckdb")
-    recordings = [r for r in load_recordings(sample_recordings_path()) if r.dialect == "openai"]
-    with SimulatorServer(recordings).running() as simulator:
-        app = create_app(demo_config(simulator.url, ledger, recordings))
-        with running_in_thread(app) as proxy_url:
-            client = openai.OpenAI(base_url=f"{proxy_url}/v1", api_key="sk-demo-no-real-key", max_retries=0)
-            click.echo(f"simulator at {simulator.url}, tokenward at {proxy_url}/v1\n")
-            for recording in recordings:
-                _show(client, recording)
-                if recording.stream and recording.endpoint == "chat_completions" and recording.provider == "openai":
-                    _show(client, recording, strip=True)
-    click.echo(f"\nledger: {ledger}\n")
-    report.main(["--db", ledger, "--by", "upstream,model"], standalone_mode=False)
+    """Run the demo and print the report; the ledger goes to ``db`` (default: a temporary file, removed after)."""
+    with _ledger(db) as ledger:
+        recordings = [r for r in load_recordings(sample_recordings_path()) if r.dialect == "openai"]
+        with SimulatorServer(recordings).running() as simulator:
+            app = create_app(demo_config(simulator.url, ledger, recordings))
+            with running_in_thread(app) as proxy_url:
+                client = openai.OpenAI(base_url=f"{proxy_url}/v1", api_key="sk-demo-no-real-key", max_retries=0)
+                click.echo(f"simulator at {simulator.url}, tokenward at {proxy_url}/v1\n")
+                for recording in recordings:
+                    _show(client, recording)
+                    if recording.stream and recording.endpoint == "chat_completions" and recording.provider == "openai":
+                        _show(client, recording, strip=True)
+                _show_synthesised(client)
+        kept = f"ledger: {ledger}" if db else "ledger: a temporary file, removed after this report (--db PATH keeps it)"
+        click.echo(f"\n{kept}\n")
+        report.main(["--db", ledger, "--by", "upstream,model"], standalone_mode=False)
+
+
+@contextlib.contextmanager
+def _ledger(db: str | None) -> Iterator[str]:
+    """``db``, or a ledger path in a temporary directory that is removed on exit."""
+    if db:
+        yield db
+        return
+    with tempfile.TemporaryDirectory(prefix="tokenward-demo-") as directory:
+        yield str(Path(directory) / "demo.duckdb")
+
+
+def _show_synthesised(client: openai.OpenAI) -> None:
+    label = f"{'openai':<22} {'chat_completions':<17} {'call (no recording matches)':<30}"
+    reply = client.chat.completions.create(
+        model="gpt-4o-mini",
+        messages=[{"role": "user", "content": "What does tokenward do?"}],
+        extra_headers={"x-tokenward-upstream": "openai"},
+    )
+    usage = reply.usage
+    tokens = f"{usage.prompt_tokens} in, {usage.completion_tokens} out" if usage else "no usage"
+    click.echo(f"{label} -> synthesised by the simulator, {tokens}")
 
 
 def _show(client: openai.OpenAI, recording: Recording, *, strip: bool = False) -> None:

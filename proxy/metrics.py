@@ -2,24 +2,53 @@
 
 One :class:`Metrics` (with its own registry, so several apps in one process do not collide)
 is created per app and updated by the recorder as each row is queued, on the event loop.
-Costs here are floats for dashboards; the ledger keeps the exact decimals.
+Costs here are floats for dashboards; the ledger keeps the exact decimals. Budget gauges and
+the ledger's write age are read when scraped (from the budget guard and the recorder), so
+they are never stale. No ``_created`` series: they double the output and no dashboard reads
+them (``prometheus_client.disable_created_metrics``, process-wide).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import datetime as dt
+from collections.abc import Iterator, Mapping
+from typing import Any, Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from tokenward.pricing.usage import TOKEN_FIELDS
+from tokenward.reports.alerts import Alert, Delivery
 
-__all__ = ["Metrics"]
+__all__ = ["LATENCY_BUCKETS", "TTFT_BUCKETS", "DeliveryCounter", "Metrics"]
+
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+"""Request duration buckets, seconds: LLM replies take from tens of milliseconds to minutes."""
+TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0)
+"""Time-to-first-token buckets, seconds."""
+
+_ANSWERED = frozenset({"ok", "upstream_error"})
+_UPSTREAM_FAILURES = frozenset({"upstream_error", "upstream_failed", "upstream_unreachable", "upstream_timeout"})
+
+
+class _Guard(Protocol):
+    def snapshot(self, now: dt.datetime) -> list[dict[str, Any]]: ...
+
+
+class _Notifier(Protocol):
+    async def send(self, alert: Alert) -> list[Delivery]: ...
 
 
 class Metrics:
-    """Counters about metered traffic (label values: endpoint, outcome, upstream, model)."""
+    """Counters, histograms and gauges about metered traffic, budgets, alerts and the ledger.
+
+    Label values: ``endpoint`` (ledger endpoint name), ``outcome``, ``upstream``, ``model``
+    (served, else requested), ``kind`` (token field), ``budget``, ``channel`` (email, webhook).
+    """
 
     def __init__(self) -> None:
+        disable_created_metrics()
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "tokenward_requests",
@@ -50,12 +79,53 @@ class Metrics:
         self.pending = Gauge(
             "tokenward_ledger_rows_queued", "Rows queued in memory for the ledger.", registry=self.registry
         )
+        self.latency = Histogram(
+            "tokenward_request_duration_seconds",
+            "Seconds from a request's arrival to the end of its reply, for requests the upstream answered "
+            "(outcome ok or upstream_error).",
+            ["endpoint", "upstream"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.ttft = Histogram(
+            "tokenward_time_to_first_token_seconds",
+            "Streamed requests: seconds from arrival to the first reply event sent to the client.",
+            ["endpoint", "upstream"],
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.upstream_errors = Counter(
+            "tokenward_upstream_errors",
+            "Upstream failures by upstream and outcome: error replies (upstream_error), replies broken off "
+            "(upstream_failed), no connection (upstream_unreachable), no reply in time (upstream_timeout); "
+            "retried attempts included.",
+            ["upstream", "outcome"],
+            registry=self.registry,
+        )
+        self.alert_failures = Counter(
+            "tokenward_alert_delivery_failures",
+            "Alert deliveries that failed after their retries, by channel (email, webhook).",
+            ["channel"],
+            registry=self.registry,
+        )
+        self._scraped = _ScrapeTime(self)
+        self.registry.register(self._scraped)
+        self._guard: _Guard | None = None
+        self._health: Mapping[str, Any] | None = None
 
     def observe(self, row: dict[str, Any]) -> None:
         """Count one ledger row (called once per row as it is queued)."""
         model = row["served_model"] or row["requested_model"] or "(none)"
+        upstream = row["upstream"] or "(none)"
+        outcome = row["outcome"]
         if row["row_kind"] == "request":
-            self.requests.labels(row["endpoint"], row["outcome"], row["upstream"] or "(none)").inc()
+            self.requests.labels(row["endpoint"], outcome, upstream).inc()
+            if outcome in _ANSWERED and row["latency_ms"] is not None:
+                self.latency.labels(row["endpoint"], upstream).observe(row["latency_ms"] / 1000)
+            if outcome == "ok" and row["stream"] and row["ttfb_ms"] is not None:
+                self.ttft.labels(row["endpoint"], upstream).observe(row["ttfb_ms"] / 1000)
+        if outcome in _UPSTREAM_FAILURES and row["row_kind"] != "part":
+            self.upstream_errors.labels(upstream, outcome).inc()
         for kind in TOKEN_FIELDS:
             value = row[kind]
             if value:
@@ -67,6 +137,93 @@ class Metrics:
         if row["violations"]:
             self.violations.inc()
 
-    def render(self) -> bytes:
-        """The metrics in Prometheus' text exposition format."""
-        return generate_latest(self.registry)
+    def counting(self, notifier: _Notifier) -> DeliveryCounter:
+        """``notifier`` wrapped so that every failed delivery it reports is counted."""
+        return DeliveryCounter(notifier, self.alert_failures)
+
+    def render(self, *, guard: _Guard | None = None, health: Mapping[str, Any] | None = None) -> bytes:
+        """The metrics in Prometheus' text exposition format.
+
+        Args:
+            guard: the budget guard (``BudgetGuard``); adds spend, limit, reserved and
+                remaining gauges per budget, as of now.
+            health: :meth:`Recorder.health <tokenward.proxy.recorder.Recorder.health>`'s dict;
+                adds the ledger's write age, whether it is writable and the spool backlog.
+        """
+        self._guard, self._health = guard, health
+        try:
+            return generate_latest(self.registry)
+        finally:
+            self._guard = self._health = None
+
+
+class _ScrapeTime(Collector):
+    """Gauges computed when scraped: budgets from the guard, ledger health from the recorder."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        guard, health = self.metrics._guard, self.metrics._health
+        if guard is not None:
+            families = {
+                name: GaugeMetricFamily(f"tokenward_budget_{name}_usd", text, labels=["budget"])
+                for name, text in (
+                    ("spend", "Spend counted against the budget in its current period, USD."),
+                    ("limit", "The budget's limit, USD."),
+                    ("reserved", "Worst-case cost held for requests in flight (blocking budgets), USD."),
+                    ("remaining", "Limit minus spend and reservations, at least 0, USD."),
+                )
+            }
+            for status in guard.snapshot(dt.datetime.now(dt.UTC)):
+                spent, limit, reserved = status["spent_usd"], status["limit_usd"], status["reserved_usd"]
+                values = {
+                    "spend": spent,
+                    "limit": limit,
+                    "reserved": reserved,
+                    "remaining": max(limit - spent - reserved, 0),
+                }
+                for name, family in families.items():
+                    family.add_metric([status["budget"]], float(values[name]))
+            yield from families.values()
+        if health is not None:
+            yield GaugeMetricFamily(
+                "tokenward_ledger_write_age_seconds",
+                "Seconds since the ledger writer last wrote everything it had.",
+                value=health["last_write_age_s"],
+            )
+            yield GaugeMetricFamily(
+                "tokenward_ledger_writable",
+                "1 while the ledger is being written, 0 when not.",
+                value=health["writable"],
+            )
+            yield GaugeMetricFamily(
+                "tokenward_spool_files", "Spool files waiting to go into the ledger.", value=health["spool_files"]
+            )
+
+
+class DeliveryCounter:
+    """A notifier that counts the failed deliveries of the notifier it wraps.
+
+    Args:
+        notifier: anything with ``async send(alert) -> list[Delivery]`` (``reports.alerts.Notifier``).
+        counter: incremented once per failed :class:`~tokenward.reports.alerts.Delivery`, by channel.
+    """
+
+    def __init__(self, notifier: _Notifier, counter: Counter) -> None:
+        self.notifier = notifier
+        self._counter = counter
+
+    async def send(self, alert: Alert, on_delivery: Any = None) -> list[Delivery]:
+        """Deliver ``alert`` with the wrapped notifier; count what failed."""
+        deliveries = await self.notifier.send(alert, on_delivery=on_delivery)
+        for delivery in deliveries:
+            if not delivery.ok:
+                self._counter.labels(delivery.channel).inc()
+        return deliveries
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.notifier, name)

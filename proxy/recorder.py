@@ -29,6 +29,7 @@ from typing import Any
 from tokenward.pricing.catalog import PriceCatalog
 from tokenward.pricing.quote import PriceStatus, Quote, quote
 from tokenward.pricing.usage import TOKEN_FIELDS, Usage, UsageSource
+from tokenward.proxy import access_log
 from tokenward.proxy.exchange import Exchange, Outcome
 from tokenward.proxy.guard import BudgetGuard
 from tokenward.proxy.metrics import Metrics
@@ -243,6 +244,10 @@ class Recorder:
         """``time.time()`` of the last successful move of the log into the ledger."""
         self.flush_error: str | None = None
         """Why the last move failed (``None`` after a success)."""
+        self._written_at = time.monotonic()  # the last move that left nothing behind (health)
+        self.stale_after_s = max(5 * flush_interval_s, 10.0)
+        self._write_problem: str | None = None
+        self._logged_rows = 0  # rows appended to the log since the last move that left nothing behind
 
     # -- the three moments ---------------------------------------------------------------------
 
@@ -326,6 +331,8 @@ class Recorder:
                 lines.append(encode_row(row))
             self._observe(row)
         self.rows_recorded += len(rows)
+        self._logged_rows += len(rows)
+        access_log.record(rows)
         return b"".join(lines), [ex.request_id]
 
     def _observe(self, row: dict[str, Any]) -> None:
@@ -395,10 +402,11 @@ class Recorder:
         Raises:
             LedgerError: the ledger cannot be written (not with ``quiet``).
         """
+        pending = self._logged_rows
         try:
             moved = await asyncio.to_thread(self.ledger.flush, self.wal)
         except LedgerBusy as exc:
-            self.flush_error = str(exc)
+            self.flush_error, self._write_problem = str(exc), "ledger_busy"
             log.debug("ledger busy (a reader holds it); rows wait in the log until the next flush")
             if not quiet:
                 raise
@@ -406,7 +414,7 @@ class Recorder:
         except (LedgerError, OSError) as exc:
             if self.flush_error is None:
                 log.exception("cannot write the ledger; rows wait in %s", self.ledger.spool_dir)
-            self.flush_error = str(exc)
+            self.flush_error, self._write_problem = str(exc), "ledger_error"
             if not quiet:
                 raise
             return 0
@@ -414,11 +422,42 @@ class Recorder:
             log.warning("ledger rows are being written again")
         self.flush_error = None
         self.last_flush = time.time()
+        if self.wal.failing is None:
+            self._written_at, self._write_problem = time.monotonic(), None
+            self._logged_rows -= pending
+        else:
+            self._write_problem = "log_write_failed"
         return moved
 
     def open_exchanges(self) -> list[Exchange]:
         """Exchanges admitted and not yet recorded."""
         return list(self._open.values())
+
+    def health(self) -> dict[str, Any]:
+        """The ledger writer's state, for ``/healthz`` (lists the log directory; no ledger access).
+
+        Returns:
+            ``writable``: the write-ahead log is writable and a move into the ledger left nothing
+            behind within :attr:`stale_after_s` seconds (five flush intervals, at least 10 s: a
+            report briefly holding the file is no failure); ``last_write_age_s``: seconds since
+            then; ``problem``: why the last try failed (``ledger_busy``, ``ledger_error``,
+            ``log_write_failed``) or ``None``; ``queued_rows``: rows waiting for the log's writer
+            (a full disk); ``in_flight``: requests admitted and not yet ended;
+            ``spool_files``/``spool_rows``: log segments waiting for the ledger (this process's
+            and dead writers') and the rows this process appended to them.
+        """
+        age = time.monotonic() - self._written_at
+        failing = self.wal.failing is not None
+        return {
+            "writable": age <= self.stale_after_s and not failing,
+            "last_write_age_s": round(age, 3),
+            "stale_after_s": self.stale_after_s,
+            "problem": "log_write_failed" if failing else self._write_problem,
+            "queued_rows": self.wal.queued,
+            "in_flight": self.wal.in_flight,
+            "spool_files": self.ledger.waiting_segments(self.wal),
+            "spool_rows": self._logged_rows,
+        }
 
     async def stop(self, wait_busy_s: float = 5.0) -> None:
         """Record what is still open (``interrupted``), then move everything into the ledger.

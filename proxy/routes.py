@@ -9,6 +9,7 @@ decoded: what is metered and what is sent are the same bytes. It returns the for
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from litestar import HttpMethod, Request, Response, get, route
@@ -40,14 +41,21 @@ def build_routes(forwarder: Forwarder) -> list[BaseRouteHandler]:
         return await forwarder.handle(request)
 
     @get("/healthz", name="healthz")
-    async def healthz() -> dict[str, str]:
-        """Liveness check: ``{"status": "ok"}``."""
-        return {"status": "ok"}
+    async def healthz() -> Response[dict[str, Any]]:
+        """Health: 200 ``{"status": "ok", ...}``, or 503 ``"unavailable"`` when the ledger cannot be written.
+
+        The body reports the ledger (``writable``, ``last_write_age_s``, ``problem``) and the
+        backlog (``queued_rows`` in memory, ``spool_files`` and ``spool_rows`` on disk).
+        """
+        health = await asyncio.to_thread(forwarder.recorder.health)
+        status = "ok" if health["writable"] else "unavailable"
+        return Response({"status": status, **health}, status_code=200 if health["writable"] else 503)
 
     @get("/metrics", name="metrics")
     async def metrics() -> Response[bytes]:
         """Prometheus metrics (text exposition format)."""
-        body = forwarder.recorder.metrics.render()
+        recorder = forwarder.recorder
+        body = recorder.metrics.render(guard=forwarder.guard, health=await asyncio.to_thread(recorder.health))
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return [api, healthz, metrics]

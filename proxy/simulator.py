@@ -1,11 +1,15 @@
-"""An OpenAI-compatible upstream simulator that replays recorded provider exchanges.
+"""An OpenAI- and Anthropic-compatible upstream simulator: replays recordings, makes up the rest.
 
-Used by ``tokenward demo`` and by the tests as a real HTTP upstream. Each recording is one
-line of the ``shared/fixtures/recorded/exchanges.jsonl`` format (a small sample ships in
-``simulator_data/sample_exchanges.jsonl``). A request is answered with the recording named by
-its ``x-tokenward-sim-record`` header or, failing that, the recording whose request body is
-the same JSON (``stream_options`` ignored). JSON bodies are sent compact; SSE text is sent
-byte for byte, one event per write.
+Used by ``tokenward simulate``, ``tokenward demo`` and the tests as a real HTTP upstream. Each
+recording is one line of the ``shared/fixtures/recorded/exchanges.jsonl`` format (a small
+sample ships in ``simulator_data/sample_exchanges.jsonl``). A request is answered with the
+recording named by its ``x-tokenward-sim-record`` header or, failing that, the recording whose
+request body is the same JSON (``stream_options`` ignored). Any other well-formed request to
+chat/completions, completions, responses, embeddings or messages gets a synthesised reply in
+that API's shape, streamed or not, with usage counted by the tokenizer
+(:mod:`tokenward.proxy.synthetic`); a header naming an unknown recording gets a 404. Replies
+carry ``x-tokenward-sim-source: recording`` or ``synthetic``. JSON bodies are sent compact;
+SSE text is sent byte for byte, one event per write.
 
 Like OpenAI, the simulator leaves stream usage out when a chat/completions stream request
 does not set ``stream_options.include_usage`` although the recorded request did: the
@@ -38,11 +42,13 @@ from typing import Any
 from aiohttp import web
 
 from tokenward.proxy.sse import SSEDecoder, parse_event
+from tokenward.proxy.synthetic import endpoint_of, synthesise
 
-__all__ = ["Recording", "SimulatorServer", "load_recordings", "sample_recordings_path"]
+__all__ = ["Recording", "SimulatorServer", "load_recordings", "sample_recordings_path", "synthetic_recording"]
 
 RECORD_HEADER = "x-tokenward-sim-record"
 FAULT_HEADER = "x-tokenward-sim-fault"
+SOURCE_HEADER = "x-tokenward-sim-source"
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +168,8 @@ class Simulator:
             if synthetic is not None:
                 return synthetic
         recording = self.by_id.get(name) if name else self.by_body.get(_body_key(body))
+        if recording is None and name is None and request.method == "POST":
+            recording = synthetic_recording(request.path, raw, body)
         if recording is None:
             error = {
                 "error": {"message": f"simulator: no recording for {request.path}", "type": "not_found", "code": None}
@@ -223,13 +231,14 @@ class Simulator:
     async def _replay(self, request: web.Request, recording: Recording, body: Any, fault: str) -> web.StreamResponse:
         response = recording.response
         status = int(response["status"])
+        source = "synthetic" if recording.id.startswith(_SYNTHETIC) else "recording"
         content_type = response.get("content_type") or "application/json"
         if "sse" in response and response["sse"] is not None:
             sse = response["sse"]
             asked = _asks_usage(recording.request.get("body"))
             if recording.endpoint in ("chat_completions", "completions") and asked and not _asks_usage(body):
                 sse = without_stream_usage(sse)
-            stream = web.StreamResponse(status=status, headers={"content-type": content_type})
+            stream = web.StreamResponse(status=status, headers={"content-type": content_type, SOURCE_HEADER: source})
             await stream.prepare(request)
             delay = float(fault.split(":")[1]) / 1000 if fault.startswith("delay:") else 0.0
             cut = int(fault.split(":")[1]) if fault.startswith("cut:") else None
@@ -249,11 +258,44 @@ class Simulator:
             payload = json.dumps(response["body"], separators=(",", ":"), ensure_ascii=False).encode()
         else:
             payload = str(response.get("text") or "").encode()
-        headers = {"content-type": content_type}
+        headers = {"content-type": content_type, SOURCE_HEADER: source}
         if fault == "gzip":
             payload = gzip.compress(payload)
             headers["content-encoding"] = "gzip"
         return web.Response(status=status, body=payload, headers=headers)
+
+
+_SYNTHETIC = "synthetic:"
+
+
+def synthetic_recording(path: str, raw: bytes, body: Any) -> Recording | None:
+    """A made-up exchange answering ``body`` sent to ``path``; ``None`` for a path no API serves.
+
+    The recording's id is ``synthetic:`` plus a digest of the path and body, so fault injection
+    (``flaky:N:STATUS``) counts repeats of the same request.
+    """
+    endpoint = endpoint_of(path)
+    if endpoint is None:
+        return None
+    reply = synthesise(endpoint, body)
+    if reply.events is not None:
+        response: dict[str, Any] = {
+            "status": reply.status,
+            "content_type": "text/event-stream; charset=utf-8",
+            "sse": b"".join(reply.events).decode(),
+        }
+    else:
+        response = {"status": reply.status, "content_type": "application/json", "body": reply.body}
+    return Recording(
+        id=_SYNTHETIC + hashlib.sha256(path.encode() + b"\0" + raw).hexdigest()[:16],
+        provider="synthetic",
+        dialect="anthropic" if endpoint == "anthropic_messages" else "openai",
+        endpoint=endpoint,
+        stream=reply.events is not None,
+        request={"body": body},
+        response=response,
+        usage_as_reported=None,
+    )
 
 
 def binary_payload(size: int = 300_000) -> bytes:

@@ -20,6 +20,7 @@ Configuration (the ``alerts:`` section)::
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import email.policy
 import email.utils
 import hashlib
@@ -47,6 +48,7 @@ __all__ = [
     "delivery_id",
     "html_document",
     "html_text",
+    "message_id",
 ]
 
 log = logging.getLogger("tokenward.alerts")
@@ -239,9 +241,8 @@ class Notifier:
         message["From"] = smtp.sender
         message["To"] = recipient
         message["Subject"] = alert.subject
-        message["Date"] = email.utils.formatdate(usegmt=True)
-        domain = smtp.sender.rpartition("@")[2] or "tokenward.invalid"
-        message["Message-ID"] = f"<{delivery_id(alert, recipient)}@{domain}>"
+        message["Date"] = email.utils.format_datetime(dt.datetime.now(dt.UTC))
+        message["Message-ID"] = message_id(alert, recipient, smtp.sender)
         message.set_content(alert.text)
         message.add_alternative(alert.html, subtype="html")
         username = os.environ.get(smtp.username_env) if smtp.username_env else None
@@ -270,6 +271,17 @@ class Notifier:
         async with httpx.AsyncClient(transport=self._transport, timeout=30) as client:
             response = await client.post(url, json=body, headers={"Idempotency-Key": key})
             response.raise_for_status()
+
+
+def message_id(alert: Alert, recipient: str, sender: str) -> str:
+    """The ``Message-ID`` of ``alert``'s mail to ``recipient``: ``<id@the sender's domain>`` (RFC 5322 3.6.4).
+
+    A function of the alert's identity (budget, period, kind, thresholds) and the recipient
+    (:func:`delivery_id`), so that a mail sent again after a crash carries the same id and mail
+    clients and archives recognise the resend as the same message.
+    """
+    domain = email.utils.parseaddr(sender)[1].rpartition("@")[2] or "localhost"
+    return f"<{delivery_id(alert, recipient)}@{domain}>"
 
 
 def html_document(title: str, rows: list[tuple[str, str]], sections: list[tuple[str, list[tuple[str, str]]]]) -> str:

@@ -6,6 +6,7 @@ import asyncio
 import datetime as dt
 import email
 import email.policy
+import email.utils
 import json
 import socket
 import time
@@ -19,7 +20,15 @@ from click.testing import CliRunner
 
 from tokenward.pricing.settings import BudgetSettings
 from tokenward.proxy.cli import main
-from tokenward.reports.alerts import AlertSettings, DigestSettings, Notifier, SmtpSettings, WebhookSettings
+from tokenward.reports.alerts import (
+    Alert,
+    AlertSettings,
+    DigestSettings,
+    Notifier,
+    SmtpSettings,
+    WebhookSettings,
+    message_id,
+)
 from tokenward.reports.budget_check import evaluate_and_notify
 from tokenward.reports.ledger import DuckLedger, open_ledger, write_rows
 from tokenward.reports.ledger.spend import DuckSpend
@@ -421,3 +430,22 @@ def test_small_amounts_and_quoted_names_and_no_smtp(tmp_path, smtp):
     (delivery,) = asyncio.run(Notifier(no_smtp).send(sent[0][0]))
     assert not delivery.ok and delivery.attempts == 0 and "no SMTP server" in delivery.error
     assert time.monotonic() - started < 1  # a configuration problem is not retried with backoff
+
+
+def test_mails_carry_date_and_message_id_headers(smtp):
+    inbox, port = smtp
+    notifier = Notifier(settings_for(port))
+    alert = Alert("b", None, "threshold", 50, "[tokenward] s", "text", "<p>html</p>", ("a@example.com",))
+    before = dt.datetime.now(UTC).replace(microsecond=0)
+    for _ in range(2):
+        (delivery,) = asyncio.run(notifier.send(alert))
+        assert delivery.ok
+    first, second = inbox.wait_for(2)
+    sent = email.utils.parsedate_to_datetime(first["Date"])
+    assert sent.utcoffset() == dt.timedelta(0) and before <= sent <= dt.datetime.now(UTC)
+    ids = [m["Message-ID"] for m in (first, second)]
+    # the same alert to the same recipient: the same id, so a resend after a crash is recognisable
+    assert all(i.startswith("<") and i.endswith("@test>") for i in ids) and ids[0] == ids[1]
+    other = Alert("b", None, "threshold", 80, "[tokenward] s", "text", "<p>html</p>", ("a@example.com",))
+    assert message_id(other, "a@example.com", "x@test") != ids[0]
+    assert message_id(alert, "b@example.com", "x@test") != ids[0]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 
 from tokenward.proxy.config import ConfigError, config_from_args, load_config
@@ -19,11 +21,12 @@ def test_example_config_loads_with_paths_relative_to_the_file():
     example = Path(__file__).resolve().parents[1] / "config.example.yaml"
     config = load_config(example)
     assert config.ledger.path == str(example.parent / "tokenward.duckdb")
-    assert [u.name for u in config.upstreams][:2] == ["openai", "deepseek"]
+    assert [u.name for u in config.upstreams][:3] == ["openai", "anthropic", "deepseek"]
     assert config.auth.mode == "passthrough"
 
 
 UP = "upstreams: [{name: a, base_url: 'http://x'}]\n"
+SAME_SHA256 = hashlib.sha256(b"tw-same").hexdigest().upper()
 
 
 def test_the_example_configs_commented_budgets_guard_and_alerts_are_valid(tmp_path):
@@ -34,8 +37,14 @@ def test_the_example_configs_commented_budgets_guard_and_alerts_are_valid(tmp_pa
     head, tail = text.split("  # - name: research-daily", 1)
     uncommented = re.sub(r"(?m)^(\s*)# ", r"\1", "  # - name: research-daily" + tail)
     config = load_config(write(tmp_path, head + uncommented))
-    assert [b.name for b in config.budgets] == ["all-traffic-monthly", "research-daily"]
+    assert [b.name for b in config.budgets] == ["all-traffic-monthly", "research-daily", "agents-last-24h"]
     assert config.budgets[1].action == "block" and config.alerts.smtp is not None
+    assert (config.budgets[2].period, config.budgets[2].rolling_hours) == ("rolling", 24)
+    assert [(w.name, w.url, w.url_env) for w in config.alerts.webhooks] == [
+        ("ops-slack", None, "SLACK_WEBHOOK_URL"),
+        ("ops-hook", "https://hooks.example.com/tokenward", None),
+    ]
+    assert config.alerts.smtp.timeout_s == 30
     assert (config.guard.image_tokens, config.alerts.digest.timezone) == (3000, "Europe/Paris")
 
 
@@ -58,6 +67,30 @@ def test_the_example_configs_commented_budgets_guard_and_alerts_are_valid(tmp_pa
         ("upstreams: [{name: a, base_url: 'http://x', read_timeout_s: soon}]", "read_timeout_s"),
         ("upstreams: [", "cannot read config"),
         ("upstreams: [{name: a, base_url: 'http://x'}]\nledger: {flush_interval_s: 0}", "flush_interval_s must be > 0"),
+        # accepted before, then every request was a 500
+        (
+            "upstreams: [{name: a, base_url: 'http://x', retries: -3}]",
+            "Expected `int` >= 0 - at `$.upstreams[0].retries`",
+        ),
+        ("upstreams: [{name: a, base_url: 'http://x', retries: 1000}]", "<= 10 - at `$.upstreams[0].retries`"),
+        (
+            "upstreams: [{name: a, base_url: 'http://x', read_timeout_s: 0}]",
+            "> 0.0 - at `$.upstreams[0].read_timeout_s`",
+        ),
+        ("upstreams: [{name: a, base_url: 'http://x', connect_timeout_s: -1}]", "$.upstreams[0].connect_timeout_s"),
+        ("upstreams: [{name: a, base_url: 'http://x', retry_backoff_s: -0.5}]", "$.upstreams[0].retry_backoff_s"),
+        ("upstreams: [{name: a, base_url: 'http://x', retry_statuses: [200]}]", "$.upstreams[0].retry_statuses[0]"),
+        (f"{UP}server: {{port: 86540}}", "Expected `int` <= 65535 - at `$.server.port`"),
+        (f"{UP}server: {{port: 0}}", "Expected `int` >= 1 - at `$.server.port`"),
+        (f"{UP}server: {{drain_after_disconnect_s: -1}}", "$.server.drain_after_disconnect_s"),
+        (
+            f"{UP}virtual_keys: [{{name: a, key: tw-same}}, {{name: b, key: tw-same}}]",
+            "virtual keys 'a' and 'b' have the same key - at `$.virtual_keys[1]`",
+        ),
+        (  # the same secret, once in clear and once by its sha256 (upper-case hex)
+            f"{UP}virtual_keys: [{{name: a, key: tw-same}}, {{name: b, key_sha256: {SAME_SHA256}}}]",
+            "virtual keys 'a' and 'b' have the same key",
+        ),
     ],
 )
 def test_invalid_configs_name_the_problem(tmp_path, text, fragment):
@@ -79,3 +112,10 @@ def test_command_line_config():
         config_from_args("https://api.openai.com/v1", auth="virtual_keys")
     with pytest.raises(ConfigError, match="--upstream must be an http"):
         config_from_args("not a url")
+
+
+def test_duplicate_key_errors_do_not_show_the_key(tmp_path):
+    path = write(tmp_path, f"{UP}virtual_keys: [{{name: a, key: tw-secret-1}}, {{name: b, key: tw-secret-1}}]")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert "tw-secret-1" not in str(info.value)

@@ -63,4 +63,5 @@ def test_binary_download_and_streamed_binary(start_proxy):
 
 def test_healthz(start_proxy):
     proxy = start_proxy()
-    assert httpx.get(f"{proxy.url}/healthz").json() == {"status": "ok"}
+    health = httpx.get(f"{proxy.url}/healthz")  # the details: tests/test_health_metrics.py
+    assert health.status_code == 200 and health.json()["status"] == "ok"

@@ -132,6 +132,20 @@ class DuckLedger:
                 for writer in dead:
                     writer.release()
 
+    def waiting_segments(self, wal: WriteAheadLog | None = None) -> int:
+        """Log files waiting to go into the ledger: ``wal``'s closed rows files and dead writers' files."""
+        if not self.spool_dir.exists():
+            return 0
+        own = wal.writer_id if wal is not None else None
+        count = 0
+        for path in self.spool_dir.iterdir():
+            name = path.name
+            if name.endswith(".rows.jsonl") and not name.startswith(f"{own}-"):
+                count += 1
+            elif name.endswith((".jsonl", ".part")) and name[:1].isdigit():
+                count += 1
+        return count + (len(wal.closed_rows()) if wal is not None else 0)
+
     def unflushed_rows(self, wal: WriteAheadLog | None = None) -> list[dict[str, Any]]:
         """Rows in the log that are not in the file yet: ``wal``'s and dead writers' (with their in-flight rows).
 

@@ -204,6 +204,11 @@ class WriteAheadLog:
         """Requests admitted and not yet ended by a row."""
         return len(self._open)
 
+    @property
+    def queued(self) -> int:
+        """Row batches handed over and not yet written (more than a few only while writes fail)."""
+        return len(self._rows)
+
     # -- rotation (worker thread) ------------------------------------------------------------
 
     def rotate(self) -> list[Path]:

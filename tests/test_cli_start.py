@@ -1,0 +1,278 @@
+"""`tokenward serve` as users start it: validated at start with one-line errors, logs worth reading.
+
+Real processes: the command runs in a subprocess and is judged by its exit code and stderr.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import click
+import httpx
+import pytest
+from click.testing import CliRunner
+
+from tokenward.proxy.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+CHAT = "tests/models/cassettes/test_openai/test_extra_headers.yaml#0"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tokenward(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tokenward.proxy", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def one_line_error(result: subprocess.CompletedProcess[str]) -> str:
+    """The single ``Error:`` line of a failed start (click's usage lines may precede it)."""
+    assert result.returncode != 0, result.stderr
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("Error: ")]
+    assert len(errors) == 1, result.stderr
+    assert result.stderr.rstrip().endswith(errors[0])
+    return errors[0]
+
+
+UP = "upstreams: [{name: a, base_url: 'http://127.0.0.1:9/v1'}]\n"
+
+
+@pytest.mark.parametrize(
+    ("args", "config", "env", "expected"),
+    [
+        (  # before: logged 86540 and listened on 86540 - 65536 = 21004
+            ["--port", "86540"],
+            None,
+            {},
+            "Error: Invalid value for '--port': 86540 is not in the range 1<=x<=65535.",
+        ),
+        (
+            ["--log-level", "loud"],
+            None,
+            {},
+            "Error: Invalid value for '--log-level': 'loud' is not one of 'critical', 'error', 'warning', 'info', 'debug'.",
+        ),
+        ([], f"{UP}server: {{port: 86540}}", {}, "Expected `int` <= 65535 - at `$.server.port`"),
+        (  # before: accepted, then every request was a 500
+            [],
+            "upstreams: [{name: a, base_url: 'http://127.0.0.1:9/v1', retries: -3}]",
+            {},
+            "Expected `int` >= 0 - at `$.upstreams[0].retries`",
+        ),
+        (
+            [],
+            "upstreams: [{name: a, base_url: 'http://127.0.0.1:9/v1', read_timeout_s: 0}]",
+            {},
+            "Expected `float` > 0.0 - at `$.upstreams[0].read_timeout_s`",
+        ),
+        (
+            [],
+            "upstreams: [{name: a, base_url: 'http://127.0.0.1:9/v1', connect_timeout_s: -2}]",
+            {},
+            "Expected `float` > 0.0 - at `$.upstreams[0].connect_timeout_s`",
+        ),
+        (
+            [],
+            f"{UP}virtual_keys: [{{name: a, key: tw-one}}, {{name: b, key: tw-one}}]",
+            {},
+            "virtual keys 'a' and 'b' have the same key - at `$.virtual_keys[1]`",
+        ),
+        (
+            [],
+            f"{UP}alerts: {{smtp: {{host: 127.0.0.1, username_env: TW_TEST_SMTP_USER, password_env: TW_TEST_SMTP_PW}}}}",
+            {"TW_TEST_SMTP_PW": "secret"},
+            "alerts.smtp.username_env: environment variable TW_TEST_SMTP_USER is not set "
+            "(alert mail could not log in to the SMTP server)",
+        ),
+        (
+            [],
+            f"{UP}alerts: {{webhooks: [{{name: ops, url_env: TW_TEST_HOOK}}]}}\n"
+            "budgets: [{name: b, limit_usd: 5, notify: [ops]}]",
+            {},
+            "alerts.webhooks[0].url_env: environment variable TW_TEST_HOOK is not set "
+            "(alerts to webhook 'ops' would be lost)",
+        ),
+    ],
+    ids=["port", "log-level", "config-port", "retries", "read-timeout", "connect-timeout", "dup-keys", "smtp", "hook"],
+)
+def test_bad_starts_fail_with_one_line(tmp_path, args, config, env, expected):
+    if config is None:
+        args = ["--upstream", "http://127.0.0.1:9/v1", *args]
+    else:
+        path = tmp_path / "c.yaml"
+        path.write_text(config)
+        args = ["--config", str(path), *args]
+        expected = f"Error: {path}: {expected}"
+    error = one_line_error(tokenward("serve", "--db", str(tmp_path / "l.duckdb"), *args, env=env))
+    assert error == expected
+    assert not (tmp_path / "l.duckdb").exists()  # refused before anything was opened
+
+
+def wait_healthy(url: str, process: subprocess.Popen[str]) -> None:
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            if httpx.get(f"{url}/healthz").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert process.poll() is None and time.monotonic() < deadline, "proxy did not start"
+        time.sleep(0.1)
+
+
+def stop(process: subprocess.Popen[str]) -> str:
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=30)
+    assert process.returncode == 0, stderr
+    return stderr
+
+
+def test_a_running_proxy_logs_requests_and_warnings_but_not_its_scheduler(tmp_path, simulator, sample):
+    port = free_port()
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        f"upstreams:\n"
+        f"  - {{name: openai, base_url: '{simulator.url}/openai/v1', provider: openai, default: true,"
+        f" api_key_env: TW_TEST_UNSET_KEY}}\n"
+        f"auth: {{mode: virtual_keys}}\n"
+        f"virtual_keys: [{{name: agent, key: tw-agent-key-0001}}]\n"
+        f"server: {{port: {port}}}\n"
+        f"ledger: {{path: l.duckdb, flush_interval_s: 0.2}}\n"
+        f"budgets: [{{name: monthly, limit_usd: 100}}]\n"
+        f"alerts: {{evaluate_every_s: 1, webhooks: [{{name: spare, url_env: TW_TEST_UNSET_HOOK}}]}}\n"
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tokenward.proxy", "serve", "--config", str(config)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", process)
+        reply = httpx.post(
+            f"http://127.0.0.1:{port}/v1/chat/completions",
+            json=sample[CHAT].request["body"],
+            headers={"authorization": "Bearer tw-agent-key-0001"},
+        )
+        assert reply.status_code == 500 and reply.json()["error"]["code"] == "upstream_key_missing"
+        time.sleep(2.5)  # two budget checks at least
+    finally:
+        stderr = stop(process)
+    lines = stderr.splitlines()
+    # warned at start, and the proxy started anyway (decisions in proxy/preflight.py)
+    assert any(
+        "WARNING tokenward.proxy: alerts.webhooks[0].url_env: environment variable TW_TEST_UNSET_HOOK is not set "
+        "(nothing sends to 'spare')" in line
+        for line in lines
+    )
+    assert any("upstream openai: environment variable TW_TEST_UNSET_KEY is not set" in line for line in lines)
+    access = [line for line in lines if " INFO tokenward.access: " in line]
+    assert len(access) == 1 and "POST /v1/chat/completions 500 proxy_error upstream=openai model=gpt-4o" in access[0]
+    assert any(
+        "WARNING tokenward.requests: request " in line
+        and "failed in tokenward (500): Upstream 'openai' has no API key: set TW_TEST_UNSET_KEY." in line
+        for line in lines
+    )
+    assert "Aborted" not in stderr  # Ctrl-C after a graceful shutdown is no error
+    assert not any("Running job" in line or "executed successfully" in line for line in lines)
+    assert any(f"starting tokenward on http://127.0.0.1:{port}/v1" in line for line in lines)
+
+
+def test_no_access_log_keeps_warnings(tmp_path, simulator):
+    port = free_port()
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tokenward.proxy",
+            "serve",
+            "--upstream",
+            f"http://127.0.0.1:{free_port()}/v1",
+            "--db",
+            str(tmp_path / "l.duckdb"),
+            "--port",
+            str(port),
+            "--no-access-log",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", process)
+        reply = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json={"model": "gpt-4o", "messages": []})
+        assert reply.status_code == 502
+        time.sleep(0.5)
+    finally:
+        stderr = stop(process)
+    assert "tokenward.access" not in stderr
+    assert "WARNING tokenward.requests: request " in stderr and "upstream default unreachable (502)" in stderr
+
+
+def all_commands(group: click.Group, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    found = []
+    for name, command in sorted(group.commands.items()):
+        found.append((*prefix, name))
+        if isinstance(command, click.Group):
+            found += all_commands(command, (*prefix, name))
+    return found
+
+
+def test_every_command_answers_dash_h_and_the_version_is_shown():
+    commands = all_commands(main)
+    assert ("serve",) in commands and ("config", "reference") in commands and len(commands) > 20
+    for path in [(), *commands]:
+        result = CliRunner().invoke(main, [*path, "-h"], catch_exceptions=False)
+        assert result.exit_code == 0, path
+        assert result.output.startswith("Usage: " + " ".join(("main", *path))), path
+    script = Path(sys.executable).parent / "tokenward"  # the installed command, as users run it
+    version = subprocess.run([str(script), "--version"], capture_output=True, text=True, timeout=60)
+    assert version.returncode == 0 and version.stdout.startswith("tokenward, version 0.")
+    help_text = subprocess.run([str(script), "serve", "-h"], capture_output=True, text=True, timeout=60)
+    assert help_text.returncode == 0 and help_text.stdout.startswith("Usage: tokenward serve [OPTIONS]")
+
+
+def test_config_check_validates_like_serve(tmp_path):
+    good = tokenward("config", "check", "--config", str(ROOT / "config.example.yaml"))
+    assert good.returncode == 0 and "config.example.yaml: ok (5 upstreams, 1 budgets, auth passthrough" in good.stdout
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("upstreams: [{name: a, base_url: 'http://x', retries: -3}]\n")
+    assert one_line_error(tokenward("config", "check", "--config", str(bad))).endswith("$.upstreams[0].retries`")
+
+
+def test_make_run_takes_a_port(tmp_path):
+    installed = ROOT / ".venv" / "bin" / ".installed"
+    if not installed.exists() or installed.stat().st_mtime < (ROOT / "pyproject.toml").stat().st_mtime:
+        pytest.skip("make run would (re)install .venv first")
+    port = free_port()
+    ledger = tmp_path / "run.duckdb"
+    process = subprocess.Popen(
+        ["make", "-s", "-C", str(ROOT), "run", f"PORT={port}", f"DB={ledger}"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", process)
+        assert ledger.exists()
+    finally:
+        os.killpg(process.pid, signal.SIGINT)
+        _, stderr = process.communicate(timeout=30)
+    assert f"starting tokenward on http://127.0.0.1:{port}/v1 (ledger {ledger}, auth passthrough)" in stderr
