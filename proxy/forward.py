@@ -17,6 +17,7 @@ import asyncio
 import datetime as dt
 import logging
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from decimal import Decimal
@@ -39,6 +40,7 @@ from tokenward.proxy.errors import ProxyError
 from tokenward.proxy.exchange import Exchange, Outcome
 from tokenward.proxy.guard import BudgetGuard, BudgetRefusal
 from tokenward.proxy.keys import AUTH_HEADERS, Authenticator, presented_key
+from tokenward.proxy.limits import BodyLimits, body_stream, read_body
 from tokenward.proxy.metering import Meter, count_input, estimate
 from tokenward.proxy.recorder import Recorder
 from tokenward.proxy.relay import HOP_BY_HOP, DisconnectWatch, Relay, header
@@ -74,6 +76,7 @@ _TAGS_HEADER = b"x-tokenward-tags"
 _SESSION_HEADER = b"x-tokenward-session"
 _USER_HEADER = b"x-tokenward-user"
 _INCLUDE_USAGE = b'"stream_options":{"include_usage":true}'
+_JSON_SPACE = re.compile(rb"[ \t\r\n]*")
 _OUTCOME_BY_CODE = {
     "model_not_priced": Outcome.REJECTED,
     "budget_exceeded": Outcome.REJECTED,
@@ -83,6 +86,8 @@ _OUTCOME_BY_STATUS = {
     400: Outcome.CLIENT_ERROR,
     401: Outcome.UNAUTHORIZED,
     404: Outcome.CLIENT_ERROR,
+    408: Outcome.CLIENT_ERROR,
+    413: Outcome.CLIENT_ERROR,
     502: Outcome.UPSTREAM_UNREACHABLE,
     504: Outcome.UPSTREAM_TIMEOUT,
 }
@@ -131,6 +136,7 @@ class Forwarder:
             upstream's requests.
         guard: budgets and their reservations (``None``: no budgets).
         guard_settings: how a request's worst-case cost is bounded for blocking budgets.
+        limits: request body size and time limits (:mod:`tokenward.proxy.limits`).
     """
 
     def __init__(
@@ -144,6 +150,7 @@ class Forwarder:
         unpriced_policy: Callable[[UpstreamConfig], str] = lambda _: "allow",
         guard: BudgetGuard | None = None,
         guard_settings: GuardSettings | None = None,
+        limits: BodyLimits | None = None,
     ) -> None:
         self.client = client
         self.router = router
@@ -153,6 +160,7 @@ class Forwarder:
         self.unpriced_policy = unpriced_policy
         self.guard = guard
         self.guard_settings = guard_settings or GuardSettings()
+        self.limits = limits or BodyLimits()
 
     async def metered(self, request: Request[Any, Any, Any], endpoint: Endpoint) -> Relay:
         """Forward a metered request; the returned relay meters and records the reply."""
@@ -167,18 +175,20 @@ class Forwarder:
         """Forward any other ``/v1`` request as is (body streamed both ways); it is recorded unmetered."""
         scope = request.scope
         ex = Exchange(endpoint="passthrough", method=scope["method"], path=scope["path"])
+        content = None
         try:
             inbound = self._inbound(scope, ex, keep_length=True)
             self.recorder.admit(ex)
             route = self.router.pick(None, inbound.upstream)
             self._attach(ex, route, inbound)
             has_body = any(name in (b"content-length", b"transfer-encoding") for name, _ in scope["headers"])
-            content = request.stream() if has_body else None
+            content = body_stream(request.receive, scope["headers"], self.limits) if has_body else None
             await self.recorder.forwarding(ex)
             reply = await self._send(route, scope, inbound.headers, content, ex)
             return Relay(ex, reply, self.complete, drain_timeout_s=self.drain_timeout_s)
         except BaseException as exc:
-            return self._refuse(ex, exc)
+            # an upload that broke off over a limit: the client hears why, not what the upstream made of it
+            return self._refuse(ex, content.error if content is not None and content.error is not None else exc)
 
     def not_found(self, request: Request[Any, Any, Any]) -> Relay:
         """Refuse a request outside the API with a 404 (recorded like every other request)."""
@@ -193,7 +203,7 @@ class Forwarder:
         scope = request.scope
         inbound = self._inbound(scope, ex, keep_length=False)
         self.recorder.admit(ex)  # from here on, a crash leaves this request a row
-        body = await request.body()
+        body = await read_body(request.receive, scope["headers"], self.limits)  # one copy; not request.body()
         if not body.strip():
             raise ProxyError(400, "The request body is empty: send a JSON object.", "invalid_json")
         try:
@@ -202,6 +212,8 @@ class Forwarder:
             raise ProxyError(400, f"The request body must be a JSON object: {exc}", "invalid_json") from exc
         except msgspec.DecodeError as exc:
             raise ProxyError(400, f"We could not parse the JSON body of your request: {exc}", "invalid_json") from exc
+        except RecursionError:
+            raise ProxyError(400, "The JSON body of your request is nested too deeply.", "invalid_json") from None
         ex.requested_model = head.model if isinstance(head.model, str) else None
         ex.stream = head.stream is True
         if ex.end_user is None:
@@ -554,7 +566,7 @@ def _count_for_bound(dialect: str, body: bytes, model: str | None) -> tuple[int,
     """The request's text tokens and what text counting misses, from one decode (off the event loop)."""
     try:
         decoded = msgspec.json.decode(body)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         decoded = None
     return count_input(dialect, decoded, model), scan(decoded)
 
@@ -596,12 +608,22 @@ def _with_include_usage(body: bytes, options: Any) -> bytes:
     """The request body with ``stream_options.include_usage`` set to true.
 
     The common case (no ``stream_options`` member) splices the member in after the opening
-    brace without re-encoding the body; otherwise the body is re-encoded.
+    brace without re-encoding the body, making one new copy of it; otherwise the body is
+    re-encoded.
+
+    Raises:
+        ProxyError: 400 ``invalid_json`` for a body nested too deeply to re-encode.
     """
     if options is msgspec.UNSET:
         start = body.index(b"{") + 1
-        rest = body[start:].lstrip()
-        return body[:start] + _INCLUDE_USAGE + (b"," if not rest.startswith(b"}") else b"") + body[start:]
-    document = msgspec.json.decode(body)
+        space = _JSON_SPACE.match(body, start)  # `*`: always matches, perhaps empty
+        after = space.end() if space is not None else start
+        empty = body[after : after + 1] == b"}"
+        view = memoryview(body)
+        return b"".join((view[:start], _INCLUDE_USAGE, b"" if empty else b",", view[start:]))
+    try:
+        document = msgspec.json.decode(body)
+    except RecursionError:
+        raise ProxyError(400, "The JSON body of your request is nested too deeply.", "invalid_json") from None
     document["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
     return msgspec.json.encode(document)

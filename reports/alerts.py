@@ -36,6 +36,8 @@ import aiosmtplib
 import httpx
 import msgspec
 
+from tokenward.reports.sanitize import printable
+
 __all__ = [
     "Alert",
     "AlertSettings",
@@ -238,7 +240,7 @@ class Notifier:
         message = EmailMessage()
         message["From"] = smtp.sender
         message["To"] = recipient
-        message["Subject"] = alert.subject
+        message["Subject"] = printable(alert.subject)  # a CR/LF would make the stdlib refuse the header
         message["Date"] = email.utils.formatdate(usegmt=True)
         domain = smtp.sender.rpartition("@")[2] or "tokenward.invalid"
         message["Message-ID"] = f"<{delivery_id(alert, recipient)}@{domain}>"
@@ -266,10 +268,19 @@ class Notifier:
         if not url:
             raise RuntimeError(f"webhook {hook.name!r} has no URL (set {hook.url_env or 'url'})")
         key = delivery_id(alert, hook.name)
-        body = {"text": f"*{alert.subject}*\n{alert.text}", "tokenward": {**alert.payload, "idempotency_key": key}}
+        text = f"*{_slack(printable(alert.subject))}*\n{_slack(alert.text)}"
+        body = {"text": text, "tokenward": {**alert.payload, "idempotency_key": key}}
         async with httpx.AsyncClient(transport=self._transport, timeout=30) as client:
             response = await client.post(url, json=body, headers={"Idempotency-Key": key})
             response.raise_for_status()
+
+
+def _slack(text: str) -> str:
+    """Text for a Slack-style ``text`` field: ``&``, ``<`` and ``>`` escaped (no ``<!channel>``, no forged links).
+
+    Source: Slack, "Formatting text for app surfaces", escaping: https://api.slack.com/reference/surfaces/formatting#escaping
+    """
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
 def html_document(title: str, rows: list[tuple[str, str]], sections: list[tuple[str, list[tuple[str, str]]]]) -> str:
