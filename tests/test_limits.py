@@ -330,9 +330,7 @@ def test_a_head_over_the_size_limit_is_431(start_proxy):
 
 def test_idle_keep_alive_connections_close_and_crlf_trickles_do_not_keep_them(start_proxy):
     proxy = start_proxy(server={"keep_alive_s": 0.4, "header_timeout_s": 0.8})
-    request = (
-        b"GET /healthz HTTP/1.1\r\nhost: tokenward\r\n\r\n"
-    )
+    request = b"GET /healthz HTTP/1.1\r\nhost: tokenward\r\n\r\n"
     with socket.create_connection(address(proxy.url)) as sock:
         sock.sendall(request)
         sock.settimeout(5)
@@ -418,7 +416,9 @@ budgets: [{{name: all, limit_usd: 100000, period: month, action: block}}]
 def test_a_maximum_size_body_costs_at_most_three_times_its_size(served):
     url, process = served
     with httpx.Client(timeout=120) as client:
-        assert client.post(f"{url}/v1/chat/completions", json=CHAT_BODY, headers={RECORD_HEADER: CHAT}).status_code == 200
+        assert (
+            client.post(f"{url}/v1/chat/completions", json=CHAT_BODY, headers={RECORD_HEADER: CHAT}).status_code == 200
+        )
         words = "lorem ipsum dolor sit amet, consectetur adipiscing elit. "
         text = (words * (32 * MIB // len(words)))[: 32 * MIB - 200]
         body = json.dumps({"model": "gpt-4o", "stream": True, "messages": [{"role": "user", "content": text}]})
