@@ -27,7 +27,7 @@ from tokenward.proxy.guard import BooksSpend, BudgetGuard
 from tokenward.proxy.keys import Authenticator
 from tokenward.proxy.limits import BodyLimits
 from tokenward.proxy.recorder import Recorder
-from tokenward.proxy.routes import build_routes, metrics_token
+from tokenward.proxy.routes import MetricsAccess, build_routes
 from tokenward.proxy.routing import Router
 from tokenward.proxy.scheduler import (
     add_alert_jobs,
@@ -159,7 +159,7 @@ def create_app(
                     lock.close()
 
     app = Litestar(
-        route_handlers=build_routes(forwarder, metrics_token=metrics_token(config.server)),
+        route_handlers=build_routes(forwarder, metrics_access=MetricsAccess.from_config(config)),
         exception_handlers=EXCEPTION_HANDLERS,  # type: ignore[arg-type]
         lifespan=[lifespan],
         openapi_config=None,

@@ -6,21 +6,23 @@ is no module-level state. Each ``/v1`` handler returns the forwarder's relay (an
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
 import os
+from dataclasses import dataclass
 from typing import Any
 
 from litestar import HttpMethod, Request, Response, get, post, route
 from litestar.handlers import BaseRouteHandler
 from litestar.types import ASGIApp
 
-from tokenward.proxy.config import ServerConfig
+from tokenward.proxy.config import Config
 from tokenward.proxy.errors import ProxyError, error_body
 from tokenward.proxy.forward import METERED_ENDPOINTS, Endpoint, Forwarder
-from tokenward.proxy.keys import AUTH_HEADERS, Authenticator, presented_key
+from tokenward.proxy.keys import AUTH_HEADERS, presented_key
 
-__all__ = ["build_routes", "metrics_token"]
+__all__ = ["MetricsAccess", "build_routes"]
 
 log = logging.getLogger("tokenward.proxy")
 
@@ -34,12 +36,11 @@ _PASSTHROUGH_METHODS = [
 ]
 
 
-def build_routes(forwarder: Forwarder, *, metrics_token: str | None = None) -> list[BaseRouteHandler]:
+def build_routes(forwarder: Forwarder, *, metrics_access: MetricsAccess | None = None) -> list[BaseRouteHandler]:
     """Route handlers bound to ``forwarder``.
 
     One per metered endpoint (other methods on its path pass through), a ``/v1`` catch-all, a
-    404 for everything else, ``/healthz`` and ``/metrics``. ``metrics_token``: the bearer token
-    ``/metrics`` requires (see :func:`metrics_token`; ``None``: none configured).
+    404 for everything else, ``/healthz`` and ``/metrics`` (open unless ``metrics_access`` says otherwise).
     """
     handlers: list[BaseRouteHandler] = []
     for path, endpoint in METERED_ENDPOINTS.items():
@@ -76,7 +77,7 @@ def build_routes(forwarder: Forwarder, *, metrics_token: str | None = None) -> l
     @get("/metrics", name="metrics")
     async def metrics(request: Request[Any, Any, Any]) -> Response[bytes]:
         """Prometheus metrics (text exposition format), for the metrics token or an admin key when required."""
-        refusal = _metrics_refusal(request.scope["headers"], forwarder.auth, metrics_token)
+        refusal = metrics_access.refusal(request.scope["headers"]) if metrics_access is not None else None
         if refusal is not None:
             headers = {"www-authenticate": 'Bearer realm="tokenward metrics"'} if refusal.status == 401 else {}
             body = error_body(refusal.message, refusal.type, refusal.code)
@@ -108,45 +109,59 @@ def _metered_handler(forwarder: Forwarder, path: str, endpoint: Endpoint) -> Bas
     return post(f"/v1/{path}", name=endpoint.name, request_max_body_size=None)(handler)
 
 
-def metrics_token(server: ServerConfig) -> str | None:
-    """The bearer token ``/metrics`` requires: the value of ``server.metrics_token_env``.
+@dataclass(frozen=True, slots=True)
+class MetricsAccess:
+    """Who may read ``/metrics`` (spend by model): one check per scrape.
 
-    Returns ``None`` when no variable is configured, and ``""`` (no token can match) when the
-    variable is configured but unset or empty, so a missing secret never opens ``/metrics``.
+    Open when no token is configured and auth is ``passthrough`` (anyone who reaches the proxy
+    can send it traffic already). Otherwise a caller needs the metrics token, or, with virtual
+    keys, an admin key; both are presented as ``Authorization: Bearer <secret>`` (or
+    ``x-api-key``) and compared by sha256 digest in constant time.
+
+    Args:
+        open: no credential is required.
+        token_sha256: digest of the metrics token; ``None`` when none is usable (not configured,
+            or its variable unset: then no token can match, never an open door).
+        admin_sha256: digests of the virtual keys whose ``role`` is ``admin``.
     """
-    if server.metrics_token_env is None:
-        return None
-    token = os.environ.get(server.metrics_token_env, "")
-    if not token:
-        log.warning(
-            "server.metrics_token_env names %s, which is unset: /metrics refuses every token", server.metrics_token_env
+
+    open: bool
+    token_sha256: bytes | None = None
+    admin_sha256: frozenset[bytes] = frozenset()
+
+    @classmethod
+    def from_config(cls, config: Config) -> MetricsAccess:
+        """The access rule ``config`` sets (``server.metrics_token_env``, ``auth.mode``, admin keys)."""
+        env = config.server.metrics_token_env
+        token = os.environ.get(env, "") if env else ""
+        if env and not token:
+            log.warning("server.metrics_token_env names %s, which is unset: /metrics refuses every token", env)
+        admins = frozenset(
+            hashlib.sha256(k.key.encode()).digest() if k.key is not None else bytes.fromhex(k.key_sha256 or "")
+            for k in config.virtual_keys
+            if getattr(k, "role", "user") == "admin"  # `role: admin` keys come with the admin views
         )
-    return token
+        return cls(env is None and config.auth.mode == "passthrough", _digest(token) if token else None, admins)
 
-
-def _metrics_refusal(headers: list[tuple[bytes, bytes]], auth: Authenticator, token: str | None) -> ProxyError | None:
-    """Why ``/metrics`` is refused to a caller (``None``: it is allowed).
-
-    Open when no token is configured and auth is ``passthrough`` (anyone reaching the proxy
-    can already send it traffic); otherwise it takes the metrics token or, in ``virtual_keys``
-    mode, a key with the ``admin`` role.
-    """
-    if token is None and auth.passthrough:
-        return None
-    presented = next((presented_key(name, value) for name, value in headers if name in AUTH_HEADERS), None)
-    if presented and token and hmac.compare_digest(presented.encode(), token.encode()):
-        return None
-    hint = "send the metrics token (server.metrics_token_env) as 'Authorization: Bearer <token>'"
-    if auth.passthrough or not presented:
-        return ProxyError(401, f"/metrics reveals spend: {hint}.", "invalid_api_key", "authentication_error")
-    try:
-        identity = auth.identify(presented)
-    except ProxyError:
+    def refusal(self, headers: list[tuple[bytes, bytes]]) -> ProxyError | None:
+        """Why a request with these headers may not read ``/metrics`` (``None``: it may)."""
+        if self.open:
+            return None
+        presented = next((presented_key(name, value) for name, value in headers if name in AUTH_HEADERS), None)
+        if presented:
+            digest = _digest(presented)
+            if self.token_sha256 is not None and hmac.compare_digest(digest, self.token_sha256):
+                return None
+            if any(hmac.compare_digest(digest, admin) for admin in self.admin_sha256):
+                return None
         return ProxyError(
-            401, f"/metrics reveals spend: {hint} or an admin key.", "invalid_api_key", "authentication_error"
+            401,
+            "/metrics reveals spend: send the metrics token (server.metrics_token_env) or an admin key "
+            "as 'Authorization: Bearer <secret>'.",
+            "invalid_api_key",
+            "authentication_error",
         )
-    if getattr(identity, "role", None) == "admin":  # key roles come with tenant isolation (issue 9.3)
-        return None
-    return ProxyError(
-        403, f"This key may not read /metrics: {hint}, or use an admin key.", "permission_denied", "permission_error"
-    )
+
+
+def _digest(secret: str) -> bytes:
+    return hashlib.sha256(secret.encode()).digest()

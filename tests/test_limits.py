@@ -454,3 +454,15 @@ def test_log_lines_escape_control_characters_from_clients():
     assert any(line.endswith("model gpt\\x0d\\x0aFORGED root line refused") for line in lines), lines
     assert any(line.endswith("client said hi\\x0aFORGED uvicorn line\\u202e") for line in lines), lines
     assert any('"GET /x\\x0d\\x0aFORGED access HTTP/1.1" 200' in line for line in lines), lines
+
+
+def test_limits_are_validated_where_they_are_configured(tmp_path):
+    from tokenward.proxy.config import ConfigError, load_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text("upstreams: [{name: u, base_url: 'http://127.0.0.1:1/v1'}]\nserver: {max_body_mib: 0}\n")
+    with pytest.raises(ConfigError, match=r"server\.max_body_mib"):
+        load_config(path)
+    path.write_text("upstreams: [{name: u, base_url: 'http://127.0.0.1:1/v1'}]\nserver: {max_connections: 0}\n")
+    with pytest.raises(ConfigError, match=r"server\.max_connections"):
+        load_config(path)

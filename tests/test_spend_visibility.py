@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import httpx
 import pytest
 
 from tokenward.pricing.settings import BudgetSettings
 from tokenward.proxy.config import UpstreamConfig, VirtualKeyConfig
+from tokenward.proxy.routes import MetricsAccess
 from tokenward.proxy.simulator import RECORD_HEADER
 
 CHAT = "tests/models/cassettes/test_openai/test_extra_headers.yaml#0"
@@ -67,13 +70,22 @@ def test_with_virtual_keys_metrics_need_the_token_not_just_any_key(start_proxy, 
     assert metrics(proxy).status_code == 401
     assert metrics(proxy, "tw-not-a-key").status_code == 401
     refused = metrics(proxy, "tw-team-a-secret")  # a valid key that is no admin key
-    assert refused.status_code == 403 and refused.json()["error"]["code"] == "permission_denied"
+    assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
     assert "server.metrics_token_env" in refused.json()["error"]["message"]
     with_token = start_proxy(
         upstreams=upstream, auth="virtual_keys", keys=KEYS, server={"metrics_token_env": "TW_METRICS_TOKEN"}
     )
     assert metrics(with_token, "metrics-secret-1").status_code == 200
-    assert metrics(with_token, "tw-team-a-secret").status_code == 403
+    assert metrics(with_token, "tw-team-a-secret").status_code == 401
+
+
+def test_an_admin_key_may_read_metrics():
+    admin = hashlib.sha256(b"tw-admin-secret").digest()
+    access = MetricsAccess(open=False, token_sha256=None, admin_sha256=frozenset({admin}))
+    assert access.refusal([(b"authorization", b"Bearer tw-admin-secret")]) is None
+    assert access.refusal([(b"x-api-key", b"tw-admin-secret")]) is None
+    assert access.refusal([(b"authorization", b"Bearer tw-team-a-secret")]).status == 401
+    assert access.refusal([]).status == 401
 
 
 def test_a_token_variable_that_is_unset_opens_nothing(start_proxy, monkeypatch):
