@@ -124,7 +124,10 @@ def main() -> None:
     if not Path("/proc/self/clear_refs").exists():
         raise SystemExit("needs Linux /proc")
     size = int(args.mib * MIB)
-    with SimulatorServer(load_recordings(sample_recordings_path())).running() as sim, tempfile.TemporaryDirectory() as d:
+    with (
+        SimulatorServer(load_recordings(sample_recordings_path())).running() as sim,
+        tempfile.TemporaryDirectory() as d,
+    ):
         print(f"body {size / MIB:.1f} MiB; peak = growth of peak RSS during the request; after = RSS 0.5 s later")
         print(f"{'shape':8} {'status':>6} {'peak MiB':>9} {'x body':>7} {'after MiB':>10} {'seconds':>8}")
         for shape in args.shapes.split(","):
