@@ -27,9 +27,10 @@ import asyncio
 import ctypes
 import ctypes.util
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from litestar.types import Receive
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -152,37 +153,113 @@ class BodyStream:
 
 
 class _Reader:
-    """Receives body messages, within the time the bytes received so far earn the client."""
+    """Receives body messages, within the time the bytes received so far earn the client.
 
-    __slots__ = ("_limits", "_receive", "_waited", "received")
+    No timer per receive: a :class:`_Sweeper` looks at every waiting reader a few times a
+    second and cancels the ones past their time.
+    """
+
+    __slots__ = ("_expired", "_limits", "_receive", "_since", "_task", "_waited", "received")
 
     def __init__(self, receive: Receive, limits: BodyLimits) -> None:
         self._receive = receive
         self._limits = limits
         self._waited = 0.0
+        self._since = 0.0
+        self._task: asyncio.Task[Any] | None = None
+        self._expired = False
         self.received = 0
+
+    def allowed(self) -> float:
+        """Seconds of waiting the client has earned so far."""
+        limits = self._limits
+        return limits.timeout_s + (self.received / limits.min_rate if limits.min_rate > 0 else 0.0)
+
+    def overdue(self, now: float) -> bool:
+        """Whether the receive under way has waited past :meth:`allowed` (``time.monotonic()`` ``now``)."""
+        return self._waited + (now - self._since) > self.allowed()
+
+    def expire(self) -> None:
+        """Stop the receive under way (it then raises the 408)."""
+        if self._task is not None and not self._expired:
+            self._expired = True
+            self._task.cancel()
 
     async def next(self) -> tuple[bytes, bool]:
         """The next chunk and whether more follow."""
         limits = self._limits
-        allowed = limits.timeout_s + (self.received / limits.min_rate if limits.min_rate > 0 else 0.0)
-        left = allowed - self._waited
-        if left <= 0:
+        if self._waited >= limits.timeout_s + (self.received / limits.min_rate if limits.min_rate > 0 else 0.0):
             raise _too_slow(limits)
-        loop = asyncio.get_running_loop()
-        started = loop.time()
+        sweeper = _sweeper(asyncio.get_running_loop(), limits.timeout_s)
+        self._task = asyncio.current_task()
+        self._since = since = time.monotonic()
+        sweeper.waiting.add(self)
+        if sweeper.handle is None:
+            sweeper.arm()
         try:
-            async with asyncio.timeout(left):
-                message = await self._receive()
-        except TimeoutError:
+            message = await self._receive()
+        except asyncio.CancelledError:
+            if not self._expired or self._task is None:
+                raise
+            self._task.uncancel()
             raise _too_slow(limits) from None
         finally:
-            self._waited += loop.time() - started
+            sweeper.waiting.discard(self)
+            self._waited += time.monotonic() - since
         if message["type"] != "http.request":
             raise ProxyError(499, "The client disconnected while sending the request body.", "client_disconnected")
         chunk: bytes = message.get("body", b"")
         self.received += len(chunk)
         return chunk, message.get("more_body", False)
+
+
+class _Timed(Protocol):
+    def overdue(self, now: float) -> bool: ...
+
+    def expire(self) -> None: ...
+
+
+class _Sweeper:
+    """One timer per event loop for every body read or request head under way.
+
+    Every ``interval`` seconds while something waits, it expires what is overdue. A timer per
+    request costs several microseconds to arm and cancel; adding to a set costs a tenth of that.
+    """
+
+    __slots__ = ("handle", "interval", "loop", "waiting")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, interval: float) -> None:
+        self.loop = loop
+        self.interval = interval
+        self.waiting: set[_Timed] = set()
+        self.handle: asyncio.TimerHandle | None = None
+
+    def arm(self) -> None:
+        """Make sure a sweep comes (called when a reader starts waiting)."""
+        if self.handle is None:
+            self.handle = self.loop.call_later(self.interval, self._sweep)
+
+    def _sweep(self) -> None:
+        self.handle = None
+        now = time.monotonic()
+        for reader in [r for r in self.waiting if r.overdue(now)]:
+            reader.expire()
+        if self.waiting:
+            self.arm()
+
+
+_SWEEPERS: dict[tuple[int, float], _Sweeper] = {}
+
+
+def _sweeper(loop: asyncio.AbstractEventLoop, timeout_s: float) -> _Sweeper:
+    """The sweeper of ``loop`` for timeouts of ``timeout_s`` (sweeps a quarter of it, at most 1 s, apart)."""
+    key = (id(loop), timeout_s)
+    sweeper = _SWEEPERS.get(key)
+    if sweeper is None or sweeper.loop is not loop:
+        if len(_SWEEPERS) > 64:  # loops come and go in tests; a server has one
+            _SWEEPERS.clear()
+        sweeper = _SWEEPERS[key] = _Sweeper(loop, min(1.0, timeout_s / 4))
+    return sweeper
 
 
 def _check_declared(headers: list[tuple[bytes, bytes]], limit: int) -> None:
@@ -223,21 +300,22 @@ class LimitedHttpTools(HttpToolsProtocol):
 
     The deadline starts when the connection opens, and again with the first byte after a reply
     (while the connection idles with nothing received, uvicorn's keep-alive timeout applies);
-    it ends when the head is complete. Subclass it with :func:`uvicorn_options`, which sets the
-    two class attributes.
+    it ends when the head is complete. Deadlines are checked by a :class:`_Sweeper` (at most a
+    quarter of ``header_timeout_s`` late, and at most a second). :func:`uvicorn_options`
+    subclasses it with the two class attributes set.
     """
 
     header_timeout_s: float = 10.0
     max_header_bytes: int = 64 * 1024
 
-    _head_timer: asyncio.TimerHandle | None
+    _head_since: float | None
     _head_bytes: int
     _in_head: bool
 
     def connection_made(self, transport: Any) -> None:
         """Start the first head's deadline (a connection that sends nothing is closed at its end)."""
         super().connection_made(transport)
-        self._head_timer = None
+        self._head_since = None
         self._head_bytes = 0
         self._in_head = True
         self._arm()
@@ -251,7 +329,7 @@ class LimitedHttpTools(HttpToolsProtocol):
         """Feed the parser, counting head bytes; refuse a head past ``max_header_bytes``."""
         if self._in_head:
             self._head_bytes += len(data)
-        elif self._head_timer is None and (self.cycle is None or self.cycle.response_complete):
+        elif self._head_since is None and (self.cycle is None or self.cycle.response_complete):
             self._arm()  # bytes between requests (even bare CRLFs): the next head must complete in time
         super().data_received(data)
         if self._in_head and self._head_bytes > self.max_header_bytes and not self.transport.is_closing():
@@ -260,7 +338,7 @@ class LimitedHttpTools(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         """A new request head starts."""
         self._in_head = True
-        if self._head_timer is None:
+        if self._head_since is None:
             self._arm()
         super().on_message_begin()
 
@@ -285,15 +363,27 @@ class LimitedHttpTools(HttpToolsProtocol):
             self.app = app
 
     def _arm(self) -> None:
-        self._head_timer = self.loop.call_later(self.header_timeout_s, self._head_late)
+        sweeper = _sweeper(self.loop, self.header_timeout_s)
+        self._head_since = time.monotonic()
+        sweeper.waiting.add(self)
+        if sweeper.handle is None:
+            sweeper.arm()
 
     def _disarm(self) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
+        if self._head_since is not None:
+            self._head_since = None
+            _sweeper(self.loop, self.header_timeout_s).waiting.discard(self)
+
+    def overdue(self, now: float) -> bool:
+        """Whether the head under way is late (``time.monotonic()`` ``now``)."""
+        return self._head_since is not None and now - self._head_since > self.header_timeout_s
+
+    def expire(self) -> None:
+        """Refuse the late head (called by the sweep)."""
+        self._disarm()
+        self._head_late()
 
     def _head_late(self) -> None:
-        self._head_timer = None
         if self.transport.is_closing():
             return
         if self._in_head and self._head_bytes:
