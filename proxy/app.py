@@ -25,8 +25,9 @@ from tokenward.proxy.errors import EXCEPTION_HANDLERS
 from tokenward.proxy.forward import Forwarder
 from tokenward.proxy.guard import BooksSpend, BudgetGuard
 from tokenward.proxy.keys import Authenticator
+from tokenward.proxy.limits import BodyLimits
 from tokenward.proxy.recorder import Recorder
-from tokenward.proxy.routes import build_routes
+from tokenward.proxy.routes import MetricsAccess, build_routes
 from tokenward.proxy.routing import Router
 from tokenward.proxy.scheduler import (
     add_alert_jobs,
@@ -96,6 +97,7 @@ def create_app(
         unpriced_policy=config.unpriced_policy,
         guard=guard,
         guard_settings=config.guard,
+        limits=BodyLimits.from_config(config.server),
     )
     known = {entry.provider for entry in catalog.entries.values()}
     for upstream_config in config.upstreams:
@@ -158,7 +160,7 @@ def create_app(
                     lock.close()
 
     app = Litestar(
-        route_handlers=build_routes(forwarder),
+        route_handlers=build_routes(forwarder, metrics_access=MetricsAccess.from_config(config)),
         exception_handlers=EXCEPTION_HANDLERS,  # type: ignore[arg-type]
         lifespan=[lifespan],
         openapi_config=None,

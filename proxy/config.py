@@ -52,12 +52,30 @@ class ServerConfig(_Section):
     still bills what it generates; tokenward keeps reading the upstream (without sending) for up
     to this many seconds so the usage report is recorded. 0 closes the upstream at once.
     ``access_log``: one log line per request (``tokenward serve --no-access-log`` turns it off).
+
+    Limits: ``max_body_mib`` for the metered endpoints' bodies (held in memory; 413 beyond),
+    ``max_upload_mib`` for other bodies (streamed to the upstream); a body gets
+    ``body_timeout_s`` plus one second per ``body_min_kib_s`` KiB received (408 beyond); a request
+    head must arrive within ``header_timeout_s`` (408) and fit in ``max_header_kib`` (431); idle
+    connections close after ``keep_alive_s``; beyond ``max_connections`` open connections
+    requests get 503. ``metrics_token_env`` names the environment variable holding the bearer
+    token ``/metrics`` requires.
     """
 
     host: str = "127.0.0.1"
     port: Annotated[int, msgspec.Meta(ge=1, le=65535)] = 4000
     drain_after_disconnect_s: Annotated[float, msgspec.Meta(ge=0)] = 60.0
     access_log: bool = True
+    # Limits (see proxy/limits.py and the README's "Limits" section); sizes in MiB/KiB, times in seconds.
+    max_body_mib: Annotated[float, msgspec.Meta(gt=0)] = 32.0
+    max_upload_mib: Annotated[float, msgspec.Meta(gt=0)] = 512.0
+    body_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
+    body_min_kib_s: Annotated[float, msgspec.Meta(ge=0)] = 64.0
+    header_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0
+    max_header_kib: Annotated[float, msgspec.Meta(gt=0)] = 64.0
+    keep_alive_s: Annotated[float, msgspec.Meta(gt=0)] = 20.0
+    max_connections: Annotated[int, msgspec.Meta(ge=1)] = 1000
+    metrics_token_env: str | None = None
 
 
 class LedgerConfig(_Section):

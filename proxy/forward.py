@@ -20,6 +20,7 @@ import asyncio
 import datetime as dt
 import logging
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from decimal import Decimal
@@ -43,6 +44,7 @@ from tokenward.proxy.errors import ProxyError
 from tokenward.proxy.exchange import Exchange, Outcome
 from tokenward.proxy.guard import BudgetGuard, BudgetRefusal
 from tokenward.proxy.keys import AUTH_HEADERS, Authenticator, Identity, presented_key, upstream_credential
+from tokenward.proxy.limits import BodyLimits, body_stream, read_body
 from tokenward.proxy.metering import Meter, count_input, estimate
 from tokenward.proxy.recorder import Recorder
 from tokenward.proxy.relay import HOP_BY_HOP, DisconnectWatch, Relay, header
@@ -61,6 +63,7 @@ _SESSION_HEADER = b"x-tokenward-session"
 _USER_HEADER = b"x-tokenward-user"
 _ANTHROPIC_HEADERS = frozenset({b"anthropic-version", b"anthropic-beta"})
 _INCLUDE_USAGE = b'"stream_options":{"include_usage":true}'
+_JSON_SPACE = re.compile(rb"[ \t\r\n]*")
 _OUTCOME_BY_CODE = {
     "model_not_priced": Outcome.REJECTED,
     "budget_exceeded": Outcome.REJECTED,
@@ -72,6 +75,8 @@ _OUTCOME_BY_STATUS = {
     400: Outcome.CLIENT_ERROR,
     401: Outcome.UNAUTHORIZED,
     404: Outcome.CLIENT_ERROR,
+    408: Outcome.CLIENT_ERROR,
+    413: Outcome.CLIENT_ERROR,
     502: Outcome.UPSTREAM_UNREACHABLE,
     504: Outcome.UPSTREAM_TIMEOUT,
 }
@@ -123,6 +128,7 @@ class Forwarder:
             upstream's requests.
         guard: budgets and their reservations (``None``: no budgets).
         guard_settings: how a request's worst-case cost is bounded for blocking budgets.
+        limits: request body size and time limits (:mod:`tokenward.proxy.limits`).
     """
 
     def __init__(
@@ -136,6 +142,7 @@ class Forwarder:
         unpriced_policy: Callable[[UpstreamConfig], str] = lambda _: "allow",
         guard: BudgetGuard | None = None,
         guard_settings: GuardSettings | None = None,
+        limits: BodyLimits | None = None,
     ) -> None:
         self.client = client
         self.router = router
@@ -145,6 +152,7 @@ class Forwarder:
         self.unpriced_policy = unpriced_policy
         self.guard = guard
         self.guard_settings = guard_settings or GuardSettings()
+        self.limits = limits or BodyLimits()
 
     async def handle(self, request: Request[Any, Any, Any]) -> Relay:
         """Route one request on its checked raw path (every method, every path but tokenward's own).
@@ -186,6 +194,7 @@ class Forwarder:
         """
         scope = request.scope
         ex = Exchange(endpoint="passthrough", method=scope["method"], path=found.path)
+        content = None
         try:
             inbound = self._inbound(scope, ex, keep_length=True)
             assert inbound.identity is not None
@@ -196,12 +205,13 @@ class Forwarder:
             route = self.router.pick(None, inbound.upstream, request_dialect(found.tail, inbound.anthropic))
             self._attach(ex, route, inbound)
             has_body = any(name in (b"content-length", b"transfer-encoding") for name, _ in scope["headers"])
-            content = request.stream() if has_body else None
+            content = body_stream(request.receive, scope["headers"], self.limits) if has_body else None
             await self.recorder.forwarding(ex)
             reply = await self._send(route, found, inbound.headers, content, ex)
             return Relay(ex, reply, self.complete, drain_timeout_s=self.drain_timeout_s)
         except BaseException as exc:
-            return self._refuse(ex, exc)
+            # an upload that broke off over a limit: the client hears why, not what the upstream made of it
+            return self._refuse(ex, content.error if content is not None and content.error is not None else exc)
 
     def not_found(self, request: Request[Any, Any, Any]) -> Relay:
         """Refuse a request outside the API with a 404 (recorded like every other request)."""
@@ -223,7 +233,7 @@ class Forwarder:
         scope = request.scope
         inbound = self._inbound(scope, ex, keep_length=False)
         self.recorder.admit(ex)  # from here on, a crash leaves this request a row
-        body = await request.body()
+        body = await read_body(request.receive, scope["headers"], self.limits)  # one copy; not request.body()
         if not body.strip():
             raise ProxyError(400, "The request body is empty: send a JSON object.", "invalid_json")
         try:
@@ -232,6 +242,8 @@ class Forwarder:
             raise ProxyError(400, f"The request body must be a JSON object: {exc}", "invalid_json") from exc
         except msgspec.DecodeError as exc:
             raise ProxyError(400, f"We could not parse the JSON body of your request: {exc}", "invalid_json") from exc
+        except RecursionError:
+            raise ProxyError(400, "The JSON body of your request is nested too deeply.", "invalid_json") from None
         ex.requested_model = head.model if isinstance(head.model, str) else None
         ex.stream = head.stream is True
         if ex.end_user is None:
@@ -632,7 +644,7 @@ def _count_for_bound(dialect: str, body: bytes, model: str | None) -> tuple[int,
     """The request's text tokens and what text counting misses, from one decode (off the event loop)."""
     try:
         decoded = msgspec.json.decode(body)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         decoded = None
     return count_input(dialect, decoded, model), scan(decoded)
 
@@ -677,10 +689,13 @@ def _with_include_usage(body: bytes, options: Any) -> bytes:
     ``include_usage`` is set (or added) in place. Anything else (``null``): the value is replaced.
     Only a body the splice cannot follow (never seen; it was decoded once already) is re-encoded.
     """
-    if options is msgspec.UNSET:
+    if options is msgspec.UNSET:  # one new copy of the body, no slices of it
         start = body.index(b"{") + 1
-        rest = body[start:].lstrip()
-        return body[:start] + _INCLUDE_USAGE + (b"," if not rest.startswith(b"}") else b"") + body[start:]
+        space = _JSON_SPACE.match(body, start)  # `*`: always matches, perhaps empty
+        after = space.end() if space is not None else start
+        empty = body[after : after + 1] == b"}"
+        view = memoryview(body)
+        return b"".join((view[:start], _INCLUDE_USAGE, b"" if empty else b",", view[start:]))
     member = find_member(body, "stream_options")
     if member is not None:
         if isinstance(options, dict):
@@ -689,6 +704,9 @@ def _with_include_usage(body: bytes, options: Any) -> bytes:
                 return edited
         else:
             return body[: member.value_start] + b'{"include_usage":true}' + body[member.value_end :]
-    document = msgspec.json.decode(body)
+    try:
+        document = msgspec.json.decode(body)
+    except RecursionError:
+        raise ProxyError(400, "The JSON body of your request is nested too deeply.", "invalid_json") from None
     document["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
     return msgspec.json.encode(document)

@@ -38,6 +38,8 @@ _TERMINAL = re.compile(
     re.MULTILINE,
 )
 _KEEP_FOR_ESTIMATE = 16 * 1024 * 1024  # bytes of reply kept in case the upstream reports no usage
+_PIECE = 1 << 20  # characters tokenized at once: bounds the list of token ids tiktoken builds (~36 bytes each)
+_CUT_TRIES = 64
 
 
 class _Decompressor(Protocol):
@@ -168,13 +170,44 @@ def count_input(dialect: str, body: Any, model: str | None) -> int:
     """Input tokens of a decoded request ``body`` by the offline tokenizer (0 if not a JSON object).
 
     Chat requests add OpenAI's per-message overhead (3 tokens a message, 3 for the reply's priming).
+    Texts longer than a million characters are counted a piece at a time (:func:`_count_long`),
+    so memory stays near the size of the text itself.
     """
     if not isinstance(body, dict):
         return 0
     encoding = tokenizer.encoding_for_model(model)
     texts, messages = DIALECTS[dialect].request_texts(body)
-    tokens = sum(tokenizer.count_tokens(text, encoding) for text in texts)
+    tokens = sum(
+        tokenizer.count_tokens(text, encoding) if len(text) <= _PIECE else _count_long(text, encoding) for text in texts
+    )
     return tokens + 3 * messages + 3 if messages else tokens
+
+
+def _count_long(text: str, encoding: str) -> int:
+    """Tokens of a long ``text``, tokenized in pieces of at most :data:`_PIECE` characters.
+
+    Each piece ends just before a space that follows a non-space character. Both encodings'
+    pre-tokenizers start a new piece of text there (no pattern runs from a non-space character
+    into a following space), so the count equals counting the whole text at once. A stretch
+    with no such space (base64, CJK text) is cut at the piece size, which may shift the count
+    by a token per cut.
+    """
+    total = 0
+    start = 0
+    end_of_text = len(text)
+    while start < end_of_text:
+        end = min(start + _PIECE, end_of_text)
+        if end < end_of_text:
+            cut = text.rfind(" ", start + _PIECE // 2, end)
+            for _ in range(_CUT_TRIES):
+                if cut <= start or not text[cut - 1].isspace():
+                    break
+                cut = text.rfind(" ", start + _PIECE // 2, cut)
+            if cut > start and not text[cut - 1].isspace():
+                end = cut
+        total += tokenizer.count_tokens(text[start:end], encoding)
+        start = end
+    return total
 
 
 def estimate(
@@ -204,7 +237,7 @@ def estimate(
     encoding = tokenizer.encoding_for_model(model)
     try:
         body = msgspec.json.decode(request_body)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         body = {}
     input_tokens = count_input(dialect, body, model)
     output_texts: list[str] = []

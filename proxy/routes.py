@@ -10,15 +10,25 @@ decoded: what is metered and what is sent are the same bytes. It returns the for
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
+import logging
+import os
+from dataclasses import dataclass
 from typing import Any
 
 from litestar import HttpMethod, Request, Response, get, route
 from litestar.handlers import BaseRouteHandler
 from litestar.types import ASGIApp
 
+from tokenward.proxy.config import Config
+from tokenward.proxy.errors import ProxyError, error_body
 from tokenward.proxy.forward import Forwarder
+from tokenward.proxy.keys import AUTH_HEADERS, presented_key
 
-__all__ = ["build_routes"]
+__all__ = ["MetricsAccess", "build_routes"]
+
+log = logging.getLogger("tokenward.proxy")
 
 _METHODS = [
     HttpMethod.GET,
@@ -31,8 +41,11 @@ _METHODS = [
 ]
 
 
-def build_routes(forwarder: Forwarder) -> list[BaseRouteHandler]:
-    """Route handlers bound to ``forwarder``: the API (every method, every other path), ``/healthz``, ``/metrics``."""
+def build_routes(forwarder: Forwarder, *, metrics_access: MetricsAccess | None = None) -> list[BaseRouteHandler]:
+    """Route handlers bound to ``forwarder``: the API (every method, every other path), ``/healthz``, ``/metrics``.
+
+    ``/metrics`` is open unless ``metrics_access`` says otherwise.
+    """
 
     # status_code only satisfies Litestar's checks; the relay sends the upstream's status
     @route(["/", "/{path:path}"], http_method=_METHODS, name="api", request_max_body_size=None, status_code=200)
@@ -52,10 +65,73 @@ def build_routes(forwarder: Forwarder) -> list[BaseRouteHandler]:
         return Response({"status": status, **health}, status_code=200 if health["writable"] else 503)
 
     @get("/metrics", name="metrics")
-    async def metrics() -> Response[bytes]:
-        """Prometheus metrics (text exposition format)."""
+    async def metrics(request: Request[Any, Any, Any]) -> Response[bytes]:
+        """Prometheus metrics (text exposition format), for the metrics token or an admin key when required."""
+        refusal = metrics_access.refusal(request.scope["headers"]) if metrics_access is not None else None
+        if refusal is not None:
+            headers = {"www-authenticate": 'Bearer realm="tokenward metrics"'} if refusal.status == 401 else {}
+            body = error_body(refusal.message, refusal.type, refusal.code)
+            return Response(body, status_code=refusal.status, media_type="application/json", headers=headers)
         recorder = forwarder.recorder
         body = recorder.metrics.render(guard=forwarder.guard, health=await asyncio.to_thread(recorder.health))
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return [api, healthz, metrics]
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsAccess:
+    """Who may read ``/metrics`` (spend by model): one check per scrape.
+
+    Open when no token is configured and auth is ``passthrough`` (anyone who reaches the proxy
+    can send it traffic already). Otherwise a caller needs the metrics token, or, with virtual
+    keys, an admin key; both are presented as ``Authorization: Bearer <secret>`` (or
+    ``x-api-key``) and compared by sha256 digest in constant time.
+
+    Args:
+        open: no credential is required.
+        token_sha256: digest of the metrics token; ``None`` when none is usable (not configured,
+            or its variable unset: then no token can match, never an open door).
+        admin_sha256: digests of the virtual keys whose ``role`` is ``admin``.
+    """
+
+    open: bool
+    token_sha256: bytes | None = None
+    admin_sha256: frozenset[bytes] = frozenset()
+
+    @classmethod
+    def from_config(cls, config: Config) -> MetricsAccess:
+        """The access rule ``config`` sets (``server.metrics_token_env``, ``auth.mode``, admin keys)."""
+        env = config.server.metrics_token_env
+        token = os.environ.get(env, "") if env else ""
+        if env and not token:
+            log.warning("server.metrics_token_env names %s, which is unset: /metrics refuses every token", env)
+        admins = frozenset(
+            hashlib.sha256(k.key.encode()).digest() if k.key is not None else bytes.fromhex(k.key_sha256 or "")
+            for k in config.virtual_keys
+            if getattr(k, "role", "user") == "admin"  # `role: admin` keys come with the admin views
+        )
+        return cls(env is None and config.auth.mode == "passthrough", _digest(token) if token else None, admins)
+
+    def refusal(self, headers: list[tuple[bytes, bytes]]) -> ProxyError | None:
+        """Why a request with these headers may not read ``/metrics`` (``None``: it may)."""
+        if self.open:
+            return None
+        presented = next((presented_key(name, value) for name, value in headers if name in AUTH_HEADERS), None)
+        if presented:
+            digest = _digest(presented)
+            if self.token_sha256 is not None and hmac.compare_digest(digest, self.token_sha256):
+                return None
+            if any(hmac.compare_digest(digest, admin) for admin in self.admin_sha256):
+                return None
+        return ProxyError(
+            401,
+            "/metrics reveals spend: send the metrics token (server.metrics_token_env) or an admin key "
+            "as 'Authorization: Bearer <secret>'.",
+            "invalid_api_key",
+            "authentication_error",
+        )
+
+
+def _digest(secret: str) -> bytes:
+    return hashlib.sha256(secret.encode()).digest()

@@ -11,6 +11,10 @@ from contextlib import contextmanager
 import uvicorn
 from litestar import Litestar
 
+from tokenward.proxy.config import ServerConfig
+from tokenward.proxy.limits import return_large_buffers, uvicorn_options
+from tokenward.reports.sanitize import escape_log_lines
+
 __all__ = ["run", "running_in_thread"]
 
 
@@ -25,12 +29,26 @@ def _uvicorn_config(app: Litestar, host: str, port: int, log_level: str, access_
         date_header=False,
         lifespan="on",
         timeout_graceful_shutdown=30,
+        **uvicorn_options(_server_settings(app)),
     )
 
 
+def _server_settings(app: Litestar) -> ServerConfig:
+    config = getattr(app.state, "config", None)  # set by create_app
+    return config.server if config is not None else ServerConfig()
+
+
 def run(app: Litestar, host: str, port: int, *, log_level: str = "info", access_log: bool = False) -> None:
-    """Serve ``app`` until interrupted; on SIGINT/SIGTERM in-flight requests finish and the ledger is flushed."""
-    uvicorn.Server(_uvicorn_config(app, host, port, log_level, access_log)).run()
+    """Serve ``app`` until interrupted; on SIGINT/SIGTERM in-flight requests finish and the ledger is flushed.
+
+    Control characters in log lines (client-supplied paths, model names) are escaped on every
+    handler configured by then (see :mod:`tokenward.reports.sanitize`), and large freed buffers
+    go back to the OS (:func:`tokenward.proxy.limits.return_large_buffers`).
+    """
+    config = _uvicorn_config(app, host, port, log_level, access_log)  # configures uvicorn's log handlers
+    escape_log_lines()
+    return_large_buffers()
+    uvicorn.Server(config).run()
 
 
 @contextmanager

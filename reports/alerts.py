@@ -37,6 +37,8 @@ import aiosmtplib
 import httpx
 import msgspec
 
+from tokenward.reports.sanitize import printable
+
 __all__ = [
     "Alert",
     "AlertSettings",
@@ -240,7 +242,7 @@ class Notifier:
         message = EmailMessage()
         message["From"] = smtp.sender
         message["To"] = recipient
-        message["Subject"] = alert.subject
+        message["Subject"] = printable(alert.subject)  # a CR/LF would make the stdlib refuse the header
         message["Date"] = email.utils.format_datetime(dt.datetime.now(dt.UTC))
         message["Message-ID"] = message_id(alert, recipient, smtp.sender)
         message.set_content(alert.text)
@@ -267,7 +269,8 @@ class Notifier:
         if not url:
             raise RuntimeError(f"webhook {hook.name!r} has no URL (set {hook.url_env or 'url'})")
         key = delivery_id(alert, hook.name)
-        body = {"text": f"*{alert.subject}*\n{alert.text}", "tokenward": {**alert.payload, "idempotency_key": key}}
+        text = f"*{_slack(printable(alert.subject))}*\n{_slack(alert.text)}"
+        body = {"text": text, "tokenward": {**alert.payload, "idempotency_key": key}}
         async with httpx.AsyncClient(transport=self._transport, timeout=30) as client:
             response = await client.post(url, json=body, headers={"Idempotency-Key": key})
             response.raise_for_status()
@@ -282,6 +285,14 @@ def message_id(alert: Alert, recipient: str, sender: str) -> str:
     """
     domain = email.utils.parseaddr(sender)[1].rpartition("@")[2] or "localhost"
     return f"<{delivery_id(alert, recipient)}@{domain}>"
+
+
+def _slack(text: str) -> str:
+    """Text for a Slack-style ``text`` field: ``&``, ``<`` and ``>`` escaped (no ``<!channel>``, no forged links).
+
+    Source: Slack, "Formatting text for app surfaces", escaping: https://api.slack.com/reference/surfaces/formatting#escaping
+    """
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
 def html_document(title: str, rows: list[tuple[str, str]], sections: list[tuple[str, list[tuple[str, str]]]]) -> str:

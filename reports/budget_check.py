@@ -33,6 +33,7 @@ from tokenward.pricing.budgets import Budget, BudgetStatus, evaluate
 from tokenward.reports.alerts import Alert, AlertSettings, Delivery, Notifier, html_document, html_text
 from tokenward.reports.ledger.spend import SpendSource
 from tokenward.reports.ledger.state import AlertKey, DeliveryRecord, StateStore
+from tokenward.reports.sanitize import printable
 
 __all__ = [
     "claim_alerts",
@@ -45,6 +46,12 @@ __all__ = [
 ]
 
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+_NAME_CHARS = 120  # a client-chosen model or key name shown in a mail: one line, at most this long
+
+
+def _shown(name: object) -> str:
+    """A model, key or budget name as shown in an alert (client-supplied: control characters escaped)."""
+    return printable(name, _NAME_CHARS)
 
 
 def usd(amount: Decimal) -> str:
@@ -156,9 +163,9 @@ def _budget_alert(
         "forecast": f"projected to reach {money(status.forecast or 0)} by {resets}",
         "refusing": "requests are being refused",
     }[kind]
-    subject = f"[tokenward] budget {budget.name}: {status.percent}% of {money(budget.limit_usd)} ({headline})"
+    subject = f"[tokenward] budget {_shown(budget.name)}: {status.percent}% of {money(budget.limit_usd)} ({headline})"
     facts = [
-        ("Budget", budget.name),
+        ("Budget", _shown(budget.name)),
         ("Scope", budget.describe_scope()),
         ("Spent", f"{money(status.spent)} ({status.percent}%)"),
         ("Limit", money(budget.limit_usd)),
@@ -171,7 +178,10 @@ def _budget_alert(
         ("Forecast for the period", money(status.forecast) if status.forecast is not None else "n/a"),
         ("At the limit", "requests are refused (429)" if budget.blocking else "alerts only"),
     ]
-    sections = [("Top models", [(m, money(c)) for m, c in models]), ("Top keys", [(k, money(c)) for k, c in keys])]
+    sections = [
+        ("Top models", [(_shown(m), money(c)) for m, c in models]),
+        ("Top keys", [(_shown(k), money(c)) for k, c in keys]),
+    ]
     text = "\n".join([f"{subject}\n", *(f"{k}: {v}" for k, v in facts)])
     for heading, items in sections:
         if items:
@@ -210,10 +220,13 @@ def _unpriced_alerts(
         name = f"unpriced:{provider}/{model}"
         if name in claimed:
             continue
-        subject = f"[tokenward] no price for model {model} ({provider}): {count} request(s) recorded without a cost"
+        subject = (
+            f"[tokenward] no price for model {_shown(model)} ({_shown(provider)}): "
+            f"{count} request(s) recorded without a cost"
+        )
         facts = [
-            ("Model", str(model)),
-            ("Provider", str(provider)),
+            ("Model", _shown(model)),
+            ("Provider", _shown(provider)),
             ("First seen", first.isoformat()),
             ("Requests so far", str(count)),
             ("Example request", str(request_id)),
@@ -399,11 +412,14 @@ def digest_alert(
     ]
     statuses = [status_of(spend, b, now) for b in budgets]
     sections = [
-        ("Top models", [(m, money(c)) for m, c in models]),
-        ("Top keys", [(k, money(c)) for k, c in keys]),
+        ("Top models", [(_shown(m), money(c)) for m, c in models]),
+        ("Top keys", [(_shown(k), money(c)) for k, c in keys]),
         (
             "Budgets",
-            [(s.budget.name, f"{money(s.spent)} of {money(s.budget.limit_usd)} ({s.percent}%)") for s in statuses],
+            [
+                (_shown(s.budget.name), f"{money(s.spent)} of {money(s.budget.limit_usd)} ({s.percent}%)")
+                for s in statuses
+            ],
         ),
     ]
     text = "\n".join([subject, "", *(f"{k}: {v}" for k, v in facts)])

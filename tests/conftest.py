@@ -190,6 +190,7 @@ class ProxyFactory:
         alerts: Any = None,
         notifier: Any = None,
         drain_s: float = 60.0,
+        server: dict[str, Any] | None = None,
     ) -> Proxy:
         ledger = self.directory / f"ledger{len(self.contexts)}.duckdb"
         config = Config(
@@ -200,7 +201,7 @@ class ProxyFactory:
             pricing=pricing or PricingSettings(),
             budgets=budgets or [],
             alerts=alerts or AlertSettings(),
-            server=ServerConfig(drain_after_disconnect_s=drain_s),
+            server=ServerConfig(drain_after_disconnect_s=drain_s, **(server or {})),
         )
         app = create_app(config, upstream_transport=transport, catalog=catalog, notifier=notifier)
         context = running_in_thread(app)

@@ -449,3 +449,76 @@ def test_mails_carry_date_and_message_id_headers(smtp):
     other = Alert("b", None, "threshold", 80, "[tokenward] s", "text", "<p>html</p>", ("a@example.com",))
     assert message_id(other, "a@example.com", "x@test") != ids[0]
     assert message_id(alert, "b@example.com", "x@test") != ids[0]
+
+
+EVIL_MODEL = "evil\r\nBcc: victim@example.com\r\n\r\n<!channel> <https://phish.example|docs> \u202etxt.exe"
+
+
+def test_control_characters_in_model_names_reach_no_header_and_no_forged_line(tmp_path, smtp):
+    inbox, port = smtp
+    posted: list[dict] = []
+
+    def hook(request: httpx.Request) -> httpx.Response:
+        posted.append(json.loads(request.content))
+        return httpx.Response(200)
+
+    path = tmp_path / "l.duckdb"
+    budget = BudgetSettings(name="all", limit_usd=10, period="total", thresholds=[50], notify=["lead@example.com"])
+    seed(
+        path,
+        [
+            cost_row("a", "2026-11-10T09:00:00+00:00", "6", model=EVIL_MODEL, key="agent\nBcc: x@example.com"),
+            make_row(
+                "u",
+                started_at=dt.datetime.fromisoformat("2026-11-10T02:00:00+00:00").timestamp(),
+                ended_at=0.0,
+                provider="acme",
+                served_model=EVIL_MODEL,
+                price_status="unpriced",
+                cost_usd=None,
+                input_tokens=5,
+            ),
+        ],
+    )
+    settings = settings_for(
+        port,
+        admins=["ops@example.com", "ops-hook"],
+        webhooks=[WebhookSettings(name="ops-hook", url="https://hooks.example/x")],
+    )
+    notifier = Notifier(settings, transport=httpx.MockTransport(hook))
+    sent = run_check(path, [budget.to_budget()], settings, "2026-11-10T10:00:00+00:00", notifier=notifier)
+    assert sorted(a.kind for a, _ in sent) == ["threshold", "unpriced_model"]
+    assert all(d.ok for _, deliveries in sent for d in deliveries)  # every mail and hook went out
+    shown = "evil\\x0d\\x0aBcc: victim@example.com\\x0d\\x0a\\x0d\\x0a<!channel> <https://phish.example|docs> \\u202etxt.exe"
+    mails = {m["To"]: m for m in inbox.wait_for(2)}
+    unpriced = mails["ops@example.com"]
+    assert unpriced["Subject"] == f"[tokenward] no price for model {shown} (acme): 1 request(s) recorded without a cost"
+    assert unpriced["Bcc"] is None and mails["lead@example.com"]["Bcc"] is None
+    assert f"Model: {shown}" in unpriced.get_body(("plain",)).get_content().splitlines()
+    threshold = mails["lead@example.com"].get_body(("plain",)).get_content().splitlines()
+    assert f"  {shown}: $6.00" in threshold and "  agent\\x0aBcc: x@example.com: $6.00" in threshold
+    [message] = posted
+    assert "<!channel>" not in message["text"] and "<https://phish" not in message["text"]
+    assert "&lt;!channel&gt; &lt;https://phish.example|docs&gt;" in message["text"]
+    assert "\r" not in message["text"].split("\n", 1)[0]  # the title line is one line
+    assert message["tokenward"]["model"] == EVIL_MODEL  # the structured payload keeps the exact name
+
+
+def test_a_stored_subject_with_a_line_break_is_still_mailed(smtp):
+    from tokenward.reports.alerts import Alert
+
+    inbox, port = smtp
+    alert = Alert(
+        "b",
+        None,
+        "threshold",
+        50,
+        "[tokenward] budget x\r\nBcc: y@example.com",
+        "text",
+        "<p>html</p>",
+        ("a@example.com",),
+    )
+    [delivery] = asyncio.run(Notifier(settings_for(port)).send(alert))
+    assert delivery.ok, delivery.error
+    [mail] = inbox.wait_for(1)
+    assert mail["Subject"] == "[tokenward] budget x\\x0d\\x0aBcc: y@example.com" and mail["Bcc"] is None

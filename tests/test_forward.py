@@ -40,6 +40,21 @@ def test_existing_stream_options_are_edited_in_place_without_reencoding():
     assert json.loads(null)["stream_options"] == {"include_usage": True}
 
 
+def test_include_usage_into_an_empty_object_needs_no_comma():
+    for body in (b"{}", b"{ \n\t}", b' { "model" : "m" } '):
+        out = _with_include_usage(body, msgspec.UNSET)
+        assert json.loads(out)["stream_options"] == {"include_usage": True}
+        assert out.count(b",") == (0 if b"model" not in body else 1)
+
+
+def test_existing_stream_options_are_kept():
+    body = b'{"model":"m","stream":true,"stream_options":{"include_obfuscation":false}}'
+    out = json.loads(_with_include_usage(body, {"include_obfuscation": False}))
+    assert out["stream_options"] == {"include_obfuscation": False, "include_usage": True}
+    null = json.loads(_with_include_usage(b'{"model":"m","stream":true,"stream_options":null}', None))
+    assert null["stream_options"] == {"include_usage": True}
+
+
 def test_strip_usage_removes_only_what_include_usage_added():
     chunk = b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"hi"}}],"usage":null,"obfuscation":"x"}\n\n'
     assert (

@@ -12,7 +12,8 @@ import pytest
 import zstandard
 
 from tokenward.pricing.usage import Usage, UsageSource
-from tokenward.proxy.metering import Meter, estimate
+from tokenward.proxy import metering, tokenizer
+from tokenward.proxy.metering import Meter, count_input, estimate
 
 CHAT_STREAM = "tests/models/cassettes/test_openai/test_run_stream_sync_streams_real_model.yaml#0"
 GROQ_STREAM = "tests/models/cassettes/test_groq/test_tool_use_failed_error_streaming.yaml#1"
@@ -178,3 +179,17 @@ def meter_stream_with(dialect: str, data: bytes, cuts: list[int]):
         start = cut
     meter.end_stream()
     return meter.finish()
+
+
+def test_long_texts_are_counted_in_pieces_to_the_same_total(monkeypatch):
+    rng = random.Random(7)  # prose, code, punctuation before spaces, runs of spaces, newlines, tabs, CJK
+    words = ["the", "token", "count,", "(x)", "don't", "été", "模型", "\n", "  ", "foo.bar/", "42", "!!", "\t"]
+    text = " ".join(rng.choice(words) for _ in range(6000))
+    monkeypatch.setattr(metering, "_PIECE", 997)  # ~30 pieces, each cut before a space after a non-space
+    for model, encoding in (("gpt-4o", "o200k_base"), ("gpt-4", "cl100k_base")):
+        whole = tokenizer.count_tokens(text, encoding)
+        assert count_input("openai", {"input": text}, model) == whole
+        chat = {"messages": [{"role": "user", "content": text}]}
+        assert count_input("openai", chat, model) == whole + 1 + 3 + 3  # "user", one message, the reply priming
+    run = "QUJD" * 2500  # 10,000 characters and no space (base64): cut at the piece size, ~10 cuts
+    assert abs(count_input("openai", {"input": run}, "gpt-4o") - tokenizer.count_tokens(run, "o200k_base")) <= 10

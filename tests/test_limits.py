@@ -1,0 +1,468 @@
+"""Limits a client cannot push past: body size (413), body and head time (408), head size (431),
+keep-alive, connections (503), JSON of any depth or shape (400), and the memory a large body costs.
+
+Real uvicorn servers (in a thread, or ``tokenward serve`` in a subprocess for memory), raw
+sockets for the slow cases, the simulator as upstream, and the ledger rows each refusal leaves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tokenward.pricing.settings import BudgetSettings
+from tokenward.proxy.errors import ProxyError
+from tokenward.proxy.limits import BodyLimits, body_stream, read_body
+from tokenward.proxy.simulator import RECORD_HEADER
+
+CHAT = "tests/models/cassettes/test_openai/test_extra_headers.yaml#0"
+CHAT_BODY = {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}
+MIB = 1024 * 1024
+
+
+def address(url: str) -> tuple[str, int]:
+    parts = urlsplit(url)
+    assert parts.hostname is not None and parts.port is not None
+    return parts.hostname, parts.port
+
+
+def read_reply(sock: socket.socket, timeout: float = 10.0) -> tuple[bytes, bool]:
+    """Everything the server sends until it closes (or ``timeout``); and whether it closed."""
+    sock.settimeout(timeout)
+    data = b""
+    try:
+        while True:
+            chunk = sock.recv(65536)
+            if not chunk:
+                return data, True
+            data += chunk
+    except TimeoutError:
+        return data, False
+    except ConnectionResetError:
+        return data, True
+
+
+def status_of(reply: bytes) -> int:
+    return int(reply.split(b" ", 2)[1])
+
+
+def error_of(reply: bytes) -> dict:
+    return json.loads(reply.partition(b"\r\n\r\n")[2])["error"]
+
+
+def head(path: str, length: int | None = None, extra: str = "") -> bytes:
+    lines = [f"POST {path} HTTP/1.1", "host: tokenward", "content-type: application/json"]
+    if length is not None:
+        lines.append(f"content-length: {length}")
+    return ("\r\n".join(lines) + "\r\n" + extra + "\r\n").encode()
+
+
+# --- body size: 413 -------------------------------------------------------------------------------
+
+
+def test_declared_body_over_the_limit_is_413_before_it_is_read(start_proxy, simulator):
+    proxy = start_proxy(server={"max_body_mib": 1})
+    before = len(simulator.simulator.requests)
+    with socket.create_connection(address(proxy.url)) as sock:
+        sock.sendall(head("/v1/chat/completions", 2 * MIB))  # announced, never sent
+        reply, closed = read_reply(sock)
+    assert status_of(reply) == 413 and closed  # the unread body makes the connection unusable
+    error = error_of(reply)
+    assert error["code"] == "request_too_large" and error["type"] == "invalid_request_error"
+    assert "2,097,152 bytes" in error["message"] and "server.max_body_mib" in error["message"]
+    [row] = proxy.rows(1)
+    assert (row["endpoint"], row["outcome"], row["http_status"]) == ("chat_completions", "client_error", 413)
+    assert len(simulator.simulator.requests) == before  # nothing went upstream
+
+
+def test_chunked_body_growing_past_the_limit_is_413(start_proxy):
+    proxy = start_proxy(server={"max_body_mib": 0.25})
+
+    def chunks():
+        for _ in range(8):
+            yield b"x" * 65536  # 512 KiB in all, no Content-Length
+
+    reply = httpx.post(f"{proxy.url}/v1/chat/completions", content=chunks())
+    assert reply.status_code == 413 and reply.json()["error"]["code"] == "request_too_large"
+    assert reply.headers["connection"] == "close"
+    [row] = proxy.rows(1)
+    assert (row["outcome"], row["http_status"]) == ("client_error", 413)
+
+
+def test_body_at_the_limit_is_served(start_proxy, simulator):
+    proxy = start_proxy(server={"max_body_mib": 1})
+    compact = json.dumps(CHAT_BODY)
+    body = compact[:-1] + " " * (MIB - len(compact)) + "}"  # exactly 1 MiB: the limit is inclusive
+    assert len(body) == MIB
+    reply = httpx.post(f"{proxy.url}/v1/chat/completions", content=body, headers={RECORD_HEADER: CHAT})
+    assert reply.status_code == 200
+    assert len(simulator.simulator.requests[-1]["body"]) == MIB
+
+
+def test_upload_limit_applies_to_other_endpoints(start_proxy, simulator):
+    proxy = start_proxy(server={"max_body_mib": 0.25, "max_upload_mib": 1})
+    files = {"file": ("batch.jsonl", b"y" * (512 * 1024), "application/jsonl")}
+    ok = httpx.post(f"{proxy.url}/v1/files", files=files, data={"purpose": "batch"})
+    assert ok.status_code == 200  # 512 KiB: over max_body_mib, but streamed through under max_upload_mib
+    assert ok.json()["fields"]["file"]["bytes"] == 512 * 1024
+    before = len(simulator.simulator.requests)
+    files = {"file": ("big.jsonl", b"y" * (2 * MIB), "application/jsonl")}
+    refused = httpx.post(f"{proxy.url}/v1/files", files=files, data={"purpose": "batch"})
+    assert refused.status_code == 413 and refused.json()["error"]["code"] == "request_too_large"
+    assert len(simulator.simulator.requests) == before
+    rows = proxy.rows(2)
+    assert [(r["endpoint"], r["outcome"], r["http_status"]) for r in rows] == [
+        ("passthrough", "ok", 200),
+        ("passthrough", "client_error", 413),
+    ]
+
+
+def test_streamed_upload_growing_past_the_limit_is_413(start_proxy):
+    proxy = start_proxy(server={"max_upload_mib": 0.5})
+
+    def chunks():
+        for _ in range(16):
+            yield b"z" * 65536  # 1 MiB, chunked
+
+    reply = httpx.post(f"{proxy.url}/v1/files", content=chunks(), headers={"content-type": "application/jsonl"})
+    assert reply.status_code == 413 and reply.json()["error"]["code"] == "request_too_large"
+    [row] = proxy.rows(1)
+    assert (row["endpoint"], row["outcome"], row["http_status"]) == ("passthrough", "client_error", 413)
+
+
+# --- body time: 408 -------------------------------------------------------------------------------
+
+
+def trickle(sock: socket.socket, data: bytes, gap: float, until: float) -> None:
+    """Send ``data`` a byte at a time, ``gap`` seconds apart, until it is sent or ``until`` passes."""
+    for i in range(len(data)):
+        if time.monotonic() > until:
+            return
+        try:
+            sock.sendall(data[i : i + 1])
+        except OSError:
+            return
+        time.sleep(gap)
+
+
+def test_a_body_sent_a_byte_at_a_time_is_408(start_proxy):
+    proxy = start_proxy(server={"body_timeout_s": 0.5, "body_min_kib_s": 64})
+    body = json.dumps(CHAT_BODY).encode()
+    with socket.create_connection(address(proxy.url)) as sock:
+        sock.sendall(head("/v1/chat/completions", len(body)))
+        started = time.monotonic()
+        trickle(sock, body, 0.05, started + 3)  # 20 bytes/s: the body would take ~3 s
+        reply, closed = read_reply(sock)
+        took = time.monotonic() - started
+    assert status_of(reply) == 408 and closed
+    assert error_of(reply)["code"] == "request_timeout"
+    assert 0.5 <= took < 2.5  # 0.5 s plus a few bytes' worth of time at 64 KiB/s
+    [row] = proxy.rows(1)
+    assert (row["endpoint"], row["outcome"], row["http_status"]) == ("chat_completions", "client_error", 408)
+
+
+def test_a_fast_body_with_pauses_is_served(start_proxy):
+    proxy = start_proxy(server={"body_timeout_s": 0.5, "body_min_kib_s": 64})
+    body = json.dumps(CHAT_BODY).encode()
+    with socket.create_connection(address(proxy.url)) as sock:
+        sock.sendall(head("/v1/chat/completions", len(body), f"{RECORD_HEADER}: {CHAT}\r\n"))
+        sock.sendall(body[:10])
+        time.sleep(0.3)  # one pause, within the 0.5 s every body gets
+        sock.sendall(body[10:])
+        sock.settimeout(10)
+        reply = sock.recv(65536)
+    assert status_of(reply) == 200
+
+
+def test_a_slow_streamed_upload_is_408(start_proxy):
+    proxy = start_proxy(server={"body_timeout_s": 0.5, "body_min_kib_s": 64})
+    with socket.create_connection(address(proxy.url)) as sock:
+        sock.sendall(head("/v1/files", 1000))
+        trickle(sock, b"u" * 1000, 0.05, time.monotonic() + 3)
+        reply, closed = read_reply(sock)
+    assert status_of(reply) == 408 and closed
+    [row] = proxy.rows(1)
+    assert (row["endpoint"], row["http_status"]) == ("passthrough", 408)
+
+
+async def test_read_body_counts_only_time_spent_waiting_for_the_client():
+    limits = BodyLimits(max_bytes=MIB, timeout_s=0.2, min_rate=1024)
+    messages = [{"type": "http.request", "body": b"a" * 100, "more_body": True}] * 5
+    messages.append({"type": "http.request", "body": b"", "more_body": False})
+
+    async def receive():
+        await asyncio.sleep(0.1)  # 0.1 s a message: 0.6 s in all, but each earns 100/1024 s
+        return messages.pop(0)
+
+    assert await read_body(receive, [], limits) == b"a" * 500
+    late = [{"type": "http.request", "body": b"b", "more_body": True}] * 10
+
+    async def slow():
+        await asyncio.sleep(0.1)
+        return late.pop(0)
+
+    with pytest.raises(ProxyError) as info:
+        await read_body(slow, [], limits)
+    assert (info.value.status, info.value.code) == (408, "request_timeout")
+
+
+async def test_read_body_and_body_stream_report_a_disconnect():
+    async def gone():
+        return {"type": "http.disconnect"}
+
+    with pytest.raises(ProxyError) as info:
+        await read_body(gone, [], BodyLimits())
+    assert (info.value.status, info.value.code) == (499, "client_disconnected")
+    with pytest.raises(ProxyError) as info:
+        [chunk async for chunk in body_stream(gone, [], BodyLimits())]
+    assert info.value.status == 499
+
+
+# --- JSON of any depth or shape: 400, never 500 ---------------------------------------------------
+
+BLOCKING = [BudgetSettings(name="all", limit_usd=1000, period="month", action="block")]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"model": "gpt-4o", "messages": ' + b"[" * 10_000 + b"]" * 10_000 + b"}",  # deep where the head is
+        b'{"model": "gpt-4o", "extra": ' + b'{"a":' * 10_000 + b"1" + b"}" * 10_000 + b"}",  # deep, skipped
+        b"[" * 10_000 + b"]" * 10_000,
+        b'{"model": "gpt-4o", "stream": true, "stream_options": {"x": ' + b"[" * 10_000 + b"]" * 10_000 + b"}}",
+    ],
+    ids=["deep-messages", "deep-unknown-member", "deep-array", "deep-stream-options"],
+)
+def test_json_nested_10_000_deep_is_400_invalid_json_with_a_row(start_proxy, body):
+    proxy = start_proxy(budgets=BLOCKING)  # the budget bound decodes the body too
+    reply = httpx.post(f"{proxy.url}/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["code"] == "invalid_json" and "Traceback" not in reply.text
+    [row] = proxy.rows(1)
+    assert (row["outcome"], row["http_status"], row["endpoint"]) == ("client_error", 400, "chat_completions")
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=30,
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    value=json_values,
+    model=st.one_of(json_values, st.just("gpt-4o")),
+    where=st.sampled_from(["messages", "input", "stream_options", "tools", "max_tokens", "n", "metadata"]),
+)
+def test_any_json_shape_is_answered_without_a_500(proxy_for_shapes, value, model, where):
+    body = {"model": model, where: value, "stream": where == "stream_options"}
+    reply = httpx.post(f"{proxy_for_shapes.url}/v1/chat/completions", json=body)
+    assert reply.status_code != 500, reply.text
+    assert "Traceback" not in reply.text
+
+
+@pytest.mark.parametrize("raw", [b"", b"  ", b"[]", b'"text"', b"1e999", b"nul", b"\xff\xfe{}", b'{"model": 1e999}'])
+def test_bodies_that_are_no_json_object_are_400(start_proxy, raw):
+    proxy = start_proxy(budgets=BLOCKING)
+    reply = httpx.post(f"{proxy.url}/v1/chat/completions", content=raw)
+    assert reply.status_code in (400, 404), reply.text  # 404: the simulator has no recording for a valid object
+    if reply.status_code == 400:
+        assert reply.json()["error"]["code"] == "invalid_json"
+
+
+@pytest.fixture(scope="module")
+def proxy_for_shapes(tmp_path_factory, simulator):
+    from .conftest import ProxyFactory
+
+    factory = ProxyFactory(tmp_path_factory.mktemp("shapes"), simulator)
+    yield factory(budgets=BLOCKING)
+    factory.stop_all()
+
+
+# --- request heads, keep-alive and connections (below the app: no ledger rows) --------------------
+
+
+def test_a_head_sent_a_byte_at_a_time_is_408_and_closed(start_proxy):
+    proxy = start_proxy(server={"header_timeout_s": 0.5})
+    with socket.create_connection(address(proxy.url)) as sock:
+        started = time.monotonic()
+        trickle(sock, head("/v1/chat/completions", 10), 0.05, started + 3)
+        reply, closed = read_reply(sock)
+        took = time.monotonic() - started
+    assert status_of(reply) == 408 and closed and 0.5 <= took < 1.5
+    assert error_of(reply)["code"] == "request_timeout"
+    assert "server.header_timeout_s" in error_of(reply)["message"]
+    assert proxy.rows() == []  # no request ever arrived
+
+
+def test_a_connection_that_sends_nothing_is_closed_quietly(start_proxy):
+    proxy = start_proxy(server={"header_timeout_s": 0.3})
+    with socket.create_connection(address(proxy.url)) as sock:
+        started = time.monotonic()
+        reply, closed = read_reply(sock, timeout=5)
+    assert (reply, closed) == (b"", True) and time.monotonic() - started < 2
+
+
+def test_a_head_over_the_size_limit_is_431(start_proxy):
+    proxy = start_proxy(server={"max_header_kib": 8})
+    with socket.create_connection(address(proxy.url)) as sock:
+        sock.sendall(head("/v1/chat/completions", 2, "x-padding: " + "p" * 9000 + "\r\n"))
+        reply, closed = read_reply(sock)
+    assert status_of(reply) == 431 and closed
+    assert error_of(reply)["code"] == "request_header_too_large"
+    with socket.create_connection(address(proxy.url)) as sock:  # a head that never ends is cut off too
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nx-endless: " + b"e" * 20_000)
+        reply, closed = read_reply(sock)
+    assert status_of(reply) == 431 and closed
+
+
+def test_idle_keep_alive_connections_close_and_crlf_trickles_do_not_keep_them(start_proxy):
+    proxy = start_proxy(server={"keep_alive_s": 0.4, "header_timeout_s": 0.8})
+    request = b"GET /healthz HTTP/1.1\r\nhost: tokenward\r\n\r\n"
+    with socket.create_connection(address(proxy.url)) as sock:
+        sock.sendall(request)
+        sock.settimeout(5)
+        assert status_of(sock.recv(65536)) == 200
+        started = time.monotonic()
+        reply, closed = read_reply(sock, timeout=5)
+        assert closed and reply == b"" and 0.3 < time.monotonic() - started < 2
+    with socket.create_connection(address(proxy.url)) as sock:
+        sock.sendall(request)
+        sock.settimeout(5)
+        assert status_of(sock.recv(65536)) == 200
+        started = time.monotonic()
+        trickle(sock, b"\r\n" * 40, 0.1, started + 4)  # resets uvicorn's keep-alive timer each time
+        reply, closed = read_reply(sock, timeout=5)
+        assert closed and time.monotonic() - started < 3
+
+
+def test_connections_beyond_the_limit_get_503(start_proxy):
+    proxy = start_proxy(server={"max_connections": 2, "header_timeout_s": 5})
+    first = socket.create_connection(address(proxy.url))
+    second = socket.create_connection(address(proxy.url))
+    try:
+        time.sleep(0.2)
+        with socket.create_connection(address(proxy.url)) as third:
+            third.sendall(b"GET /healthz HTTP/1.1\r\nhost: tokenward\r\n\r\n")
+            reply, _ = read_reply(third, timeout=5)
+        assert status_of(reply) == 503
+    finally:
+        first.close()
+        second.close()
+    time.sleep(0.2)
+    assert httpx.get(f"{proxy.url}/healthz").status_code == 200
+
+
+# --- a real `tokenward serve`: memory of a maximum-size body, escaped log lines --------------------
+
+
+def memory_mib(pid: int) -> tuple[float, float]:
+    """Resident and peak resident memory of a process, in MiB (Linux /proc)."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
+
+
+@pytest.fixture
+def served(tmp_path, simulator):
+    """``tokenward serve`` in its own process, with a blocking budget and the access log on."""
+    if not Path("/proc/self/clear_refs").exists():
+        pytest.skip("needs Linux /proc to read peak memory")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = tmp_path / "tokenward.yaml"
+    config.write_text(
+        f"""
+server: {{port: {port}}}
+ledger: {{path: ledger.duckdb, flush_interval_s: 0.05}}
+upstreams: [{{name: openai, base_url: "{simulator.url}/openai/v1", provider: openai, default: true}}]
+budgets: [{{name: all, limit_usd: 100000, period: month, action: block}}]
+"""
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tokenward.proxy", "serve", "--config", str(config), "--access-log"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,  # uvicorn's access log goes to stdout
+        text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            if httpx.get(f"{url}/healthz").status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        assert process.poll() is None and time.monotonic() < deadline, "proxy did not start"
+        time.sleep(0.1)
+    yield url, process
+    if process.poll() is None:
+        process.terminate()
+        process.communicate(timeout=30)
+
+
+def test_a_maximum_size_body_costs_at_most_three_times_its_size(served):
+    url, process = served
+    with httpx.Client(timeout=120) as client:
+        assert (
+            client.post(f"{url}/v1/chat/completions", json=CHAT_BODY, headers={RECORD_HEADER: CHAT}).status_code == 200
+        )
+        words = "lorem ipsum dolor sit amet, consectetur adipiscing elit. "
+        text = (words * (32 * MIB // len(words)))[: 32 * MIB - 200]
+        body = json.dumps({"model": "gpt-4o", "stream": True, "messages": [{"role": "user", "content": text}]})
+        assert 32 * MIB - 200 < len(body) <= 32 * MIB  # just under server.max_body_mib's default
+        Path(f"/proc/{process.pid}/clear_refs").write_text("5")  # restart the peak from the current size
+        before, _ = memory_mib(process.pid)
+        reply = client.post(f"{url}/v1/chat/completions", content=body, headers={RECORD_HEADER: CHAT})
+        _, peak = memory_mib(process.pid)
+    assert reply.status_code == 200
+    grew = peak - before
+    print(f"peak RSS grew {grew:.0f} MiB for a {len(body) / MIB:.0f} MiB body")
+    assert grew <= 3 * len(body) / MIB  # the bound the issue asks for; measured ~2x (bench_body_memory.py)
+
+
+LOGGING_AS_SERVE = """
+import logging
+from litestar import Litestar
+from tokenward.proxy.server import _uvicorn_config
+from tokenward.reports.sanitize import escape_log_lines
+logging.basicConfig(level="INFO", format="%(levelname)s %(name)s: %(message)s")  # as `tokenward serve`
+_uvicorn_config(Litestar([]), "127.0.0.1", 0, "info", True)  # uvicorn's own handlers, as `run` builds them
+escape_log_lines()
+logging.getLogger("tokenward.proxy").warning("model %s refused", "gpt\\r\\nFORGED root line")
+logging.getLogger("uvicorn.error").warning("client said %s", "hi\\nFORGED uvicorn line\\u202e")
+logging.getLogger("uvicorn.access").info('%s - "%s %s HTTP/%s" %d', "1.2.3.4:5", "GET", "/x\\r\\nFORGED access", "1.1", 200)
+"""
+
+
+def test_log_lines_escape_control_characters_from_clients():
+    done = subprocess.run([sys.executable, "-c", LOGGING_AS_SERVE], capture_output=True, text=True, timeout=60)
+    lines = (done.stdout + done.stderr).splitlines()
+    assert len(lines) == 3 and all(line.startswith(("WARNING", "INFO")) for line in lines), lines  # no forged line
+    assert any(line.endswith("model gpt\\x0d\\x0aFORGED root line refused") for line in lines), lines
+    assert any(line.endswith("client said hi\\x0aFORGED uvicorn line\\u202e") for line in lines), lines
+    assert any('"GET /x\\x0d\\x0aFORGED access HTTP/1.1" 200' in line for line in lines), lines
+
+
+def test_limits_are_validated_where_they_are_configured(tmp_path):
+    from tokenward.proxy.config import ConfigError, load_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text("upstreams: [{name: u, base_url: 'http://127.0.0.1:1/v1'}]\nserver: {max_body_mib: 0}\n")
+    with pytest.raises(ConfigError, match=r"server\.max_body_mib"):
+        load_config(path)
+    path.write_text("upstreams: [{name: u, base_url: 'http://127.0.0.1:1/v1'}]\nserver: {max_connections: 0}\n")
+    with pytest.raises(ConfigError, match=r"server\.max_connections"):
+        load_config(path)
