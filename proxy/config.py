@@ -106,7 +106,9 @@ class UpstreamConfig(_Section):
     reply byte reached the client, when the connection fails or the upstream answers one of
     ``retry_statuses`` (backoff ``retry_backoff_s`` doubling, or the reply's ``Retry-After`` up to
     30 s). Off by default: client SDKs retry on their own. ``unpriced`` overrides the pricing
-    section's policy for requests to a model with no price.
+    section's policy for requests to a model with no price. ``price_as`` prices every request
+    routed here as that catalog model, whatever model the reply names (an Azure deployment of a
+    known base model); rows say ``price_resolved_by: price_as_upstream``.
     """
 
     name: str
@@ -121,6 +123,7 @@ class UpstreamConfig(_Section):
     read_timeout_s: float = 600.0
     stream_usage: Literal["ask", "always"] = "ask"
     unpriced: UnpricedPolicy | None = None
+    price_as: str | None = None
     retries: int = 0
     retry_statuses: list[int] = msgspec.field(default_factory=lambda: [429, 500, 502, 503, 504])
     retry_backoff_s: float = 0.5
