@@ -99,3 +99,42 @@ def test_a_requested_model_pin_applies_through_the_proxy(start_proxy, simulator)
         "price_as_model",
         Decimal("0.004015"),
     )
+
+
+def test_reprice_keeps_pins_and_repair_flags(tmp_path):
+    from tokenward.proxy.exchange import Exchange, Outcome
+    from tokenward.proxy.recorder import build_row
+    from tokenward.reports.ledger import Spool, open_ledger
+    from tokenward.reports.reprice import reprice
+
+    catalog = load_catalog([PRICES], builtin=False, price_as={"prod-gpt4o": "gpt-4o"})
+    usage = Usage(input_tokens=2150, cached_input_tokens=2048, output_tokens=120)
+    rows = []
+    for request_id, requested, pin, repairs in (
+        ("upstream-pin", "contoso-chat-prod", "gpt-4o", ()),
+        ("model-pin", "prod-gpt4o", None, ()),
+        ("repaired", "gpt-4.1", None, ("R1: test",)),
+    ):
+        ex = Exchange(endpoint="chat_completions", method="POST", path="/v1/chat/completions", request_id=request_id)
+        ex.requested_model, ex.served_model, ex.provider, ex.price_as = requested, "gpt-4.1", "test", pin
+        ex.usage = Usage(
+            **{k: getattr(usage, k) for k in ("input_tokens", "cached_input_tokens", "output_tokens")}, repairs=repairs
+        )
+        ex.end(Outcome.OK, 200)
+        rows.append(build_row(ex, catalog))
+    ledger = tmp_path / "l.duckdb"
+    Spool(ledger).write(rows)
+    Spool(ledger).ingest()
+    conn = open_ledger(ledger)
+    result = reprice(conn, catalog)
+    stored = conn.execute(
+        "SELECT request_id, price_status, price_entry_id, cost_usd FROM requests ORDER BY 1"
+    ).fetchall()
+    conn.close()
+    assert (result.rows_checked, result.rows_changed) == (3, 0)  # nothing moves: pins and flags survive
+    # pinned rows at gpt-4o (B09: $0.004015), the repaired one at the served gpt-4.1 ($0.002188), still flagged
+    assert stored == [
+        ("model-pin", "priced", "test/gpt-4o", Decimal("0.004015")),
+        ("repaired", "repaired", "test/gpt-4.1", Decimal("0.002188")),
+        ("upstream-pin", "priced", "test/gpt-4o", Decimal("0.004015")),
+    ]
