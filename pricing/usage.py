@@ -121,24 +121,20 @@ TOKEN_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Usage) if f.name no
 """Names of the integer count fields of :class:`Usage`, in ledger column order."""
 
 
-def read_count(value: Any, name: str, problems: list[str]) -> int | None:
+def read_count(value: Any, name: str, problems: list[str], prefix: str = "") -> int | None:
     """Read one provider count: ``None`` when absent (``null`` or missing), else a valid count.
 
     Accepts an ``int`` (not ``bool``) or an integral finite ``float`` in ``[0, 2**53)``. Anything
-    else is refused: ``"<name>: <value> is not a count ..."`` is appended to ``problems`` and
-    ``None`` returned, so the caller reads it as absent and the usage is flagged invalid.
+    else is refused: ``"<prefix><name>: <value> is not a count ..."`` is appended to ``problems``
+    and ``None`` returned, so the caller reads it as absent and the usage is flagged invalid.
     """
+    if type(value) is int and 0 <= value < MAX_COUNT:  # the common case first: this runs per field
+        return value
     if value is None:
         return None
-    if type(value) is int:
-        number = value
-    elif type(value) is float and math.isfinite(value) and value.is_integer():
-        number = int(value)
-    else:
-        number = -1
-    if 0 <= number < MAX_COUNT:
-        return number
-    problems.append(f"{name}: {_shown(value)} is not a count (an integer 0 <= n < 2^53)")
+    if type(value) is float and math.isfinite(value) and value.is_integer() and 0 <= value < MAX_COUNT:
+        return int(value)
+    problems.append(f"{prefix}{name}: {_shown(value)} is not a count (an integer 0 <= n < 2^53)")
     return None
 
 

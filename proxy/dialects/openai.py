@@ -110,7 +110,9 @@ def observe_body(body: bytes, seen: Observation) -> None:
     """
     view = _decode_view(body)
     observe(view, seen)
-    if b'"web_search_call"' in body or b'"executed_tools"' in body:
+    # hosted tool calls: Responses output items, or Groq's executed_tools in chat choices (one search of the bytes)
+    marker = b'"web_search_call"' if view.object == "response" or view.type is not None else b'"executed_tools"'
+    if marker in body:
         _observe_tools(_decode_tools(body), view, seen)
 
 
@@ -194,50 +196,65 @@ def to_usage(raw: dict[str, Any], tool_usage: dict[str, Any] | None = None, *, s
     repairs: list[str] = []
 
     def count(holder: dict[str, Any], key: str, where: str = "") -> int | None:
-        return read_count(holder.get(key), where + key, problems)
+        return read_count(holder.get(key), key, problems, where)
+
+    def first(*places: tuple[dict[str, Any], str, str]) -> int | None:
+        """The first of these counts that is present (later ones are not read: one shape, never two added)."""
+        for holder, key, where in places:
+            value = count(holder, key, where)
+            if value is not None:
+                return value
+        return None
 
     in_details = _dict(raw.get("prompt_tokens_details")) or _dict(raw.get("input_tokens_details"))
     in_name = "prompt_tokens_details." if raw.get("prompt_tokens_details") else "input_tokens_details."
     out_details = _dict(raw.get("completion_tokens_details")) or _dict(raw.get("output_tokens_details"))
     out_name = "completion_tokens_details." if raw.get("completion_tokens_details") else "output_tokens_details."
 
-    prompt = _first(count(raw, "prompt_tokens"), count(raw, "input_tokens"))
-    completion = _first(count(raw, "completion_tokens"), count(raw, "output_tokens"))
+    prompt = first((raw, "prompt_tokens", ""), (raw, "input_tokens", ""))
+    completion = first((raw, "completion_tokens", ""), (raw, "output_tokens", ""))
     total = count(raw, "total_tokens")
     if prompt is None and raw.get("prompt_tokens") is None and raw.get("input_tokens") is None:
         prompt = max((total or 0) - (completion or 0), 0)  # Voyage embeddings report only total_tokens
     prompt = prompt or 0
     completion = completion or 0
 
-    cached = _first(
-        count(in_details, "cached_tokens", in_name),
-        count(raw, "prompt_cache_hit_tokens"),
-        count(raw, "num_cached_tokens"),
-        count(raw, "cached_tokens"),
-        count(raw, "cache_read_input_tokens"),
+    cached = first(
+        (in_details, "cached_tokens", in_name),
+        (raw, "prompt_cache_hit_tokens", ""),
+        (raw, "num_cached_tokens", ""),
+        (raw, "cached_tokens", ""),
+        (raw, "cache_read_input_tokens", ""),
     )
     cached = cached or 0
-    writes = [
-        count(in_details, "cache_write_tokens", in_name),
-        count(in_details, "cache_creation_input_tokens", in_name),
-        count(in_details, "cache_creation_tokens", in_name),
-        count(raw, "cache_creation_input_tokens"),
-    ]
+    cache_write = 0
+    for holder, key, where in (
+        (in_details, "cache_write_tokens", in_name),
+        (in_details, "cache_creation_input_tokens", in_name),
+        (in_details, "cache_creation_tokens", in_name),
+        (raw, "cache_creation_input_tokens", ""),
+    ):
+        cache_write = count(holder, key, where) or 0
+        if cache_write:  # one name of the same number, but a relay may fill only one of them
+            break
     split = (
         _dict(in_details.get("cache_creation"))
         or _dict(in_details.get("cache_creation_token_details"))
         or _dict(raw.get("cache_creation_token_details"))
     )
-    write_5m = read_count(split.get("ephemeral_5m_input_tokens"), "ephemeral_5m_input_tokens", problems) or 0
-    write_1h = read_count(split.get("ephemeral_1h_input_tokens"), "ephemeral_1h_input_tokens", problems) or 0
-    cache_write = next((w for w in writes if w), 0) or write_5m + write_1h
+    write_1h = 0
+    if split:
+        write_5m = count(split, "ephemeral_5m_input_tokens") or 0
+        write_1h = count(split, "ephemeral_1h_input_tokens") or 0
+        cache_write = cache_write or write_5m + write_1h
 
     reasoning = count(out_details, "reasoning_tokens", out_name) or 0
     if not problems:  # no reading rule is applied to counts that are wrong anyway
         prompt, completion, reasoning = _read_rules(prompt, completion, total, cached, cache_write, reasoning, repairs)
 
-    reported = count(_dict(raw.get("server_tool_use_details")), "web_search_requests", "server_tool_use_details.")
-    searches = max(searches, reported or 0)
+    tools = raw.get("server_tool_use_details")
+    if isinstance(tools, dict):
+        searches = max(searches, count(tools, "web_search_requests", "server_tool_use_details.") or 0)
     if tool_usage:
         web = _dict(tool_usage.get("web_search"))
         searches = max(searches, read_count(web.get("num_requests"), "tool_usage.web_search", problems) or 0)
