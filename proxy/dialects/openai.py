@@ -23,7 +23,8 @@ provider variants of the ``usage`` object recorded in ``shared/fixtures/recorded
 * Web searches billed per call: OpenRouter's ``server_tool_use_details.web_search_requests``,
   the Responses API's ``tool_usage.web_search.num_requests`` and its hosted ``web_search_call``
   output items (in ``output``, in ``response.output_item.done`` events and in the terminal
-  event's ``response.output``: each distinct item id counted once), and Groq compound's
+  event's ``response.output``: each distinct item id counted once, whatever its action:
+  ``search``, ``open_page`` and ``find_in_page`` are each a tool call), and Groq compound's
   ``executed_tools`` of type ``search`` (each tool ``index`` once per choice). The largest of
   these counts is taken, never their sum.
 * Streams: usage may sit on an extra ``choices: []`` chunk, on the finishing chunk, in
