@@ -139,7 +139,9 @@ class Resolution:
     name mapped in the config), ``vendor_prefix`` (``openai/gpt-4o`` at a reseller, priced as the
     vendor's model), ``other_provider`` (the model name listed under another provider),
     ``snapshot`` (a dated snapshot such as ``o1-2024-12-17`` priced as its base model ``o1``;
-    field case B22's ``inferred_base_model``) or ``fallback`` (the configured fallback price).
+    field case B22's ``inferred_base_model``), ``price_as_upstream`` (the upstream's ``price_as``
+    pin), ``price_as_model`` (a ``pricing.price_as`` pin on the requested model) or ``fallback``
+    (the configured fallback price).
     """
 
     entry: PriceEntry
@@ -150,12 +152,15 @@ class Resolution:
 class PriceCatalog:
     """Effective-dated price entries, indexed for :meth:`resolve`; build it with :func:`load_catalog`.
 
-    ``aliases`` maps names seen in traffic (Azure deployment names, house aliases) to catalog
-    model names; ``fallback``, when set, prices models nothing else resolves (rows say so).
+    ``aliases`` maps served names seen in traffic (house aliases) to catalog model names;
+    ``price_as`` pins requested model names (Azure deployment names) to the catalog model they
+    are priced as, whatever model the reply names; ``fallback``, when set, prices models nothing
+    else resolves (rows say so). Keys of both maps are lower-case.
     """
 
     versions: dict[str, list[PriceEntry]] = field(default_factory=dict)
     aliases: dict[str, str] = field(default_factory=dict)
+    price_as: dict[str, str] = field(default_factory=dict)
     fallback: PriceEntry | None = None
     _by_name: dict[tuple[str, str], tuple[str, str]] = field(default_factory=dict, repr=False)
     _by_model: dict[str, str] = field(default_factory=dict, repr=False)
@@ -199,7 +204,14 @@ class PriceCatalog:
         return versions[index - 1] if index else None
 
     def resolve(
-        self, model: str | None, provider: str | None = None, at: dt.datetime | None = None, *, fallback: bool = True
+        self,
+        model: str | None,
+        provider: str | None = None,
+        at: dt.datetime | None = None,
+        *,
+        fallback: bool = True,
+        requested: str | None = None,
+        price_as: str | None = None,
     ) -> Resolution | None:
         """Find the entry version that prices ``model`` served by ``provider`` at instant ``at``.
 
@@ -208,13 +220,27 @@ class PriceCatalog:
             provider: the catalog provider of the upstream that served it, if known.
             at: the request's start (aware); ``None`` means now (the latest versions).
             fallback: whether the configured fallback rates may price an unresolved model.
+            requested: the model name the request asked for (checked against :attr:`price_as`).
+            price_as: a pin that wins over everything: the upstream's ``price_as``.
 
         Returns:
             The entry and the rule that found it, or ``None`` when the model is unpriced (no
-            entry, or none in force at ``at``, and no fallback). Rules are tried in order: a
-            configured alias, provider + name, vendor prefix, any provider, and then the same
-            for the name without a ``-YYYY-MM-DD``/``-YYYYMMDD`` snapshot suffix; then the fallback.
+            entry, or none in force at ``at``, and no fallback). A pin (``price_as``, else
+            ``self.price_as[requested]``) decides alone: its model is resolved by the rules below
+            and the resolution is named ``price_as_upstream`` / ``price_as_model``; a pin naming
+            an unknown model leaves the row unpriced rather than pricing what the reply named.
+            Without a pin, rules are tried in order: a configured alias, provider + name, vendor
+            prefix, any provider, and then the same for the name without a
+            ``-YYYY-MM-DD``/``-YYYYMMDD`` snapshot suffix; then the fallback.
         """
+        pin, how = price_as, "price_as_upstream"
+        if not pin and requested:
+            pin, how = self.price_as.get(requested.lower()), "price_as_model"
+        if pin:
+            found = self.resolve(pin, provider, at, fallback=fallback)
+            if found is None or found.how == "fallback":
+                return found
+            return Resolution(found.entry, how)
         if model:
             key = (model, provider)
             if key not in self._cache:
@@ -315,13 +341,16 @@ def load_catalog(
     builtin: bool = True,
     aliases: Mapping[str, str] | None = None,
     fallback: Mapping[str, Any] | None = None,
+    price_as: Mapping[str, str] | None = None,
 ) -> PriceCatalog:
     """Load the built-in catalog, then each file in ``paths`` in order; later versions win.
 
     Args:
         paths: extra price files.
         builtin: start from the built-in catalog (false: only ``paths``).
-        aliases: served name -> catalog model name (Azure deployments, house aliases).
+        aliases: served name -> catalog model name (house aliases).
+        price_as: requested name -> catalog model it is priced as whatever the reply names
+            (Azure deployment names).
         fallback: rates (USD per 1M tokens) for models nothing else prices; such rows are
             marked as priced by the fallback.
 
@@ -329,7 +358,10 @@ def load_catalog(
         CatalogError: a file is unreadable, not YAML, or an entry is invalid; the message
             names the file, the entry id and the field.
     """
-    catalog = PriceCatalog(aliases={k.lower(): v for k, v in (aliases or {}).items()})
+    catalog = PriceCatalog(
+        aliases={k.lower(): v for k, v in (aliases or {}).items()},
+        price_as={k.lower(): v for k, v in (price_as or {}).items()},
+    )
     files = builtin_catalog_paths() if builtin else []
     for path in (*files, *map(Path, paths)):
         for entry in read_file(path):

@@ -41,6 +41,14 @@ class PriceStatus:
     back: the provider may bill it; ``cost_usd`` is NULL."""
     DEFERRED = "deferred"
     """The provider reports this request's usage later (background Responses): ``cost_usd`` is NULL."""
+    REPAIRED = "repaired"
+    """The counts as reported broke an invariant and were repaired by a documented dialect rule
+    (``violations`` names it, ``raw_usage`` keeps what was reported): ``cost_usd`` is the exact cost
+    of the repaired counts."""
+    USAGE_INVALID = "usage_invalid"
+    """A reported count could not be read (not an integer in ``[0, 2**53)``: negative, 10^19, 1e30,
+    a string) or the counts break an invariant no rule repairs: ``cost_usd`` is NULL, the valid
+    counts and ``raw_usage`` are kept, ``violations`` says what is wrong."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +82,8 @@ def quote(
     at: dt.datetime,
     service_tier: str | None = None,
     fallback: bool = False,
+    requested: str | None = None,
+    price_as: str | None = None,
 ) -> Quote:
     """Price ``usage`` of ``model`` served by ``provider`` for a request that started at ``at``.
 
@@ -85,12 +95,19 @@ def quote(
         at: the request's start (aware): picks the price version in force and the time window.
         service_tier: the tier the response says was served.
         fallback: whether the catalog's fallback rates may price an otherwise unpriced model.
+        requested: the model the request named (a pin in ``catalog.price_as`` applies to it).
+        price_as: the model to price as whatever was served (the upstream's ``price_as``).
 
     Returns:
         A :class:`Quote`; ``lines`` are JSON-ready dicts (component, quantity, rate, amount, rule),
-        plus ``{"note": ...}`` items for anything priced by assumption.
+        plus ``{"note": ...}`` items for anything priced by assumption. Counts that cannot be
+        trusted (``usage.invalid``, or an invariant broken: :meth:`Usage.violations`) are
+        ``usage_invalid`` and not priced; repaired counts (``usage.repairs``) are ``repaired``
+        unless a weaker status applies (unpriced, fallback, partially priced).
     """
-    resolution = catalog.resolve(model, provider, at, fallback=fallback)
+    resolution = catalog.resolve(model, provider, at, fallback=fallback, requested=requested, price_as=price_as)
+    if not usage.trusted:
+        return Quote(PriceStatus.USAGE_INVALID, None, None, None, None, None)
     if resolution is None:
         return Quote(PriceStatus.UNPRICED, None, None, None, None, None)
     cost = price(usage, resolution, at=at, service_tier=service_tier)
@@ -98,6 +115,8 @@ def quote(
         status = PriceStatus.FALLBACK
     elif cost.unpriced_calls or cost.notes:
         status = PriceStatus.PARTIALLY_PRICED
+    elif usage.repairs:
+        status = PriceStatus.REPAIRED
     else:
         status = PriceStatus.PRICED
     lines: list[dict[str, Any]] = [
@@ -130,6 +149,7 @@ def worst_case(
     audio_output: bool = False,
     service_tier: str | None = None,
     fallback: bool = False,
+    price_as: str | None = None,
 ) -> Decimal | None:
     """An upper bound (USD) on what a request can cost, for budget reservations.
 
@@ -144,13 +164,15 @@ def worst_case(
         audio_output: whether the reply may be audio.
         service_tier: the tier the request asks for.
         fallback: whether the catalog's fallback rates may price an otherwise unpriced model.
+        price_as: the model the upstream pins its prices to (as :func:`quote`); a pin in
+            ``catalog.price_as`` for ``model`` applies as well.
 
     Every input token is priced at the highest input-side rate it could be billed at (plain,
     cache write, 1-hour cache write; audio for the audio part), every output token at the highest
     output-side rate (output, reasoning, audio when asked for), with the context tier and served
     tier those counts imply. ``None`` when the model has no price (the request cannot be bounded).
     """
-    resolution = catalog.resolve(model, provider, at, fallback=fallback)
+    resolution = catalog.resolve(model, provider, at, fallback=fallback, requested=model, price_as=price_as)
     if resolution is None:
         return None
     audio = min(audio_input_tokens, input_tokens)

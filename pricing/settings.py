@@ -4,7 +4,8 @@
 
     pricing:
       files: [prices/negotiated.yaml]    # loaded after the built-in catalog; later files win
-      aliases: {prod-gpt4o: gpt-4o}      # served names (Azure deployments, house aliases) -> catalog models
+      aliases: {prod-gpt4o: gpt-4o}      # served names (house aliases) -> catalog models
+      price_as: {my-deployment: gpt-4o}  # requested names (Azure deployments) priced as a catalog model
       unpriced: allow                    # allow | block | fallback (an upstream may override it)
       fallback: {input: 5.0, output: 15.0}   # USD per 1M tokens, used by `unpriced: fallback`
       refresh:                           # optional: import price updates on a schedule
@@ -56,10 +57,16 @@ class RefreshSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class PricingSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """Extra price files, name aliases, the unpriced-model policy and its fallback rates."""
+    """Extra price files, name aliases, price pins, the unpriced-model policy and its fallback rates.
+
+    ``price_as`` pins a requested model name (an Azure deployment) to the catalog model it is
+    priced as, even when the reply names another model; an upstream's own ``price_as`` pins every
+    request routed there.
+    """
 
     files: list[str] = []
     aliases: dict[str, str] = {}
+    price_as: dict[str, str] = {}
     unpriced: UnpricedPolicy = "allow"
     fallback: dict[str, Any] | None = None
     refresh: RefreshSettings | None = None
@@ -81,7 +88,7 @@ def build_catalog(settings: PricingSettings, *, refresh_file: str | None = None)
     fallback = None
     if settings.fallback:
         fallback = {k: Decimal(repr(v)) if isinstance(v, float) else v for k, v in settings.fallback.items()}
-    return load_catalog(files, aliases=settings.aliases, fallback=fallback)
+    return load_catalog(files, aliases=settings.aliases, fallback=fallback, price_as=settings.price_as)
 
 
 class BudgetSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

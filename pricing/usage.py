@@ -15,14 +15,30 @@ Every dialect module (``tokenward.proxy.dialects``) maps a provider's usage payl
 * ``web_search_requests`` counts server-side tool calls priced per call, not per token.
 
 All counts are integer tokens (or calls); an explicit 0 from a provider is stored as 0.
+
+Counts are validated where they enter (:func:`read_count`, used by every dialect, and
+:class:`Usage` itself): a count is an integer with ``0 <= n < 2**53`` (an integral float such as
+``12.0`` is read as 12). Anything else (a negative number, ``10**19``, ``1e30``, ``1.5``, a string,
+``true``) is never stored: the field holds 0 and :attr:`Usage.invalid` says what was refused,
+so the row is recorded ``usage_invalid`` (unpriced, raw usage kept) instead of raising or
+corrupting a sum. Constructing a :class:`Usage` never raises on provider input.
+
+:attr:`Usage.repairs` lists the documented rules a dialect applied to counts that broke an
+invariant as reported (for instance cache hits larger than the input, from a relay that counts
+them outside it); such rows are recorded ``repaired``, never plain ``priced``.
 """
 
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, fields
+from typing import Any
 
-__all__ = ["TOKEN_FIELDS", "Usage", "UsageSource"]
+__all__ = ["MAX_COUNT", "TOKEN_FIELDS", "Usage", "UsageSource", "read_count"]
+
+MAX_COUNT = 2**53
+"""Counts must be below this (2^53: exact as a float, far beyond any real request)."""
 
 
 class UsageSource(enum.StrEnum):
@@ -42,8 +58,9 @@ class UsageSource(enum.StrEnum):
 class Usage:
     """Canonical token counts of one upstream exchange (all values are integer tokens).
 
-    Raises:
-        TypeError: a count is not an ``int`` (``bool`` excluded).
+    Never raises: a count that is not an ``int`` in ``[0, 2**53)`` (``bool`` excluded) is stored
+    as 0 and described in ``invalid``. ``invalid`` and ``repairs`` are notes (``"field: why"``),
+    not counts (they are not in :data:`TOKEN_FIELDS`).
     """
 
     input_tokens: int = 0
@@ -57,12 +74,18 @@ class Usage:
     image_input_tokens: int = 0
     web_search_requests: int = 0
     source: UsageSource = UsageSource.REPORTED
+    invalid: tuple[str, ...] = ()
+    repairs: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        refused = []
         for name in TOKEN_FIELDS:
             value = getattr(self, name)
-            if type(value) is not int:
-                raise TypeError(f"Usage.{name} must be an int, got {type(value).__name__}")
+            if type(value) is not int or not 0 <= value < MAX_COUNT:
+                refused.append(f"{name}: {_shown(value)} is not a count (an integer 0 <= n < 2^53)")
+                object.__setattr__(self, name, 0)
+        if refused:
+            object.__setattr__(self, "invalid", (*self.invalid, *refused))
 
     @property
     def uncached_input_tokens(self) -> int:
@@ -88,6 +111,33 @@ class Usage:
             problems.append("audio_input_tokens + image_input_tokens > input_tokens")
         return problems
 
+    @property
+    def trusted(self) -> bool:
+        """Whether the counts can be priced: every count was valid and no invariant is broken."""
+        return not self.invalid and not self.violations()
 
-TOKEN_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Usage) if f.name != "source")
+
+TOKEN_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Usage) if f.name not in ("source", "invalid", "repairs"))
 """Names of the integer count fields of :class:`Usage`, in ledger column order."""
+
+
+def read_count(value: Any, name: str, problems: list[str], prefix: str = "") -> int | None:
+    """Read one provider count: ``None`` when absent (``null`` or missing), else a valid count.
+
+    Accepts an ``int`` (not ``bool``) or an integral finite ``float`` in ``[0, 2**53)``. Anything
+    else is refused: ``"<prefix><name>: <value> is not a count ..."`` is appended to ``problems``
+    and ``None`` returned, so the caller reads it as absent and the usage is flagged invalid.
+    """
+    if type(value) is int and 0 <= value < MAX_COUNT:  # the common case first: this runs per field
+        return value
+    if value is None:
+        return None
+    if type(value) is float and math.isfinite(value) and value.is_integer() and 0 <= value < MAX_COUNT:
+        return int(value)
+    problems.append(f"{prefix}{name}: {_shown(value)} is not a count (an integer 0 <= n < 2^53)")
+    return None
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."

@@ -207,6 +207,9 @@ class UpstreamConfig(_Section):
     speaks, ``openai`` or ``anthropic`` (default: ``anthropic`` when the name, the provider or the
     base URL's host says so, else ``openai``); Anthropic requests (``/v1/messages...``, or any
     request with ``anthropic-version``) go to an Anthropic upstream when one is configured.
+    ``price_as`` prices every request
+    routed here as that catalog model, whatever model the reply names (an Azure deployment of a
+    known base model); rows say ``price_resolved_by: price_as_upstream``.
     """
 
     name: str
@@ -221,6 +224,7 @@ class UpstreamConfig(_Section):
     read_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 600.0
     stream_usage: Literal["ask", "always"] | None = None
     unpriced: UnpricedPolicy | None = None
+    price_as: str | None = None
     retries: Annotated[int, msgspec.Meta(ge=0, le=10)] = 0
     retry_statuses: list[Annotated[int, msgspec.Meta(ge=400, le=599)]] = msgspec.field(
         default_factory=lambda: [429, 500, 502, 503, 504]

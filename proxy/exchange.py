@@ -57,7 +57,8 @@ class Exchange:
     reply (or usage) came back; ``parts`` hold usage spent on other models inside the request.
     ``row_kind`` is ``request`` except for the record of an earlier upstream attempt of a
     retried request (``attempt``, linked by ``parent_request_id``). ``price_fallback`` lets the
-    configured fallback rates price a model with no price (the upstream's ``unpriced: fallback``).
+    configured fallback rates price a model with no price (the upstream's ``unpriced: fallback``);
+    ``price_as`` is the catalog model the upstream pins its prices to (its ``price_as``).
     ``reserved_usd`` is the worst case a blocking budget held for the request.
     """
 
@@ -90,6 +91,7 @@ class Exchange:
     usage_deferred: bool = False
     maybe_billed: bool = False
     price_fallback: bool = False
+    price_as: str | None = None
     reservation: Any = None
     reserved_usd: Decimal | None = None
     parts: list[tuple[str, Usage]] = field(default_factory=list)
@@ -119,6 +121,7 @@ class Exchange:
             provider=self.provider,
             requested_model=self.requested_model,
             stream=self.stream,
+            price_as=self.price_as,
             row_kind="attempt",
             parent_request_id=self.request_id,
         )

@@ -39,6 +39,7 @@ from tokenward.pricing.usage import UsageSource
 from tokenward.proxy import tokenizer
 from tokenward.proxy.bounds import Unmetered, scan
 from tokenward.proxy.config import UpstreamConfig
+from tokenward.proxy.dialects.claude_code import parse_user_id
 from tokenward.proxy.edge import METERED_ENDPOINTS, EdgeError, Endpoint, Target, request_dialect, target
 from tokenward.proxy.errors import ProxyError
 from tokenward.proxy.exchange import Exchange, Outcome
@@ -246,11 +247,12 @@ class Forwarder:
             raise ProxyError(400, "The JSON body of your request is nested too deeply.", "invalid_json") from None
         ex.requested_model = head.model if isinstance(head.model, str) else None
         ex.stream = head.stream is True
+        # Anthropic: metadata.user_id (Claude Code's holds account, device and session ids)
+        identity = parse_user_id(head.metadata.get("user_id")) if isinstance(head.metadata, dict) else None
+        ex.session_id = ex.session_id or (identity and identity.session_id)
         if ex.end_user is None:
             user = head.user if isinstance(head.user, str) else None
-            if user is None and isinstance(head.metadata, dict):  # Anthropic: metadata.user_id
-                user = head.metadata.get("user_id") if isinstance(head.metadata.get("user_id"), str) else None
-            ex.end_user = user
+            ex.end_user = user if user is not None else identity and identity.end_user
         assert inbound.identity is not None
         _settle_attribution(ex, inbound.identity)
         route = self.router.pick(ex.requested_model, inbound.upstream, endpoint.dialect)
@@ -348,6 +350,7 @@ class Forwarder:
             audio_output=extra.audio_output,
             service_tier=head.service_tier if isinstance(head.service_tier, str) else None,
             fallback=ex.price_fallback,
+            price_as=ex.price_as,
         )
         return bound, extra.unbounded
 
@@ -412,11 +415,13 @@ class Forwarder:
     def _attach(self, ex: Exchange, route: Route, inbound: _Inbound) -> None:
         ex.upstream = route.name
         ex.provider = route.config.catalog_provider
+        ex.price_as = route.config.price_as
         policy = self.unpriced_policy(route.config)
         ex.price_fallback = policy == "fallback"
         if policy == "block" and ex.endpoint != "passthrough":
             at = dt.datetime.fromtimestamp(ex.started_at, dt.UTC)
-            if self.recorder.catalog.resolve(ex.requested_model, ex.provider, at, fallback=False) is None:
+            model, catalog = ex.requested_model, self.recorder.catalog
+            if catalog.resolve(model, ex.provider, at, fallback=False, requested=model, price_as=ex.price_as) is None:
                 raise ProxyError(
                     400,
                     f"tokenward has no price for model {ex.requested_model!r} at upstream {route.name!r}, "
@@ -566,7 +571,25 @@ class Forwarder:
         await self.recorder.commit(relay.ex)
 
     async def complete(self, relay: Relay) -> None:
-        """Meter what the reply said and record the exchange (awaited once by the relay)."""
+        """Meter what the reply said, classify how it ended, and record the exchange (awaited once by the relay).
+
+        Classification, for a metered reply:
+
+        * an error the upstream reported inside a 2xx reply (an error event, an error chunk, a
+          failed Responses object) makes an ``ok`` exchange ``upstream_error``;
+        * a stream that ended without its terminal event (:attr:`Meter.complete`) makes an ``ok``
+          exchange ``upstream_failed``;
+        * usage reported: recorded as reported;
+        * none reported, the upstream said 2xx: a body that broke off or was cut mid-body may be
+          billed (``maybe_billed``: price status ``usage_unknown``); a background reply's usage is
+          deferred; otherwise tokens are estimated, ``estimated`` when the reply ended well and
+          ``partial`` when it did not (client gone, stream cut, error event). After an error event
+          only generated content is billed: an error before any content is not billed;
+        * none reported, the upstream said 4xx/5xx: not billed.
+
+        What the meter relayed without metering (an SSE event over its cap, an undecodable body)
+        is noted in the row's ``error``.
+        """
         ex, meter, request_body = relay.ex, relay.meter, relay.request_body
         if meter is None:
             await self.recorder.commit(ex)
@@ -579,18 +602,27 @@ class Forwarder:
             ex.error = ex.error or result.error
             if ex.outcome is Outcome.OK:
                 ex.outcome = Outcome.UPSTREAM_ERROR
+        elif relay.streaming and not result.complete and ex.outcome is Outcome.OK:
+            ex.outcome = Outcome.UPSTREAM_FAILED
+            ex.error = ex.error or "the stream ended without its terminal event"
+        if result.unmetered is not None:
+            ex.error = f"{ex.error}; {result.unmetered}" if ex.error else result.unmetered
         if result.usage is not None:
             ex.usage = result.usage
             ex.parts = result.parts
             ex.raw_usage = result.raw_usage
             await self.recorder.commit(ex)
             return
-        status = ex.http_status or 0
-        billable = 200 <= status < 300 and result.error is None and relay.got_reply
-        if billable and relay.deferred_usage:
+        reply_status = relay.reply.status if relay.reply is not None else (ex.http_status or 0)
+        if not 200 <= reply_status < 300:
+            await self.recorder.commit(ex)
+            return
+        if not relay.got_reply or (not relay.streaming and not result.complete):
+            ex.maybe_billed = True  # the body broke off or was cut mid-body: the provider may bill it
+            await self.recorder.commit(ex)
+            return
+        if relay.deferred_usage and result.error is None:
             ex.usage_deferred = True
-            billable = False
-        if not billable:
             await self.recorder.commit(ex)
             return
         source = UsageSource.ESTIMATED if ex.outcome is Outcome.OK else UsageSource.PARTIAL
@@ -602,6 +634,8 @@ class Forwarder:
             stream=relay.streaming,
             model=ex.served_model or ex.requested_model,
             source=source,
+            web_search_requests=result.web_search_calls,
+            only_if_output=result.error is not None,
         )
         await self.recorder.commit(ex, estimate=job)
 

@@ -4,11 +4,25 @@ A :class:`Meter` is fed the reply exactly as the upstream sent it, either a whol
 (:meth:`Meter.feed_body`) or stream chunks as they arrive (:meth:`Meter.feed_stream`), and
 decodes any ``Content-Encoding`` on the side. For streams it splits events with
 :class:`~tokenward.proxy.sse.SSEDecoder` and parses only the events that can matter: the first
-(for the served model) and those whose bytes hold a usage or error object; the rest are
-relayed without being parsed. :meth:`Meter.finish` maps what was seen through the dialect.
+(for the served model) and those whose bytes hold a usage or error object or a hosted tool call;
+the rest are relayed without being parsed. :meth:`Meter.finish` maps what was seen through the
+dialect.
+
+:attr:`Meter.complete` says whether the reply ended the way its format ends: a stream's terminal
+event was seen (``data: [DONE]``, a ``finish_reason``, Anthropic's ``message_stop`` or a
+``stop_reason``, a Responses ``response.completed`` / ``response.incomplete`` /
+``response.failed``, an ``error`` event), or a body that looks like JSON decoded whole. A
+stream without it was cut; a JSON body that does not decode was cut mid-body. The caller
+classifies the exchange from it (``Forwarder.complete``).
+
+An SSE event over the decoder's cap (8 MiB) is relayed but not parsed, and a reply whose
+content-encoding cannot be decoded is relayed but not metered; :attr:`Meter.unmetered` then says
+what was skipped, for the row.
 
 When the upstream reported no usage, :func:`estimate` counts tokens with the offline tokenizer
-(:mod:`tokenward.proxy.tokenizer`); it is CPU-bound and meant to run in a worker thread.
+(:mod:`tokenward.proxy.tokenizer`): each choice's (or content block's) text is joined across
+stream events before it is counted, as the model produced it. It is CPU-bound and meant to run
+in a worker thread.
 """
 
 from __future__ import annotations
@@ -25,7 +39,7 @@ import msgspec
 from tokenward.pricing.usage import Usage, UsageSource
 from tokenward.proxy import tokenizer
 from tokenward.proxy.dialects import DIALECTS, Observation
-from tokenward.proxy.sse import SSEDecoder, parse_event
+from tokenward.proxy.sse import Fragment, SSEDecoder, parse_event
 
 __all__ = ["Meter", "MeterResult", "count_input", "estimate"]
 
@@ -37,6 +51,9 @@ _TERMINAL = re.compile(
     rb'|"type"\s*:\s*"(?:message_stop|response\.(?:completed|failed|incomplete))"',
     re.MULTILINE,
 )
+_ENDINGS = frozenset({"message_stop", "response.completed", "response.incomplete", "response.failed", "error"})
+_DONE = re.compile(rb"^data:[ ]?\[DONE\]\s*$", re.MULTILINE)
+_EVENT_ERROR = re.compile(rb"^event:[ ]?error\s*$", re.MULTILINE)
 _KEEP_FOR_ESTIMATE = 16 * 1024 * 1024  # bytes of reply kept in case the upstream reports no usage
 _PIECE = 1 << 20  # characters tokenized at once: bounds the list of token ids tiktoken builds (~36 bytes each)
 _CUT_TRIES = 64
@@ -52,7 +69,9 @@ class MeterResult:
 
     ``usage`` is ``None`` when the upstream reported none; ``parts`` are usage spent on other
     models inside the request (``(model, usage)``); ``raw_usage`` is the provider's usage object
-    as received (kept in the ledger for audits and re-pricing).
+    as received (kept in the ledger for audits and re-pricing). ``complete``: the reply ended
+    as its format ends (:attr:`Meter.complete`); ``unmetered``: what was relayed without being
+    metered, if anything; ``web_search_calls``: hosted web searches seen outside ``usage``.
     """
 
     usage: Usage | None
@@ -63,6 +82,9 @@ class MeterResult:
     provider_cost: Decimal | None
     error: str | None
     events: int
+    complete: bool = True
+    unmetered: str | None = None
+    web_search_calls: int = 0
 
 
 class Meter:
@@ -76,7 +98,18 @@ class Meter:
         KeyError: unknown dialect.
     """
 
-    __slots__ = ("_decoder", "_dialect", "_inflate", "_kept", "_kept_bytes", "_seen", "events", "terminal")
+    __slots__ = (
+        "_complete",
+        "_decoder",
+        "_dialect",
+        "_inflate",
+        "_kept",
+        "_kept_bytes",
+        "_seen",
+        "_undecodable",
+        "events",
+        "terminal",
+    )
 
     def __init__(self, dialect: str, content_encoding: str | None = None) -> None:
         self._dialect: ModuleType = DIALECTS[dialect]
@@ -85,28 +118,31 @@ class Meter:
         self._inflate = _decompressor(content_encoding)
         self._kept: list[bytes] = []
         self._kept_bytes = 0
+        self._complete = False
+        self._undecodable = False
         self.events = 0
         self.terminal = False
         """Whether the stream's terminal event has been seen (nothing more is expected)."""
 
     def feed_body(self, body: bytes) -> None:
         """Meter a whole (non-streamed) JSON reply; a body that is not JSON is kept, not parsed."""
-        if self._inflate is not None:
-            body = self._inflate.decompress(body)
+        body = self._decoded(body)
         self._keep(body)
         try:
             self._dialect.observe_body(body, self._seen)
+            self._complete = True
         except (msgspec.DecodeError, msgspec.ValidationError):
-            pass  # not JSON: an HTML error page, say; no usage in it
+            # not JSON: an HTML error page, say (no usage in it); one that starts like JSON was cut
+            self._complete = body.lstrip()[:1] not in (b"{", b"[")
 
     def feed_stream(self, chunk: bytes) -> list[bytes]:
         """Meter one chunk of an SSE reply as received; returns the event blocks it completed.
 
         The blocks are (decoded) bytes as received; a relay that has to edit events uses them,
-        a relay that forwards raw bytes ignores them.
+        a relay that forwards raw bytes ignores them. Blocks of an event over the size cap come
+        back as :class:`~tokenward.proxy.sse.Fragment` and are not parsed.
         """
-        if self._inflate is not None:
-            chunk = self._inflate.decompress(chunk)
+        chunk = self._decoded(chunk)
         self._keep(chunk)
         blocks = self._decoder.feed(chunk)
         for block in blocks:
@@ -120,11 +156,24 @@ class Meter:
             self._inspect(block)
         return blocks
 
+    def _decoded(self, data: bytes) -> bytes:
+        if self._inflate is None or self._undecodable:
+            return data if self._inflate is None else b""
+        try:
+            return self._inflate.decompress(data)
+        except Exception:  # zlib, brotli and zstandard each raise their own error on a corrupt body
+            self._undecodable = True
+            return b""
+
     def _inspect(self, block: bytes) -> None:
+        if isinstance(block, Fragment):
+            return
         self.events += 1
         if not self.terminal and _TERMINAL.search(block) is not None:
             self.terminal = True
-        if self._seen.model is not None and _INTERESTING.search(block) is None:
+        if not self._complete:
+            self._complete = _is_terminal(block)
+        if self._seen.model is not None and not _is_interesting(block):
             return
         event, data = parse_event(block)
         if data is None or data == b"[DONE]":
@@ -146,6 +195,24 @@ class Meter:
         return self._seen.usage is not None
 
     @property
+    def complete(self) -> bool:
+        """Whether the reply ended as its format ends (see the module docstring).
+
+        True as well when the reply could not be decoded at all (nothing can be said; see
+        :attr:`unmetered`).
+        """
+        return self._complete or self._undecodable
+
+    @property
+    def unmetered(self) -> str | None:
+        """What was relayed without being metered: an event over the size cap, an undecodable body."""
+        if self._undecodable:
+            return "the reply's content-encoding could not be decoded: relayed, not metered"
+        if self._decoder.overflowed:
+            return f"an SSE event over {self._decoder.max_event_bytes} bytes: relayed, not metered"
+        return None
+
+    @property
     def kept_reply(self) -> list[bytes]:
         """The decoded reply bytes seen so far (up to 16 MiB), for :func:`estimate`."""
         return self._kept
@@ -163,7 +230,64 @@ class Meter:
             reading.provider_cost,
             seen.error,
             self.events,
+            self.complete,
+            self.unmetered,
+            len(seen.web_search_calls),
         )
+
+
+def _member(block: bytes, name: bytes, opening: bytes) -> bool:
+    """Whether JSON member ``name`` (quoted) has a value starting with ``opening`` somewhere in ``block``.
+
+    Plain substring searches (this runs on every event): a name inside generated text has its
+    quotes escaped with backslashes, so only a real member matches.
+    """
+    at = block.find(name)
+    while at >= 0:
+        rest = block[at + len(name) : at + len(name) + 8].lstrip()
+        if rest[:1] == b":" and rest[1:].lstrip()[:1] == opening:
+            return True
+        at = block.find(name, at + len(name))
+    return False
+
+
+def _is_interesting(block: bytes) -> bool:
+    """Whether an event may carry usage, an error or a hosted tool call (the others are not parsed)."""
+    return (
+        _member(block, b'"usage"', b"{")
+        or _member(block, b'"error"', b"{")
+        or b'"web_search_call"' in block
+        or b'"executed_tools"' in block
+        or (b"event:" in block and _EVENT_ERROR.search(block) is not None)
+    )
+
+
+def _is_terminal(block: bytes) -> bool:
+    """Whether an event ends its stream: ``[DONE]``, a finish or stop reason, a terminal event type."""
+    if _member(block, b'"finish_reason"', b'"') or _member(block, b'"stop_reason"', b'"'):
+        return True
+    if b"[DONE]" in block:
+        return _DONE.search(block) is not None
+    if (
+        b"message_stop" in block
+        or b"response.completed" in block
+        or b"response.incomplete" in block
+        or b"response.failed" in block
+        or b"error" in block
+    ):
+        event, data = parse_event(block)
+        kind = event
+        if data is not None and data[:1] == b"{":
+            try:
+                kind = msgspec.json.decode(data, type=_Kind).type or kind
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                return False
+        return data is not None and kind in _ENDINGS
+    return False
+
+
+class _Kind(msgspec.Struct):
+    type: str | None = None
 
 
 def count_input(dialect: str, body: Any, model: str | None) -> int:
@@ -218,7 +342,9 @@ def estimate(
     stream: bool,
     model: str | None,
     source: UsageSource,
-) -> Usage:
+    web_search_requests: int = 0,
+    only_if_output: bool = False,
+) -> Usage | None:
     """Count a request's input and its reply's output with the offline tokenizer.
 
     Args:
@@ -228,10 +354,15 @@ def estimate(
         stream: whether ``reply`` is an SSE stream.
         model: the model name, to pick the encoding.
         source: ``estimated`` (the upstream reported nothing) or ``partial`` (the reply was cut).
+        web_search_requests: hosted web searches counted in the reply, carried into the usage.
+        only_if_output: return ``None`` when the reply holds no generated text (an error event
+            before any content: nothing was generated, nothing is billed).
 
     Returns:
         Usage with input and output tokens counted; chat requests add OpenAI's per-message
-        overhead (3 tokens a message, 3 for the reply's priming).
+        overhead (3 tokens a message, 3 for the reply's priming). Each piece of output (a choice's
+        content, its reasoning, one tool call's arguments, a content block) is joined across the
+        stream's events and counted whole; a text a final event repeats in full replaces its deltas.
     """
     module = DIALECTS[dialect]
     encoding = tokenizer.encoding_for_model(model)
@@ -240,24 +371,37 @@ def estimate(
     except (msgspec.DecodeError, RecursionError):
         body = {}
     input_tokens = count_input(dialect, body, model)
-    output_texts: list[str] = []
     documents: list[bytes] = []
     if stream:
-        decoder = SSEDecoder()
+        decoder = SSEDecoder(max_event_bytes=None)  # the kept reply is bounded already
         for chunk in reply:
             documents.extend(data for _, data in map(parse_event, decoder.feed(chunk)) if data)
         documents.extend(data for _, data in map(parse_event, decoder.flush()) if data)
     else:
         documents.append(b"".join(reply))
+    deltas: dict[Any, list[str]] = {}
+    whole: dict[Any, str] = {}
     for document in documents:
         try:
             obj = msgspec.json.decode(document)
         except msgspec.DecodeError:
             continue
         if isinstance(obj, dict):
-            output_texts.extend(module.reply_texts(obj))
-    output_tokens = sum(tokenizer.count_tokens(text, encoding) for text in output_texts)
-    return Usage(input_tokens=input_tokens, output_tokens=output_tokens, source=source)
+            for key, text, is_whole in module.reply_texts(obj):
+                if is_whole:
+                    whole[key] = text
+                else:
+                    deltas.setdefault(key, []).append(text)
+    texts = [whole[key] if key in whole else "".join(deltas[key]) for key in {**deltas, **whole}]
+    output_tokens = sum(tokenizer.count_tokens(text, encoding) for text in texts)
+    if only_if_output and not any(texts):
+        return None
+    return Usage(
+        input_tokens=input_tokens,
+        output_tokens=output_tokens,
+        web_search_requests=web_search_requests,
+        source=source,
+    )
 
 
 def _decompressor(encoding: str | None) -> _Decompressor | None:

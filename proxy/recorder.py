@@ -71,8 +71,11 @@ def build_row(
     """The ledger row for a finished exchange (keys as in ``reports.ledger.ROW_COLUMNS``).
 
     Prices the usage with the entry resolved for the served model (the requested model when
-    the reply named none) at the upstream's catalog provider. ``model`` and ``usage`` replace
-    the exchange's own (for part rows).
+    the reply named none) at the upstream's catalog provider, unless a ``price_as`` pin (the
+    upstream's, or ``pricing.price_as`` for the requested model) names the model to price as.
+    ``model`` and ``usage`` replace the exchange's own (for part rows; pins do not apply to
+    parts, which name their own model). ``violations`` lists, in order, counts refused as
+    invalid, repair rules applied, and invariants still broken (see ``pricing.quote.PriceStatus``).
     """
     served = model or ex.served_model
     metered = usage or ex.usage
@@ -87,6 +90,7 @@ def build_row(
     elif metered is None:
         status = PriceStatus.NOT_BILLED
     else:
+        own = model is None
         q = quote(
             catalog,
             usage,
@@ -95,10 +99,12 @@ def build_row(
             at=dt.datetime.fromtimestamp(ex.started_at, dt.UTC),
             service_tier=ex.service_tier,
             fallback=ex.price_fallback,
+            requested=ex.requested_model if own else None,
+            price_as=ex.price_as if own else None,
         )
         status = q.status
     cost_usd: Decimal | None = q.cost_usd if q is not None else (Decimal(0) if status == "not_billed" else None)
-    violations = usage.violations() if metered is not None else []
+    violations = [*usage.invalid, *usage.repairs, *usage.violations()] if metered is not None else []
     if violations:
         log.warning("request %s: usage breaks invariants: %s", ex.request_id, "; ".join(violations))
     ended_perf = ex.ended_perf if ex.ended_perf is not None else ex.started_perf

@@ -8,60 +8,112 @@ every block returned by ``feed`` and ``flush`` gives back the input, byte for by
 
 Framing follows the WHATWG SSE rules: a line ends with CRLF, LF or CR; an event ends at an
 empty line; ``data:`` with or without one leading space; lines starting with ``:`` are comments.
+
+Cost is linear in the input: each byte is searched for a boundary once (a read that ends
+inside an event is only appended to the pending part, never re-scanned), and each event's
+bytes are joined once when it completes.
+
+Size cap: an event may hold at most ``max_event_bytes`` (default :data:`MAX_EVENT_BYTES`,
+8 MiB; no real provider event comes near it, the largest seen are a few hundred KiB of
+Responses output). A longer event comes back as :class:`Fragment` blocks whatever the read
+sizes were: one block when it arrived whole, else, once the cap is passed, what was held and
+then each later piece of it up to its blank line as it arrives (the decoder stops holding it).
+Fragments are still bytes, so a relay forwards them unchanged and concatenation still gives
+back the input; the meter never parses them, and :attr:`SSEDecoder.overflowed` records that it
+happened. Memory stays bounded by the cap plus one read whatever the upstream sends.
 """
 
 from __future__ import annotations
 
 import re
 
-__all__ = ["SSEDecoder", "parse_event"]
+__all__ = ["MAX_EVENT_BYTES", "Fragment", "SSEDecoder", "parse_event"]
+
+MAX_EVENT_BYTES = 8 * 1024 * 1024
+"""Default cap on one event's size in bytes (8 MiB)."""
 
 _BOUNDARY_ANY = re.compile(rb"(?:\r\n|\r(?!\n)|\n)(?:\r\n|\r(?!\n)|\n)")
 _LINE_SPLIT = re.compile(rb"\r\n|\r|\n")
+_LOOKBEHIND = 3  # a boundary ("\r\n\r\n" at most) can start this many bytes before a new read
+
+
+class Fragment(bytes):
+    """Bytes of an event past the size cap: relayed as received, never parsed as an event."""
+
+    __slots__ = ()
 
 
 class SSEDecoder:
-    """Split an SSE byte stream into complete event blocks, whatever the read boundaries."""
+    """Split an SSE byte stream into complete event blocks, whatever the read boundaries.
 
-    __slots__ = ("_buffer", "_crlf")
+    Args:
+        max_event_bytes: the cap on one event (``None``: no cap, for bounded inputs only).
+    """
 
-    def __init__(self) -> None:
-        self._buffer = b""
+    __slots__ = ("_buffer", "_crlf", "_skipping", "max_event_bytes", "overflowed")
+
+    def __init__(self, max_event_bytes: int | None = MAX_EVENT_BYTES) -> None:
+        self._buffer = bytearray()
         self._crlf = False
+        self._skipping = False
+        self.max_event_bytes = max_event_bytes
+        self.overflowed = False
+        """Whether an event went past the cap (its bytes came back as :class:`Fragment` blocks)."""
 
     def feed(self, chunk: bytes) -> list[bytes]:
         """Add ``chunk`` and return the event blocks it completed (possibly none)."""
-        buffer = self._buffer + chunk if self._buffer else chunk
+        if not chunk:
+            return []
+        buffer = self._buffer
+        searched = max(len(buffer) - _LOOKBEHIND, 0)
+        buffer += chunk
         if not self._crlf and b"\r" in chunk:
             self._crlf = True
-        if self._crlf:
-            return self._split_any(buffer)
-        blocks = []
+        blocks: list[bytes] = []
         start = 0
-        while True:
-            end = buffer.find(b"\n\n", start)
-            if end < 0:
-                break
-            blocks.append(buffer[start : end + 2])
-            start = end + 2
-        self._buffer = buffer[start:] if start else buffer
+        cap = self.max_event_bytes
+        for end in self._boundaries(buffer, searched):
+            block = bytes(buffer[start:end])
+            if self._skipping or (cap is not None and end - start > cap):  # whatever the read sizes were
+                self.overflowed = True
+                block = Fragment(block)
+            blocks.append(block)
+            self._skipping = False
+            start = end
+        if start:
+            del buffer[:start]
+        if not self._skipping and cap is not None and len(buffer) > cap:
+            self.overflowed = True
+            self._skipping = True
+        if self._skipping and len(buffer) > _LOOKBEHIND:
+            # pass the oversized event on as it comes; keep the last bytes, which may begin its boundary
+            blocks.append(Fragment(bytes(buffer[:-_LOOKBEHIND])))
+            del buffer[:-_LOOKBEHIND]
         return blocks
 
-    def _split_any(self, buffer: bytes) -> list[bytes]:
-        blocks = []
-        start = 0
-        for match in _BOUNDARY_ANY.finditer(buffer):
+    def _boundaries(self, buffer: bytearray, searched: int) -> list[int]:
+        """End offsets of the blank lines in ``buffer`` at or after ``searched`` (an event boundary each)."""
+        ends = []
+        if not self._crlf:
+            at = buffer.find(b"\n\n", searched)
+            while at >= 0:
+                ends.append(at + 2)
+                at = buffer.find(b"\n\n", at + 2)
+            return ends
+        for match in _BOUNDARY_ANY.finditer(buffer, searched):
             if match.end() == len(buffer) and buffer.endswith(b"\r"):
                 break  # a trailing CR may be the first half of a CRLF split across reads
-            blocks.append(buffer[start : match.end()])
-            start = match.end()
-        self._buffer = buffer[start:]
-        return blocks
+            ends.append(match.end())
+        return ends
 
     def flush(self) -> list[bytes]:
         """Return what is left at end of stream as a final block (empty list when nothing is)."""
-        rest, self._buffer = self._buffer, b""
-        return [rest] if rest else []
+        rest = bytes(self._buffer)
+        self._buffer.clear()
+        skipping, self._skipping = self._skipping, False
+        if not rest:
+            return []
+        return [Fragment(rest) if skipping else rest]
 
 
 def parse_event(block: bytes) -> tuple[str | None, bytes | None]:

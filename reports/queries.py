@@ -97,7 +97,7 @@ _TAGGED_COLUMNS = (
     *TOKEN_FIELDS,
 )  # what reports read from a row: carried through the per-tag fan-out (not the wide JSON columns)
 _TAGS = "CASE WHEN len(coalesce(tags, [])) > 0 THEN tags ELSE ['(none)'] END"
-_BILLED = "row_kind = 'request' AND price_status IN ('priced', 'partially_priced', 'fallback')"
+_BILLED = "row_kind = 'request' AND price_status IN ('priced', 'partially_priced', 'fallback', 'repaired')"
 # per-row costs are far below DECIMAL(18, 12)'s $9.2M, and 64-bit values sort faster than 128-bit
 _P95 = f"quantile_disc(cost_usd::DECIMAL(18, 12), 0.95) FILTER (WHERE {_BILLED})"
 
@@ -113,7 +113,7 @@ _GROUP_MEASURES: dict[str, str] = {
     "output_cost_usd": "sum(output_cost_usd)::DECIMAL(38, 12)",
     "priced_requests": f"count(*) FILTER (WHERE {_BILLED})",
     "p95_cost_usd": _P95,
-    "unpriced_requests": "count(*) FILTER (WHERE price_status IN ('unpriced', 'partially_priced'))",
+    "unpriced_requests": "count(*) FILTER (WHERE price_status IN ('unpriced', 'partially_priced', 'usage_invalid'))",
     "estimated_requests": "count(*) FILTER (WHERE usage_source IN ('estimated', 'partial'))",
 }
 _DRIFT_MEASURES: dict[str, str] = {
@@ -123,7 +123,8 @@ _DRIFT_MEASURES: dict[str, str] = {
 }
 _TOTAL_MEASURES: dict[str, str] = {
     "p95_cost_usd": _P95,
-    "unpriced_tokens": "coalesce(sum(input_tokens + output_tokens) FILTER (WHERE price_status = 'unpriced'), 0)",
+    "unpriced_tokens": "coalesce(sum(input_tokens + output_tokens) "
+    "FILTER (WHERE price_status IN ('unpriced', 'usage_invalid')), 0)",
     "usage_unknown_requests": "count(*) FILTER (WHERE price_status = 'usage_unknown')",
     "fallback_priced_requests": "count(*) FILTER (WHERE price_status = 'fallback')",
 }

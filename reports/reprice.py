@@ -26,7 +26,13 @@ from tokenward.pricing.usage import TOKEN_FIELDS, Usage, UsageSource
 
 __all__ = ["RepriceResult", "reprice"]
 
-_REPRICED = (PriceStatus.PRICED, PriceStatus.PARTIALLY_PRICED, PriceStatus.FALLBACK, PriceStatus.UNPRICED)
+_REPRICED = (
+    PriceStatus.PRICED,
+    PriceStatus.PARTIALLY_PRICED,
+    PriceStatus.FALLBACK,
+    PriceStatus.UNPRICED,
+    PriceStatus.REPAIRED,
+)
 _encoder = msgspec.json.Encoder(decimal_format="string")
 
 
@@ -71,7 +77,8 @@ def reprice(
         condition += f" AND ({where})"
     rows = conn.execute(
         f"SELECT request_id, served_model, requested_model, provider, service_tier, started_at, usage_source, "
-        f"price_status, cost_usd, price_entry_id, cost_lines, output_cost_usd, cache_savings_usd, {columns} "
+        f"price_status, cost_usd, price_entry_id, cost_lines, output_cost_usd, cache_savings_usd, price_resolved_by, "
+        f"{columns} "
         f"FROM requests WHERE {condition}",
         params or [],
     ).fetchall()
@@ -79,10 +86,24 @@ def reprice(
     updates = []
     for row in rows:
         (request_id, served, requested, provider, tier, started, source, status, cost, entry_id, lines) = row[:11]
-        output_cost, savings = row[11:13]
-        usage = Usage(**dict(zip(TOKEN_FIELDS, row[13:], strict=True)), source=UsageSource(source))
+        output_cost, savings, resolved_by = row[11:14]
+        repairs = ("stored",) if status == PriceStatus.REPAIRED else ()  # repaired counts stay flagged
+        usage = Usage(**dict(zip(TOKEN_FIELDS, row[14:], strict=True)), source=UsageSource(source), repairs=repairs)
         model = served or requested
-        fresh = quote(catalog, usage, model=model, provider=provider, at=started, service_tier=tier, fallback=fallback)
+        pinned = (
+            catalog.versions.get((entry_id or "").partition("@")[0]) if resolved_by == "price_as_upstream" else None
+        )
+        fresh = quote(
+            catalog,
+            usage,
+            model=model,
+            provider=provider,
+            at=started,
+            service_tier=tier,
+            fallback=fallback,
+            requested=requested,  # a pricing.price_as pin on the requested model still applies
+            price_as=pinned[-1].model if pinned else None,  # and an upstream's pin stays where it was
+        )
         result.rows_checked += 1
         old_lines = json.loads(lines) if lines else None
         new_lines = json.loads(_encoder.encode(fresh.lines)) if fresh.lines is not None else None

@@ -578,8 +578,9 @@ def test_audio_tokens_priced_at_audio_rates(proxy, simulator):
     assert row["cost_usd"] == Decimal("0.00431")
 
 
-def test_broken_invariants_are_recorded_flagged_and_counted(proxy, simulator):
-    # seen in the corpus (OpenRouter): reasoning_tokens 11 > completion_tokens 10
+def test_broken_invariants_are_repaired_flagged_and_counted(proxy, simulator):
+    # seen in the corpus (OpenRouter): reasoning_tokens 11 > completion_tokens 10, while the total
+    # (53 = 43 + 10) vouches for the output: repair rule R2 clamps reasoning to it
     request = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "odd usage"}]}
     usage = {
         "prompt_tokens": 43,
@@ -600,8 +601,11 @@ def test_broken_invariants_are_recorded_flagged_and_counted(proxy, simulator):
         headers={RECORD_HEADER: "invariant", "x-tokenward-upstream": "test"},
     )
     row = row_of(proxy)
-    assert (row["output_tokens"], row["reasoning_tokens"]) == (10, 11)  # as reported, not "fixed"
-    assert row["violations"] == "reasoning_tokens > output_tokens"
+    assert (row["output_tokens"], row["reasoning_tokens"]) == (10, 10)
+    assert row["violations"] == "R2: reasoning_tokens 11 > completion_tokens 10: clamped to the output"
+    # never plain priced: 43 x 0.15/1M + 10 x 0.60/1M = $0.00001245, status repaired, what was reported kept
+    assert (row["price_status"], row["cost_usd"]) == ("repaired", Decimal("0.00001245"))
+    assert json.loads(row["raw_usage"]) == usage
     metrics = httpx.get(f"{proxy.url}/metrics").text
     assert "tokenward_usage_invariant_violations_total 1.0" in metrics
     assert 'tokenward_requests_total{endpoint="chat_completions",outcome="ok",upstream="test"} 1.0' in metrics

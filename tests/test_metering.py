@@ -193,3 +193,96 @@ def test_long_texts_are_counted_in_pieces_to_the_same_total(monkeypatch):
         assert count_input("openai", chat, model) == whole + 1 + 3 + 3  # "user", one message, the reply priming
     run = "QUJD" * 2500  # 10,000 characters and no space (base64): cut at the piece size, ~10 cuts
     assert abs(count_input("openai", {"input": run}, "gpt-4o") - tokenizer.count_tokens(run, "o200k_base")) <= 10
+
+
+def test_every_recorded_stream_ends_with_its_terminal_event_and_a_cut_one_does_not():
+    from tokenward.proxy.sse import SSEDecoder
+
+    checked = 0
+    for record in corpus_streams():
+        data = record["response"]["sse"].encode()
+        meter = Meter(record["dialect"])
+        meter.feed_stream(data)
+        meter.end_stream()
+        assert meter.complete, record["id"]
+        blocks = SSEDecoder().feed(data)
+        if len(blocks) >= 6:
+            cut = Meter(record["dialect"])
+            cut.feed_stream(b"".join(blocks[: len(blocks) // 2]))
+            assert not cut.complete, record["id"]
+            checked += 1
+    assert checked >= 80
+
+
+def test_terminal_events_of_each_format():
+    cases = [
+        ("openai", b"data: [DONE]\n\n"),
+        ("openai", b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"length"}]}\n\n'),
+        ("openai", b'event: response.incomplete\ndata: {"type":"response.incomplete","response":{"usage":null}}\n\n'),
+        ("anthropic", b'event: message_stop\ndata: {"type":"message_stop"}\n\n'),
+        (
+            "anthropic",
+            b'event: error\ndata: {"type":"error","error":{"type":"overloaded_error","message":"Overloaded"}}\n\n',
+        ),
+    ]
+    for dialect, event in cases:
+        meter = Meter(dialect)
+        meter.feed_stream(b'data: {"model":"m","choices":[{"index":0,"delta":{"content":"[DONE]"}}]}\n\n')
+        assert not meter.complete  # "[DONE]" inside a text is not the terminator
+        meter.feed_stream(event)
+        assert meter.complete, event
+
+
+def test_a_corrupt_encoded_body_is_relayed_unmetered_not_raised():
+    meter = Meter("openai", "gzip")
+    meter.feed_body(b"this is not gzip")
+    result = meter.finish()
+    assert result.usage is None and result.complete
+    assert result.unmetered == "the reply's content-encoding could not be decoded: relayed, not metered"
+    stream = Meter("openai", "br")
+    assert stream.feed_stream(b"\x00\x01 not brotli") == [] and stream.unmetered is not None
+
+
+FOX = ["The qu", "ick bro", "wn fo", "x jum", "ps ov", "er the la", "zy do", "g."]  # o200k: 10 tokens joined, 17 apart
+
+
+def test_estimates_join_each_piece_of_output_before_counting():
+    request = json.dumps({"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hello world"}]}).encode()
+    chat = [
+        b'data: {"choices":[{"index":0,"delta":{"content":%s}},{"index":1,"delta":{"content":%s}}]}\n\n'
+        % (json.dumps(p).encode(), json.dumps(p).encode())
+        for p in FOX
+    ]
+    usage = estimate("openai", request, chat, stream=True, model="gpt-4o-mini", source=UsageSource.ESTIMATED)
+    assert (usage.input_tokens, usage.output_tokens) == (9, 20)  # two choices of 10 tokens each
+    text = "The quick brown fox jumps over the lazy dog."
+    item = {"id": "msg_1", "type": "message", "content": [{"type": "output_text", "text": text}]}
+    responses = [
+        b"event: response.output_text.delta\ndata: %s\n\n"
+        % json.dumps(
+            {"type": "response.output_text.delta", "item_id": "msg_1", "content_index": 0, "delta": p}
+        ).encode()
+        for p in FOX
+    ] + [
+        b"data: %s\n\n" % json.dumps({"type": "response.output_item.done", "item": item}).encode(),
+        b"data: %s\n\n"
+        % json.dumps({"type": "response.completed", "response": {"output": [item], "usage": None}}).encode(),
+    ]
+    usage = estimate("openai", request, responses, stream=True, model="gpt-4o-mini", source=UsageSource.ESTIMATED)
+    assert usage.output_tokens == 10  # the deltas, the finished item and the final output are one text
+    anthropic_events = [
+        b"data: %s\n\n"
+        % json.dumps({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": p}}).encode()
+        for p in FOX
+    ]
+    usage = estimate("anthropic", request, anthropic_events, stream=True, model=None, source=UsageSource.PARTIAL)
+    assert (usage.output_tokens, usage.source) == (10, UsageSource.PARTIAL)
+
+
+def test_web_search_calls_in_a_stream_are_counted_once_however_split():
+    from pathlib import Path
+
+    data = (Path(__file__).parent / "fixtures" / "usage" / "responses_web_search_stream.sse").read_bytes()
+    for offset in range(0, len(data), 7):
+        result = meter_stream(data, [offset])
+        assert (result.usage.web_search_requests, result.web_search_calls, result.complete) == (2, 2, True), offset

@@ -83,11 +83,28 @@ def test_estimated_usage_is_marked(catalog):
     assert row["usage_source"] == "estimated" and row["cost_usd"] == Decimal("0.0000051")
 
 
-def test_invariant_breaks_are_recorded_and_flagged_not_fixed(catalog):
+def test_invariant_breaks_no_rule_repaired_are_usage_invalid_not_priced(catalog):
     ex = make_exchange(requested_model="gpt-4o", usage=Usage(input_tokens=43, output_tokens=10, reasoning_tokens=11))
     row = build_row(ex, catalog)
     assert row["violations"] == "reasoning_tokens > output_tokens"
-    assert (row["output_tokens"], row["reasoning_tokens"]) == (10, 11)
+    assert (row["output_tokens"], row["reasoning_tokens"]) == (10, 11)  # kept as they came
+    assert (row["price_status"], row["cost_usd"], row["cost_lines"]) == ("usage_invalid", None, None)
+
+
+def test_repaired_and_invalid_usage_statuses(catalog):
+    repaired = Usage(input_tokens=1000, output_tokens=100, repairs=("R1: ...",))
+    row = build_row(make_exchange(requested_model="gpt-4o", usage=repaired), catalog)
+    # gpt-4o: 1000 x 2.50/1M + 100 x 10.00/1M = $0.0035, priced but flagged
+    assert (row["price_status"], row["cost_usd"], row["violations"]) == ("repaired", Decimal("0.0035"), "R1: ...")
+    invalid = Usage(input_tokens=-1, output_tokens=100)  # never raises: the bad count is refused and noted
+    row = build_row(make_exchange(requested_model="gpt-4o", usage=invalid), catalog)
+    assert (row["price_status"], row["cost_usd"], row["input_tokens"], row["output_tokens"]) == (
+        "usage_invalid",
+        None,
+        0,
+        100,
+    )
+    assert row["violations"] == "input_tokens: -1 is not a count (an integer 0 <= n < 2^53)"
 
 
 async def test_recorder_records_once_and_flushes_on_stop(tmp_path, catalog):

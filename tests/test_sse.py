@@ -7,7 +7,7 @@ import random
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tokenward.proxy.sse import SSEDecoder, parse_event
+from tokenward.proxy.sse import Fragment, SSEDecoder, parse_event
 
 STREAM = (
     b": OPENROUTER PROCESSING\n\n"
@@ -75,3 +75,37 @@ def test_many_events_in_one_read():
     rng = random.Random(7)
     cuts = rng.sample(range(len(data)), 200)
     assert split_all(data, cuts) == blocks
+
+
+def test_an_event_over_the_cap_comes_back_as_fragments_whatever_the_split():
+    big = b"data: " + b"x" * 200 + b"\n\n"
+    data = b"data: 1\n\n" + big + b"data: 2\n\n"
+    for offset in range(len(data) + 1):
+        decoder = SSEDecoder(max_event_bytes=64)
+        blocks = decoder.feed(data[:offset]) + decoder.feed(data[offset:]) + decoder.flush()
+        assert b"".join(blocks) == data, offset  # nothing lost, nothing reordered
+        events = [parse_event(b) for b in blocks if not isinstance(b, Fragment)]
+        assert events == [(None, b"1"), (None, b"2")], offset
+        assert b"".join(b for b in blocks if isinstance(b, Fragment)) == big and decoder.overflowed
+
+
+def test_an_endless_event_is_passed_on_as_it_comes_and_not_held():
+    decoder = SSEDecoder(max_event_bytes=1000)
+    passed = 0
+    for _ in range(100):
+        blocks = decoder.feed(b"y" * 300)
+        passed += sum(len(b) for b in blocks if isinstance(b, Fragment))
+        assert len(decoder._buffer) <= 1000 + 300  # the cap plus one read, never the whole event
+    assert passed >= 100 * 300 - 1000 - 3 and decoder.overflowed
+    tail = decoder.feed(b"\n\ndata: after\n\n")
+    assert isinstance(tail[0], Fragment) and parse_event(tail[1]) == (None, b"after")
+    assert not isinstance(tail[1], Fragment)
+
+
+def test_crlf_boundaries_across_reads_with_the_lookbehind():
+    data = b"data: a\r\n\r\ndata: b\r\rdata: c\n\r\n"
+    expected = [(None, b"a"), (None, b"b"), (None, b"c")]
+    for first in range(len(data) + 1):
+        for second in range(first, len(data) + 1):
+            blocks = split_all(data, [first, second])
+            assert [parse_event(b) for b in blocks] == expected and b"".join(blocks) == data, (first, second)

@@ -18,11 +18,12 @@ Semantics (``shared/reference/usage-and-pricing.md`` 1.7, ``shared/NOTES.md`` se
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import msgspec
 
-from tokenward.pricing.usage import Usage
+from tokenward.pricing.usage import Usage, read_count
 from tokenward.proxy.dialects.observation import Observation, Reading
 
 __all__ = ["finish", "observe_body", "parts", "reply_texts", "request_texts", "to_usage"]
@@ -71,36 +72,45 @@ def observe_body(body: bytes, seen: Observation) -> None:
         seen.error = "error"
 
 
-def _one(raw: dict[str, Any]) -> Usage:
+def _one(raw: dict[str, Any], problems: list[str], where: str = "") -> Usage:
     """Canonical counts of one usage object or iteration (no details, no tools)."""
-    uncached = _count(raw.get("input_tokens"))
-    writes = _count(raw.get("cache_creation_input_tokens"))
-    reads = _count(raw.get("cache_read_input_tokens"))
+    uncached = read_count(raw.get("input_tokens"), where + "input_tokens", problems) or 0
+    writes = read_count(raw.get("cache_creation_input_tokens"), where + "cache_creation_input_tokens", problems) or 0
+    reads = read_count(raw.get("cache_read_input_tokens"), where + "cache_read_input_tokens", problems) or 0
     creation = raw.get("cache_creation") if isinstance(raw.get("cache_creation"), dict) else {}
+    write_5m = read_count(creation.get("ephemeral_5m_input_tokens"), where + "ephemeral_5m_input_tokens", problems)
+    write_1h = read_count(creation.get("ephemeral_1h_input_tokens"), where + "ephemeral_1h_input_tokens", problems)
+    writes = writes or (write_5m or 0) + (write_1h or 0)
     return Usage(
         input_tokens=uncached + writes + reads,
         cached_input_tokens=reads,
         cache_write_tokens=writes,
-        cache_write_1h_tokens=_count(creation.get("ephemeral_1h_input_tokens")),
-        output_tokens=_count(raw.get("output_tokens")),
+        cache_write_1h_tokens=write_1h or 0,
+        output_tokens=read_count(raw.get("output_tokens"), where + "output_tokens", problems) or 0,
     )
 
 
-def to_usage(raw: dict[str, Any], tool_usage: dict[str, Any] | None = None) -> Usage:
-    """Map an Anthropic ``usage`` object to :class:`Usage` for the request's own model."""
+def to_usage(raw: dict[str, Any], tool_usage: dict[str, Any] | None = None, *, searches: int = 0) -> Usage:
+    """Map an Anthropic ``usage`` object to :class:`Usage` for the request's own model.
+
+    Counts that are not valid make the usage invalid (see :func:`~tokenward.pricing.usage.read_count`).
+    """
+    problems: list[str] = []
     iterations = raw.get("iterations")
     own = [it for it in iterations or () if isinstance(it, dict) and it.get("type") in _OWN_MODEL_ITERATIONS]
-    pieces = [_one(it) for it in own] if own else [_one(raw)]
+    pieces = [_one(it, problems, "iterations.") for it in own] if own else [_one(raw, problems)]
     details = raw.get("output_tokens_details") if isinstance(raw.get("output_tokens_details"), dict) else {}
     tools = raw.get("server_tool_use") if isinstance(raw.get("server_tool_use"), dict) else {}
+    reported = read_count(tools.get("web_search_requests"), "server_tool_use.web_search_requests", problems)
     return Usage(
         input_tokens=sum(p.input_tokens for p in pieces),
         cached_input_tokens=sum(p.cached_input_tokens for p in pieces),
         cache_write_tokens=sum(p.cache_write_tokens for p in pieces),
         cache_write_1h_tokens=sum(p.cache_write_1h_tokens for p in pieces),
         output_tokens=sum(p.output_tokens for p in pieces),
-        reasoning_tokens=_count(details.get("thinking_tokens")),
-        web_search_requests=_count(tools.get("web_search_requests")),
+        reasoning_tokens=read_count(details.get("thinking_tokens"), "thinking_tokens", problems) or 0,
+        web_search_requests=max(reported or 0, searches),
+        invalid=tuple(problems),
     )
 
 
@@ -111,7 +121,9 @@ def parts(raw: dict[str, Any]) -> list[tuple[str, Usage]]:
         if isinstance(iteration, dict) and iteration.get("type") not in _OWN_MODEL_ITERATIONS:
             model = iteration.get("model")
             if isinstance(model, str) and model:
-                found.append((model, _one(iteration)))
+                problems: list[str] = []
+                usage = _one(iteration, problems, "iterations.")
+                found.append((model, replace(usage, invalid=tuple(problems)) if problems else usage))
     return found
 
 
@@ -135,17 +147,26 @@ def request_texts(body: dict[str, Any]) -> tuple[list[str], int]:
     return texts, len(messages)
 
 
-def reply_texts(obj: dict[str, Any]) -> list[str]:
-    """Generated texts in a whole message or one stream event."""
-    texts: list[str] = []
-    _collect(obj.get("content"), texts)
+def reply_texts(obj: dict[str, Any]) -> list[tuple[Any, str, bool]]:
+    """Generated texts in a whole message or one stream event, as ``(key, text, whole)``.
+
+    Keys are content block indexes (and the kind of text); a stream's ``content_block_delta``
+    texts of one block are joined before they are counted, a whole message's blocks are whole.
+    """
+    found: list[tuple[Any, str, bool]] = []
+    if obj.get("type") == "message" or ("content" in obj and obj.get("type") is None):
+        for index, block in enumerate(obj.get("content") if isinstance(obj.get("content"), list) else ()):
+            texts: list[str] = []
+            _collect([block], texts)
+            if texts:
+                found.append((("block", index), "".join(texts), True))
     delta = obj.get("delta")
-    if isinstance(delta, dict):
+    if obj.get("type") == "content_block_delta" and isinstance(delta, dict):
         for key in ("text", "thinking", "partial_json"):
             value = delta.get(key)
             if isinstance(value, str):
-                texts.append(value)
-    return texts
+                found.append((("block", obj.get("index", 0)), value, False))
+    return found
 
 
 def _collect(value: Any, texts: list[str]) -> None:
@@ -160,11 +181,3 @@ def _collect(value: Any, texts: list[str]) -> None:
                 if "input" in block:
                     texts.append(msgspec.json.encode(block["input"]).decode())
                 _collect(block.get("content"), texts)
-
-
-def _count(value: Any) -> int:
-    if type(value) is int:
-        return value
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return 0

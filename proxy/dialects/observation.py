@@ -17,7 +17,8 @@ class Observation:
 
     ``usage`` is the provider's usage object as last seen (a dialect whose streams send running
     totals, such as Anthropic's, keeps it merged); ``error`` is the text of an error the upstream
-    reported inside a successful HTTP reply.
+    reported inside a successful HTTP reply; ``web_search_calls`` the ids of hosted web search
+    calls seen outside ``usage`` (each counted once however often it is repeated).
     """
 
     usage: dict[str, Any] | None = None
@@ -26,6 +27,7 @@ class Observation:
     model: str | None = None
     service_tier: str | None = None
     error: str | None = None
+    web_search_calls: set[str] = field(default_factory=set)
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,28 +7,71 @@ provider variants of the ``usage`` object recorded in ``shared/fixtures/recorded
 * ``prompt_tokens`` / ``input_tokens`` include cached and cache-write tokens;
   ``completion_tokens`` / ``output_tokens`` include reasoning and audio output.
 * Cache hits: ``prompt_tokens_details.cached_tokens`` (Responses: ``input_tokens_details``),
-  else DeepSeek's ``prompt_cache_hit_tokens``, Mistral's ``num_cached_tokens`` or Hugging Face's
-  top-level ``cached_tokens``. One shape is read, never two added (field case B12).
-* Cache writes: ``cache_write_tokens`` (OpenAI GPT-5.6+, OpenRouter), or Qwen's
-  ``cache_creation_input_tokens`` with its ``cache_creation`` TTL split.
-* Gemini's OpenAI-compatible endpoint hides thinking tokens in ``total_tokens`` only: when
-  the total exceeds prompt + completion, the excess is billed as output and counted as reasoning.
+  else DeepSeek's ``prompt_cache_hit_tokens``, Mistral's ``num_cached_tokens``, Hugging Face's
+  top-level ``cached_tokens`` or LiteLLM's top-level ``cache_read_input_tokens``. One shape is
+  read, never two added (field case B12).
+* Cache writes: ``cache_write_tokens`` (OpenAI GPT-5.6+, OpenRouter), Qwen's
+  ``cache_creation_input_tokens``, or the shape LiteLLM relays Anthropic models in
+  (``prompt_tokens_details.cache_creation_tokens`` or top-level ``cache_creation_input_tokens``);
+  the one-hour part from ``cache_creation`` (Qwen) or ``cache_creation_token_details`` (LiteLLM)
+  ``ephemeral_1h_input_tokens``. Writes are billed at cache-write rates, never as plain input.
+* Reasoning outside the output (xAI): when ``total_tokens = prompt + completion +
+  reasoning_tokens``, the reasoning tokens are added to the output (they are billed as output).
+  Gemini's OpenAI-compatible endpoint hides thinking tokens in ``total_tokens`` only: when the
+  total exceeds prompt + completion and no reasoning is reported, the excess is billed as output
+  and counted as reasoning.
+* Web searches billed per call: OpenRouter's ``server_tool_use_details.web_search_requests``,
+  the Responses API's ``tool_usage.web_search.num_requests`` and its hosted ``web_search_call``
+  output items (in ``output``, in ``response.output_item.done`` events and in the terminal
+  event's ``response.output``: each distinct item id counted once, whatever its action:
+  ``search``, ``open_page`` and ``find_in_page`` are each a tool call), and Groq compound's
+  ``executed_tools`` of type ``search`` (each tool ``index`` once per choice). The largest of
+  these counts is taken, never their sum.
 * Streams: usage may sit on an extra ``choices: []`` chunk, on the finishing chunk, in
   ``x_groq.usage``, or in ``response.usage`` of a Responses terminal event; the last non-null
   usage object wins and usage is never summed across chunks.
+* Errors inside a 200: a top-level ``error`` object (OpenRouter's error chunk), an ``error``
+  event, or a Responses object whose ``status`` is ``failed`` (a Responses object always carries
+  ``"error": null``; an ``error`` object on a response that did not fail is not an error).
+
+Repair rules (counts that break an invariant as reported; each applied rule is named in
+:attr:`~tokenward.pricing.usage.Usage.repairs`, and the row is recorded ``repaired``):
+
+* R1 exclusive cache: cache hits or cache writes above ``prompt_tokens`` cannot be part of it,
+  so the relay counted them outside it (Anthropic's convention, relayed as is): input =
+  prompt + cached + writes.
+* R1b read and written: hits and writes each within the prompt but together above it (recorded:
+  OpenRouter's Gemini explicit cache reports the tokens it writes as read too, and bills both):
+  the smaller set is taken to lie inside the larger, so uncached = prompt - the larger, and the
+  overlap is billed once as read and once as written: input = prompt + the smaller.
+* R2 reasoning above the output: ``reasoning_tokens > completion_tokens`` with ``total_tokens =
+  prompt + completion`` (the total vouches for the output): reasoning is clamped to the output;
+  with no ``total_tokens`` the reasoning is read as outside the output (output = completion +
+  reasoning), the only reading that holds.
+* R3 Groq compound breakdown: ``usage`` is the total over ``usage_breakdown.models``; parts that
+  add up to more than the total in any count are not a split of it (streams have been seen
+  repeating the total in every part), so they are dropped and the total is billed on the
+  request's own row.
+
+Other broken invariants are left as reported and the row is ``usage_invalid``.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from decimal import Decimal
 from typing import Any
 
 import msgspec
 
-from tokenward.pricing.usage import Usage
+from tokenward.pricing.usage import Usage, read_count
 from tokenward.proxy.dialects.observation import Observation, Reading
 
 __all__ = ["finish", "observe", "observe_body", "provider_cost", "reply_texts", "request_texts", "to_usage"]
+
+_MAX_PROVIDER_COST = Decimal(1_000_000)  # USD; a provider's cost figure above this is not believed
+_SEARCH_TOOLS = frozenset({"search", "web_search", "browser_search"})
+_PART_FIELDS = ("input_tokens", "cached_input_tokens", "cache_write_tokens", "output_tokens", "reasoning_tokens")
 
 
 class _View(msgspec.Struct):
@@ -43,9 +86,21 @@ class _View(msgspec.Struct):
     tool_usage: Any = None
     error: Any = None
     type: Any = None
+    object: Any = None
+    status: Any = None
+
+
+class _Tools(msgspec.Struct):
+    """Members that list hosted tool calls; decoded only when the bytes mention one."""
+
+    output: Any = None
+    item: Any = None
+    output_index: Any = None
+    choices: Any = None
 
 
 _decode_view = msgspec.json.Decoder(_View).decode
+_decode_tools = msgspec.json.Decoder(_Tools).decode
 
 
 def observe_body(body: bytes, seen: Observation) -> None:
@@ -54,7 +109,12 @@ def observe_body(body: bytes, seen: Observation) -> None:
     Raises:
         msgspec.DecodeError: ``body`` is not JSON (or not a JSON object).
     """
-    observe(_decode_view(body), seen)
+    view = _decode_view(body)
+    observe(view, seen)
+    # hosted tool calls: Responses output items, or Groq's executed_tools in chat choices (one search of the bytes)
+    marker = b'"web_search_call"' if view.object == "response" or view.type is not None else b'"executed_tools"'
+    if marker in body:
+        _observe_tools(_decode_tools(body), view, seen)
 
 
 def observe(view: _View, seen: Observation) -> None:
@@ -83,61 +143,173 @@ def observe(view: _View, seen: Observation) -> None:
     tool_usage = view.tool_usage if isinstance(view.tool_usage, dict) else holder and holder.get("tool_usage")
     if isinstance(tool_usage, dict):
         seen.tool_usage = tool_usage
-    error = view.error if isinstance(view.error, dict) else holder and holder.get("error")
-    if isinstance(error, dict):
+    if holder is not None:  # a Responses stream event: its response object says whether it failed
+        error, failed = holder.get("error"), holder.get("status") == "failed" or view.type == "response.failed"
+    elif view.object == "response":  # a whole Responses object
+        error, failed = view.error, view.status == "failed"
+    else:  # an error envelope or an error chunk (OpenRouter sends one with usage on HTTP 200)
+        error, failed = view.error, True
+    if isinstance(error, dict) and failed:
         seen.error = str(error.get("message") or error.get("code") or "error")
-    elif view.type in ("error", "response.failed") and seen.error is None:
-        seen.error = str(view.type)
+    elif failed and view.type == "response.failed" and seen.error is None:
+        seen.error = "response.failed"
+    elif view.type == "error" and seen.error is None:
+        seen.error = view.error if isinstance(view.error, str) and view.error else "error"
 
 
-def to_usage(raw: dict[str, Any], tool_usage: dict[str, Any] | None = None) -> Usage:
-    """Map one OpenAI-format ``usage`` object (any provider variant above) to :class:`Usage`."""
-    prompt = _count(raw.get("prompt_tokens"))
-    if prompt is None:
-        prompt = _count(raw.get("input_tokens"))
-    completion = _count(raw.get("completion_tokens"))
-    if completion is None:
-        completion = _count(raw.get("output_tokens"))
-    total = _count(raw.get("total_tokens"))
-    if prompt is None:
-        prompt = (total or 0) - (completion or 0)  # Voyage embeddings report only total_tokens
-    completion = completion or 0
+def _observe_tools(tools: _Tools, view: _View, seen: Observation) -> None:
+    """Note each hosted web search call (Responses ``web_search_call`` items, Groq ``executed_tools``)."""
+    holder = view.response if isinstance(view.response, dict) else None
+    if view.type == "response.output_item.done" and isinstance(tools.item, dict):
+        _note_search_item(tools.item, tools.output_index, seen)
+    for items in (tools.output, holder.get("output") if holder else None):
+        if isinstance(items, list):
+            for index, item in enumerate(items):
+                if isinstance(item, dict):
+                    _note_search_item(item, index, seen)
+    if isinstance(tools.choices, list):
+        for position, choice in enumerate(tools.choices):
+            if not isinstance(choice, dict):
+                continue
+            number = choice.get("index", position)
+            for part in (choice.get("message"), choice.get("delta")):
+                executed = part.get("executed_tools") if isinstance(part, dict) else None
+                for slot, tool in enumerate(executed if isinstance(executed, list) else ()):
+                    if isinstance(tool, dict) and (
+                        tool.get("type") in _SEARCH_TOOLS or ("type" not in tool and "search_results" in tool)
+                    ):
+                        seen.web_search_calls.add(f"groq:{number}:{tool.get('index', slot)}")
+
+
+def _note_search_item(item: dict[str, Any], index: Any, seen: Observation) -> None:
+    if item.get("type") == "web_search_call":
+        seen.web_search_calls.add(str(item["id"]) if isinstance(item.get("id"), str) else f"@{index}")
+
+
+def to_usage(raw: dict[str, Any], tool_usage: dict[str, Any] | None = None, *, searches: int = 0) -> Usage:
+    """Map one OpenAI-format ``usage`` object (any provider variant above) to :class:`Usage`.
+
+    ``searches`` is the number of hosted web search calls counted outside ``usage``. Counts that
+    are not valid (see :func:`~tokenward.pricing.usage.read_count`) make the usage invalid; the
+    repair rules R1 and R2 of the module docstring are applied and named.
+    """
+    problems: list[str] = []
+    repairs: list[str] = []
+
+    def count(holder: dict[str, Any], key: str, where: str = "") -> int | None:
+        return read_count(holder.get(key), key, problems, where)
+
+    def first(*places: tuple[dict[str, Any], str, str]) -> int | None:
+        """The first of these counts that is present (later ones are not read: one shape, never two added)."""
+        for holder, key, where in places:
+            value = count(holder, key, where)
+            if value is not None:
+                return value
+        return None
 
     in_details = _dict(raw.get("prompt_tokens_details")) or _dict(raw.get("input_tokens_details"))
+    in_name = "prompt_tokens_details." if raw.get("prompt_tokens_details") else "input_tokens_details."
     out_details = _dict(raw.get("completion_tokens_details")) or _dict(raw.get("output_tokens_details"))
+    out_name = "completion_tokens_details." if raw.get("completion_tokens_details") else "output_tokens_details."
 
-    cached = _first_count(
-        in_details.get("cached_tokens"),
-        raw.get("prompt_cache_hit_tokens"),
-        raw.get("num_cached_tokens"),
-        raw.get("cached_tokens"),
+    prompt = first((raw, "prompt_tokens", ""), (raw, "input_tokens", ""))
+    completion = first((raw, "completion_tokens", ""), (raw, "output_tokens", ""))
+    total = count(raw, "total_tokens")
+    if prompt is None and raw.get("prompt_tokens") is None and raw.get("input_tokens") is None:
+        prompt = max((total or 0) - (completion or 0), 0)  # Voyage embeddings report only total_tokens
+    prompt = prompt or 0
+    completion = completion or 0
+
+    cached = first(
+        (in_details, "cached_tokens", in_name),
+        (raw, "prompt_cache_hit_tokens", ""),
+        (raw, "num_cached_tokens", ""),
+        (raw, "cached_tokens", ""),
+        (raw, "cache_read_input_tokens", ""),
     )
-    cache_write = _first_count(in_details.get("cache_write_tokens"), in_details.get("cache_creation_input_tokens"))
-    creation = _dict(in_details.get("cache_creation"))
-    write_1h = _count(creation.get("ephemeral_1h_input_tokens")) or 0
+    cached = cached or 0
+    cache_write = 0
+    for holder, key, where in (
+        (in_details, "cache_write_tokens", in_name),
+        (in_details, "cache_creation_input_tokens", in_name),
+        (in_details, "cache_creation_tokens", in_name),
+        (raw, "cache_creation_input_tokens", ""),
+    ):
+        cache_write = count(holder, key, where) or 0
+        if cache_write:  # one name of the same number, but a relay may fill only one of them
+            break
+    split = (
+        _dict(in_details.get("cache_creation"))
+        or _dict(in_details.get("cache_creation_token_details"))
+        or _dict(raw.get("cache_creation_token_details"))
+    )
+    write_1h = 0
+    if split:
+        write_5m = count(split, "ephemeral_5m_input_tokens") or 0
+        write_1h = count(split, "ephemeral_1h_input_tokens") or 0
+        cache_write = cache_write or write_5m + write_1h
 
-    reasoning = _count(out_details.get("reasoning_tokens")) or 0
-    hidden = (total or 0) - prompt - completion
-    if hidden > 0 and reasoning == 0:
-        completion += hidden
-        reasoning = hidden
+    reasoning = count(out_details, "reasoning_tokens", out_name) or 0
+    if not problems:  # no reading rule is applied to counts that are wrong anyway
+        prompt, completion, reasoning = _read_rules(prompt, completion, total, cached, cache_write, reasoning, repairs)
 
-    searches = _count(_dict(raw.get("server_tool_use_details")).get("web_search_requests")) or 0
+    tools = raw.get("server_tool_use_details")
+    if isinstance(tools, dict):
+        searches = max(searches, count(tools, "web_search_requests", "server_tool_use_details.") or 0)
     if tool_usage:
-        searches = max(searches, _count(_dict(tool_usage.get("web_search")).get("num_requests")) or 0)
+        web = _dict(tool_usage.get("web_search"))
+        searches = max(searches, read_count(web.get("num_requests"), "tool_usage.web_search", problems) or 0)
 
     return Usage(
         input_tokens=prompt,
-        cached_input_tokens=cached or 0,
-        cache_write_tokens=cache_write or 0,
+        cached_input_tokens=cached,
+        cache_write_tokens=cache_write,
         cache_write_1h_tokens=write_1h,
         output_tokens=completion,
         reasoning_tokens=reasoning,
-        audio_input_tokens=_count(in_details.get("audio_tokens")) or 0,
-        audio_output_tokens=_count(out_details.get("audio_tokens")) or 0,
-        image_input_tokens=_count(in_details.get("image_tokens")) or 0,
+        audio_input_tokens=count(in_details, "audio_tokens", in_name) or 0,
+        audio_output_tokens=count(out_details, "audio_tokens", out_name) or 0,
+        image_input_tokens=count(in_details, "image_tokens", in_name) or 0,
         web_search_requests=searches,
+        invalid=tuple(problems),
+        repairs=tuple(repairs),
     )
+
+
+def _read_rules(
+    prompt: int, completion: int, total: int | None, cached: int, writes: int, reasoning: int, repairs: list[str]
+) -> tuple[int, int, int]:
+    """Input, output and reasoning after the total-based readings and repair rules R1, R1b, R2."""
+    hidden = total - prompt - completion if total is not None else 0
+    if max(cached, writes) > prompt:  # R1
+        repairs.append(
+            f"R1: cached {cached} / cache writes {writes} above prompt_tokens {prompt}: read as exclusive "
+            f"(input = {prompt + cached + writes})"
+        )
+        prompt += cached + writes
+        if hidden >= cached + writes:
+            hidden -= cached + writes  # an exclusive relay's total counts them too
+    elif cached + writes > prompt:  # R1b
+        repairs.append(
+            f"R1b: cached {cached} + cache writes {writes} > prompt_tokens {prompt}: the tokens written "
+            f"were also read (input = {prompt + min(cached, writes)})"
+        )
+        prompt += min(cached, writes)
+    if reasoning and hidden == reasoning:  # xAI: reasoning is reported outside completion_tokens
+        completion += reasoning
+    elif hidden > 0 and reasoning == 0:  # Gemini's compatible endpoint: thinking only in the total
+        completion += hidden
+        reasoning = hidden
+    elif reasoning > completion and total is not None and hidden == 0:  # R2: the total vouches for the output
+        repairs.append(f"R2: reasoning_tokens {reasoning} > completion_tokens {completion}: clamped to the output")
+        reasoning = completion
+    elif reasoning > completion and total is None:  # R2: the only reading that holds
+        repairs.append(
+            f"R2: reasoning_tokens {reasoning} > completion_tokens {completion} and no total_tokens: "
+            f"read as outside the output (output = {completion + reasoning})"
+        )
+        completion += reasoning
+    return prompt, completion, reasoning
 
 
 def finish(seen: Observation) -> Reading:
@@ -145,57 +317,63 @@ def finish(seen: Observation) -> Reading:
 
     Groq's compound models report the total over their inner models in ``usage`` and each inner
     model in ``usage_breakdown.models``: those become parts (priced at each model's rates) and
-    the request's own usage is what the total leaves over (zero when the parts add up to it).
+    the request's own usage is what the total leaves over (zero when the parts add up to it; the
+    request's row keeps its hosted tool calls). Parts adding up to more than the total are
+    dropped (repair rule R3).
     """
     if seen.usage is None:
         return Reading(None)
-    usage = to_usage(seen.usage, seen.tool_usage)
+    usage = to_usage(seen.usage, seen.tool_usage, searches=len(seen.web_search_calls))
     found = [
         (entry["model"], to_usage(entry["usage"]))
         for entry in seen.breakdown or ()
         if isinstance(entry, dict) and isinstance(entry.get("model"), str) and isinstance(entry.get("usage"), dict)
     ]
     if found:
+        over = [
+            f"{name} {sum(getattr(p, name) for _, p in found)} > {getattr(usage, name)}"
+            for name in _PART_FIELDS
+            if sum(getattr(p, name) for _, p in found) > getattr(usage, name)
+        ]
+        if over:
+            note = f"R3: usage_breakdown parts add up to more than usage ({', '.join(over)}): parts dropped"
+            return Reading(replace(usage, repairs=(*usage.repairs, note)), [], provider_cost(seen.usage))
         usage = _minus(usage, [u for _, u in found])
     return Reading(usage, found, provider_cost(seen.usage))
 
 
 def _minus(total: Usage, parts: list[Usage]) -> Usage:
-    values = {
-        name: getattr(total, name) - sum(getattr(p, name) for p in parts)
-        for name in ("input_tokens", "cached_input_tokens", "cache_write_tokens", "output_tokens", "reasoning_tokens")
-    }
+    """What ``total`` leaves over once ``parts`` are taken out (callers check it is not negative)."""
+    values = {name: getattr(total, name) - sum(getattr(p, name) for p in parts) for name in _PART_FIELDS}
     return Usage(
         **values,
-        cache_write_1h_tokens=total.cache_write_1h_tokens,
-        audio_input_tokens=total.audio_input_tokens,
-        audio_output_tokens=total.audio_output_tokens,
-        image_input_tokens=total.image_input_tokens,
+        cache_write_1h_tokens=min(total.cache_write_1h_tokens, values["cache_write_tokens"]),
+        audio_input_tokens=min(total.audio_input_tokens, values["input_tokens"]),
+        audio_output_tokens=min(total.audio_output_tokens, values["output_tokens"]),
+        image_input_tokens=min(total.image_input_tokens, values["input_tokens"]),
         web_search_requests=total.web_search_requests,
+        invalid=total.invalid,
+        repairs=total.repairs,
     )
 
 
 def provider_cost(raw: dict[str, Any]) -> Decimal | None:
-    """The provider's own cost figure in USD (OpenRouter's ``usage.cost``), when it sends one."""
+    """The provider's own cost figure in USD (OpenRouter's ``usage.cost``), when it sends a believable one.
+
+    A cost that is not a finite number in ``[0, 1e6)`` USD is ignored (it would not fit the ledger).
+    """
     value = raw.get("cost")
     if isinstance(value, int | float) and not isinstance(value, bool):
-        return Decimal(repr(value))
+        cost = Decimal(repr(value))
+        if cost.is_finite() and 0 <= cost < _MAX_PROVIDER_COST:
+            return cost
     return None
 
 
-def _count(value: Any) -> int | None:
-    if type(value) is int:
-        return value
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return None
-
-
-def _first_count(*values: Any) -> int | None:
+def _first(*values: int | None) -> int | None:
     for value in values:
-        count = _count(value)
-        if count is not None:
-            return count
+        if value is not None:
+            return value
     return None
 
 
@@ -229,26 +407,67 @@ def request_texts(body: dict[str, Any]) -> tuple[list[str], int]:
     return texts, count
 
 
-def reply_texts(obj: dict[str, Any]) -> list[str]:
-    """Generated texts in a whole reply or one stream chunk (content, refusals, tool-call arguments)."""
-    texts: list[str] = []
-    for choice in obj.get("choices") or ():
+def reply_texts(obj: dict[str, Any]) -> list[tuple[Any, str, bool]]:
+    """Generated texts in a whole reply or one stream event, as ``(key, text, whole)``.
+
+    ``key`` names the piece of output the text belongs to (a choice's content, refusal or
+    reasoning, one tool call's name or arguments, a Responses item's content part); stream
+    deltas of one key are joined before they are counted. ``whole`` marks a text that is the
+    piece in full (a non-streamed message, a finished Responses item), replacing its deltas.
+    """
+    found: list[tuple[Any, str, bool]] = []
+    for position, choice in enumerate(obj.get("choices") or ()):
         if not isinstance(choice, dict):
             continue
-        for part in (choice.get("message"), choice.get("delta")):
-            if isinstance(part, dict):
-                _collect_text(part.get("content"), texts)
-                _collect_text(part.get("refusal"), texts)
-                _collect_text(part.get("reasoning_content"), texts)
-                _collect_tool_calls(part.get("tool_calls"), texts)
-        _collect_text(choice.get("text"), texts)
-    for item in obj.get("output") or ():  # Responses API reply
-        if isinstance(item, dict):
-            _collect_text(item.get("content"), texts)
-            _collect_text(item.get("arguments"), texts)
-    if obj.get("type") == "response.output_text.delta":
-        _collect_text(obj.get("delta"), texts)
-    return texts
+        number = choice.get("index", position)
+        for part, whole in ((choice.get("message"), True), (choice.get("delta"), False)):
+            if not isinstance(part, dict):
+                continue
+            for name in ("content", "refusal", "reasoning_content", "reasoning"):
+                _add(found, ("choice", number, name), part.get(name), whole)
+            calls = part.get("tool_calls")
+            for slot, call in enumerate(calls if isinstance(calls, list) else ()):
+                function = call.get("function") if isinstance(call, dict) else None
+                if isinstance(function, dict):
+                    tool = ("choice", number, "tool", call.get("index", slot))
+                    _add(found, (*tool, "name"), function.get("name"), whole)
+                    _add(found, (*tool, "arguments"), function.get("arguments"), whole)
+        _add(found, ("choice", number, "text"), choice.get("text"), False)  # legacy completions
+    kind = obj.get("type")
+    if isinstance(kind, str) and kind.endswith(".delta"):  # Responses stream deltas
+        item = obj.get("item_id")
+        if kind in ("response.output_text.delta", "response.refusal.delta"):
+            _add(found, ("item", item, obj.get("content_index", 0)), obj.get("delta"), False)
+        elif kind == "response.function_call_arguments.delta":
+            _add(found, ("item", item, "arguments"), obj.get("delta"), False)
+        elif kind == "response.reasoning_summary_text.delta":
+            _add(found, ("item", item, "summary", obj.get("summary_index", 0)), obj.get("delta"), False)
+    items: Any = obj.get("output")
+    holder = obj.get("response")
+    if isinstance(holder, dict):
+        items = holder.get("output")
+    elif kind == "response.output_item.done":
+        items = [obj.get("item")]
+    for position, item in enumerate(items if isinstance(items, list) else ()):
+        if not isinstance(item, dict):
+            continue
+        name = item.get("id", position)
+        for slot, content in enumerate(item.get("content") if isinstance(item.get("content"), list) else ()):
+            if isinstance(content, dict):
+                _add(found, ("item", name, slot), content.get("text") or content.get("refusal"), True)
+        _add(found, ("item", name, "arguments"), item.get("arguments"), True)
+        summary = item.get("summary")
+        for slot, content in enumerate(summary if isinstance(summary, list) else ()):
+            if isinstance(content, dict):
+                _add(found, ("item", name, "summary", slot), content.get("text"), True)
+    return found
+
+
+def _add(found: list[tuple[Any, str, bool]], key: Any, value: Any, whole: bool) -> None:
+    texts: list[str] = []
+    _collect_text(value, texts)
+    if texts:
+        found.append((key, "".join(texts), whole))
 
 
 def _collect_text(value: Any, texts: list[str]) -> None:
