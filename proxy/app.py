@@ -19,7 +19,9 @@ from litestar.logging.config import LoggingConfig
 
 from tokenward.pricing.catalog import PriceCatalog
 from tokenward.pricing.settings import build_catalog
+from tokenward.proxy.admin_auth import AdminAuth
 from tokenward.proxy.config import Config
+from tokenward.proxy.dashboard import Dashboard, dashboard_routes
 from tokenward.proxy.errors import EXCEPTION_HANDLERS
 from tokenward.proxy.forward import Forwarder
 from tokenward.proxy.guard import BudgetGuard
@@ -106,6 +108,7 @@ def create_app(
             )
 
     session = ledger_session(recorder.spool)
+    dashboard = Dashboard(recorder.live, guard, session, AdminAuth(config))
     add_alert_jobs(scheduler, session, budgets, config.alerts, notifier or Notifier(config.alerts), auth)
     refresh = config.pricing.refresh
     if refresh is not None:
@@ -144,7 +147,7 @@ def create_app(
                 await client.aclose()
 
     app = Litestar(
-        route_handlers=build_routes(forwarder),
+        route_handlers=build_routes(forwarder) + dashboard_routes(dashboard),
         exception_handlers=EXCEPTION_HANDLERS,  # type: ignore[arg-type]
         lifespan=[lifespan],
         openapi_config=None,
@@ -156,4 +159,5 @@ def create_app(
     app.state.config = config
     app.state.scheduler = scheduler
     app.state.guard = guard
+    app.state.dashboard = dashboard
     return app

@@ -47,11 +47,14 @@ class ServerConfig(_Section):
     ``drain_after_disconnect_s``: when a client hangs up during a streamed reply, the provider
     still bills what it generates; tokenward keeps reading the upstream (without sending) for up
     to this many seconds so the usage report is recorded. 0 closes the upstream at once.
+    ``admin_token_env``: the environment variable holding the admin token that opens the
+    dashboard (``proxy/admin_auth.py``).
     """
 
     host: str = "127.0.0.1"
     port: int = 4000
     drain_after_disconnect_s: float = 60.0
+    admin_token_env: str | None = None
 
 
 class LedgerConfig(_Section):
@@ -79,7 +82,8 @@ class VirtualKeyConfig(_Section):
     """A tokenward key: give ``key`` (the secret itself) or, better, ``key_sha256`` (its hex sha256).
 
     ``team`` and ``project`` attribute its usage (budgets and reports group by them). Keys can
-    also be created with ``tokenward keys create`` (stored hashed in the ledger).
+    also be created with ``tokenward keys create`` (stored hashed in the ledger). ``role: admin``
+    also opens the dashboard.
     """
 
     name: Annotated[str, msgspec.Meta(min_length=1)]
@@ -87,6 +91,7 @@ class VirtualKeyConfig(_Section):
     key_sha256: Annotated[str, msgspec.Meta(pattern="^[0-9a-fA-F]{64}$")] | None = None
     team: str | None = None
     project: str | None = None
+    role: Literal["user", "admin"] = "user"
 
 
 class UpstreamConfig(_Section):

@@ -23,6 +23,7 @@ from tokenward.pricing.quote import PriceStatus, Quote, quote
 from tokenward.pricing.usage import TOKEN_FIELDS, Usage, UsageSource
 from tokenward.proxy.exchange import Exchange
 from tokenward.proxy.guard import BudgetGuard
+from tokenward.proxy.live import LiveFeed
 from tokenward.proxy.metrics import Metrics
 from tokenward.reports.ledger import LedgerBusy, LedgerError, Spool, open_ledger
 
@@ -180,6 +181,7 @@ class Recorder:
         self._task: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
         self.rows_recorded = 0
+        self.live = LiveFeed(guard.budgets if guard is not None else ())  # what live views read
 
     def finish(self, ex: Exchange, estimate: Callable[[], Usage] | None = None) -> None:
         """Record ``ex`` (once; later calls are ignored). Call on the event loop.
@@ -233,6 +235,7 @@ class Recorder:
                     except Exception:
                         log.exception("unpriced-model hook failed")
         self._rows.extend(rows)
+        self.live.add(rows)
         self.rows_recorded += len(rows)
         self.metrics.pending.set(len(self._rows))
 
