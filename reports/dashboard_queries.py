@@ -90,9 +90,13 @@ def history(
         last: ``day`` ISO date, ``cost_usd``, ``requests``); ``alerts``
         (:func:`sent_alerts`).
 
+    The session runs on one DuckDB thread, leaving the other cores to the proxy's event loop
+    (``conn`` is the proxy's short-lived session, so the setting ends with it).
+
     Raises:
         ValueError: unknown range or zone.
     """
+    conn.execute("SET threads = 1")
     until = now + dt.timedelta(microseconds=1)
     today_start = range_start("today", tz, now)
     since = range_start(range_name, tz, now)
