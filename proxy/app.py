@@ -20,7 +20,9 @@ from litestar.logging.config import LoggingConfig
 
 from tokenward.pricing.catalog import PriceCatalog
 from tokenward.pricing.settings import build_catalog
+from tokenward.proxy.admin_auth import AdminAuth
 from tokenward.proxy.config import Config
+from tokenward.proxy.dashboard import Dashboard, dashboard_routes
 from tokenward.proxy.errors import EXCEPTION_HANDLERS
 from tokenward.proxy.forward import Forwarder
 from tokenward.proxy.guard import BooksSpend, BudgetGuard
@@ -114,6 +116,7 @@ def create_app(
 
     sender = recorder.metrics.counting(notifier or Notifier(config.alerts))  # failed deliveries feed /metrics
     add_alert_jobs(scheduler, ledger, spend, budgets, config.alerts, sender, auth)  # type: ignore[arg-type]
+    dashboard = Dashboard(recorder.live, guard, ledger, AdminAuth(config))
     refresh = config.pricing.refresh
     if refresh is not None:
         scheduler.add_job(
@@ -160,7 +163,8 @@ def create_app(
                     lock.close()
 
     app = Litestar(
-        route_handlers=build_routes(forwarder, metrics_access=MetricsAccess.from_config(config)),
+        route_handlers=build_routes(forwarder, metrics_access=MetricsAccess.from_config(config))
+        + dashboard_routes(dashboard),
         exception_handlers=EXCEPTION_HANDLERS,  # type: ignore[arg-type]
         lifespan=[lifespan],
         openapi_config=None,
@@ -173,4 +177,5 @@ def create_app(
     app.state.scheduler = scheduler
     app.state.guard = guard
     app.state.ledger = ledger
+    app.state.dashboard = dashboard
     return app

@@ -15,6 +15,7 @@ from tokenward.reports.budgets_cli import alerts, budgets, keys
 from tokenward.reports.cli import export, ledger, report
 from tokenward.reports.ledger import LedgerError, open_ledger
 from tokenward.reports.pricing_cli import pricing
+from tokenward.reports.top_cli import top
 
 __all__ = ["LOG_LEVELS", "main"]
 
@@ -202,3 +203,4 @@ main.add_command(pricing)
 main.add_command(budgets)
 main.add_command(alerts)
 main.add_command(keys)
+main.add_command(top)

@@ -59,7 +59,8 @@ class ServerConfig(_Section):
     head must arrive within ``header_timeout_s`` (408) and fit in ``max_header_kib`` (431); idle
     connections close after ``keep_alive_s``; beyond ``max_connections`` open connections
     requests get 503. ``metrics_token_env`` names the environment variable holding the bearer
-    token ``/metrics`` requires.
+    token ``/metrics`` requires. ``admin_token_env``: the environment variable holding the admin
+    token that opens the dashboard (``proxy/admin_auth.py``).
     """
 
     host: str = "127.0.0.1"
@@ -76,6 +77,7 @@ class ServerConfig(_Section):
     keep_alive_s: Annotated[float, msgspec.Meta(gt=0)] = 20.0
     max_connections: Annotated[int, msgspec.Meta(ge=1)] = 1000
     metrics_token_env: str | None = None
+    admin_token_env: str | None = None
 
 
 class LedgerConfig(_Section):
@@ -164,6 +166,7 @@ class VirtualKeyConfig(_Section):
     also be created with ``tokenward keys create`` (stored hashed in the ledger; they follow the
     global ``auth`` settings). ``allow_unmetered`` replaces ``auth.allow_unmetered`` for this key;
     each field of ``attribution`` set here replaces the global rule for that field.
+    ``role: admin`` also opens the dashboard and ``/metrics``.
     """
 
     name: Annotated[str, msgspec.Meta(min_length=1)]
@@ -173,6 +176,7 @@ class VirtualKeyConfig(_Section):
     project: str | None = None
     allow_unmetered: list[str] | None = None
     attribution: AttributionSettings | None = None
+    role: Literal["user", "admin"] = "user"
 
     def __post_init__(self) -> None:
         _check_unmetered(self.allow_unmetered)

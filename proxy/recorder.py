@@ -32,6 +32,7 @@ from tokenward.pricing.usage import TOKEN_FIELDS, Usage, UsageSource
 from tokenward.proxy import access_log
 from tokenward.proxy.exchange import Exchange, Outcome
 from tokenward.proxy.guard import BudgetGuard
+from tokenward.proxy.live import LiveFeed
 from tokenward.proxy.metrics import Metrics
 from tokenward.reports.ledger import DuckLedger, LedgerBusy, LedgerError, WriteAheadLog
 from tokenward.reports.ledger.wal import encode_row
@@ -254,6 +255,7 @@ class Recorder:
         self.stale_after_s = max(5 * flush_interval_s, 10.0)
         self._write_problem: str | None = None
         self._logged_rows = 0  # rows appended to the log since the last move that left nothing behind
+        self.live = LiveFeed(guard.budgets if guard is not None else ())  # what live views read
 
     # -- the three moments ---------------------------------------------------------------------
 
@@ -339,6 +341,7 @@ class Recorder:
         self.rows_recorded += len(rows)
         self._logged_rows += len(rows)
         access_log.record(rows)
+        self.live.add(rows)
         return b"".join(lines), [ex.request_id]
 
     def _observe(self, row: dict[str, Any]) -> None:

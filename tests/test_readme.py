@@ -36,6 +36,8 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 
 EXEMPT = {
+    "tokenward top": "a live view of a running proxy that refreshes until Ctrl-C; "
+    "tests/test_top.py drives it in a pty against a real proxy (and runs --once)",
     "make run": "starts the proxy in front of the real providers of config.example.yaml; "
     "tests/test_cli_start.py::test_make_run_takes_a_port runs it",
     "make test": "runs this very suite",
