@@ -8,7 +8,6 @@ The SQL is in :mod:`tokenward.reports.queries`, the views (periods, comparison, 
 from __future__ import annotations
 
 import datetime as dt
-import sys
 from decimal import Decimal
 from pathlib import Path
 from typing import Any, TextIO
@@ -16,8 +15,8 @@ from zoneinfo import ZoneInfo
 
 import click
 from rich.console import Console
-from rich.table import Table
 
+from tokenward.pricing.budgets import Budget, BudgetStatus
 from tokenward.reports import html_report, progress, queries, render, views, whatif
 from tokenward.reports.cli_common import ledger_options, open_read_only, parse_when, range_options, zone_named
 
@@ -173,6 +172,7 @@ def report(
             if as_model:
                 _add_what_if(conn, config, prices, as_model, as_provider, dims, selection, rows, totals, notes)
             chart_data = html_report.charts_data(conn, selection) if html_file else None
+            statuses = _statuses(conn, _budgets(config), now) if html_file else []
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from exc
     finally:
@@ -194,11 +194,14 @@ def report(
         notes.append("a request with several tags is counted under each; the total counts it once")
     if html_file:
         try:
-            html_report.write_html(Path(html_file), title, span, rows, totals, columns, chart_data or {}, notes)
+            html_report.write_html(
+                Path(html_file), title, span, rows, totals, columns, chart_data or {}, notes, budgets=statuses
+            )
         except OSError as exc:
             raise click.ClickException(f"cannot write {html_file}: {exc.strerror or exc}") from exc
         click.echo(f"wrote {html_file}", err=True)
-    _emit(rows, totals, columns, fmt, output, title, span, notes, everything=not columns_text)
+    chosen = bool(columns_text)
+    _emit(rows, totals, columns, fmt, output, title, span, notes, everything=not chosen, chosen=chosen)
     if forecast and fmt == "table":
         _budget_forecasts(db, config, wait, now)
 
@@ -275,6 +278,7 @@ def _emit(
     notes: list[str],
     *,
     everything: bool = True,
+    chosen: bool = False,
 ) -> None:
     if fmt == "parquet":
         try:
@@ -284,13 +288,20 @@ def _emit(
         click.echo(f"wrote {len(rows)} rows to {output}", err=True)
         return
     if fmt == "table":
-        console = Console(width=None if sys.stdout.isatty() and not output else 250, file=_open_out(output))
+        out = _open_out(output)
+        console = Console(width=render.output_width(out), file=out)
         if not rows:
-            console.print(f"no requests in this range ({span})")
+            console.print(f"no requests in this range ({span})", markup=False)
             return
-        render.to_table(rows, totals, columns, console, f"{title}, {span}")
+        left_out = render.to_table(rows, totals, columns, console, f"{title}, {span}", fit=not chosen)
+        if left_out:
+            notes = [
+                f"left out to fit {console.width} columns: {', '.join(c.title for c in left_out)} "
+                "(--columns all shows every measure)",
+                *notes,
+            ]
         for note in notes:
-            console.print(note, soft_wrap=True)
+            console.print(note, markup=False, highlight=False)
         return
     text = {
         "csv": lambda: render.to_csv(rows, columns, everything=everything),
@@ -320,28 +331,47 @@ def _open_out(output: str | None) -> TextIO | None:
 
 def _budget_forecasts(db: str | None, config: str | None, wait: float, now: dt.datetime) -> None:
     """Print each configured budget's spend, limit and forecast (the forecast view's second half)."""
-    from tokenward.reports.budget_check import status_of, usd
-    from tokenward.reports.budgets_cli import load_sections
-    from tokenward.reports.ledger.spend import DuckSpend
-
-    budgets, _ = load_sections(config)
+    budgets = _budgets(config)
     if not budgets:
         return
     conn = open_read_only(db, config, wait)
     try:
-        statuses = [status_of(DuckSpend(conn), budget, now) for budget in budgets]
+        statuses = _statuses(conn, budgets, now)
     finally:
         conn.close()
-    table = Table("budget", "scope", "period", "spent", "limit", "forecast", "forecast/limit", title="budgets")
-    for s in statuses:
-        share = f"{s.forecast / s.budget.limit_usd * 100:.1f}%" if s.forecast is not None else "-"
-        table.add_row(
-            s.budget.name,
-            s.budget.describe_scope(),
-            s.budget.period.kind,
-            usd(s.spent),
-            usd(s.budget.limit_usd),
-            "-" if s.forecast is None else usd(s.forecast),
-            share + (" (over)" if s.forecast_exceeds else ""),
-        )
-    Console(width=None if sys.stdout.isatty() else 200).print(table)
+    rows = [
+        {
+            "budget": s.budget.name,
+            "scope": s.budget.describe_scope(),
+            "period": s.budget.period.kind,
+            "spent": s.spent,
+            "limit": s.budget.limit_usd,
+            "forecast": s.forecast,
+            "share": "-"
+            if s.forecast is None
+            else f"{s.forecast / s.budget.limit_usd * 100:.1f}%" + (" (over)" if s.forecast_exceeds else ""),
+        }
+        for s in statuses
+    ]
+    columns = [render.Column(k, k, "dim") for k in ("budget", "scope", "period")] + [
+        render.Column("spent", "spent", "usd"),
+        render.Column("limit", "limit", "usd"),
+        render.Column("forecast", "forecast", "usd", "fcst"),
+        render.Column("share", "forecast/limit", "dim", "fcst/limit"),
+    ]
+    render.to_table(rows, None, columns, Console(width=render.output_width()), "budgets")
+
+
+def _statuses(conn: Any, budgets: list[Budget], now: dt.datetime) -> list[BudgetStatus]:
+    from tokenward.reports.budget_check import status_of
+    from tokenward.reports.ledger.spend import DuckSpend
+
+    spend = DuckSpend(conn)
+    return [status_of(spend, budget, now) for budget in budgets]
+
+
+def _budgets(config: str | None) -> list[Budget]:
+    """The budgets of ``config`` (none without one)."""
+    from tokenward.reports.budgets_cli import load_sections
+
+    return load_sections(config)[0]

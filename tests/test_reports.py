@@ -25,6 +25,7 @@ import csv
 import datetime as dt
 import io
 import json
+import re
 from decimal import Decimal
 from pathlib import Path
 
@@ -206,6 +207,7 @@ def ledger(tmp_path: Path) -> Path:
 
 
 NOVEMBER = ["--since", "2026-11-01", "--until", "2026-12-01", "--tz", "Europe/Paris"]
+WIDE = {"COLUMNS": "200"}  # output that is not a terminal is 80 columns wide unless COLUMNS says otherwise
 
 
 def report(ledger: Path, *args: str) -> list[dict]:
@@ -267,7 +269,8 @@ def test_totals_and_the_table(ledger):
     cells = [c.strip() for c in total.strip("│ ").split("│")]
     # 7 requests; 115450 input, 84000 cached, 6605 output, 2000 reasoning tokens; $0.0715;
     # hit 84000 / 115450 = 72.76 %; saved $0.011; output share 0.0304 / 0.0715 = 42.52 %;
-    # avg 0.0715 / 5 priced = $0.0143; p95 of [0.002, 0.01, 0.0102, 0.0143, 0.03] = $0.03
+    # avg 0.0715 / 5 priced = $0.0143; p95 of [0.002, 0.01, 0.0102, 0.0143, 0.03] = $0.03.
+    # Dollars to 3 significant digits of each column's largest amount ($0.0715: 4 places), ratios to 0.1 %
     assert cells == [
         "total",
         "7",
@@ -276,18 +279,18 @@ def test_totals_and_the_table(ledger):
         "0",
         "6,605",
         "2,000",
-        "$0.071500",
-        "72.76%",
-        "$0.011000",
-        "42.52%",
-        "$0.014300",
-        "$0.030000",
+        "$0.0715",
+        "72.8%",
+        "$0.0110",
+        "42.5%",
+        "$0.0143",
+        "$0.0300",
         "1",
         "1",
     ]
     assert "1 request(s) are unpriced or only partly priced (55 unpriced tokens)" in result.output
     assert "1 request(s) have estimated or partial token counts" in result.output
-    compact = CliRunner().invoke(main, ["report", "--db", str(ledger), *NOVEMBER, "--by", "key"]).output
+    compact = CliRunner().invoke(main, ["report", "--db", str(ledger), *NOVEMBER, "--by", "key"], env=WIDE).output
     header = [c.strip() for c in next(ln for ln in compact.splitlines() if ln.startswith("┃")).strip("┃ ").split("┃")]
     assert header == [
         "key",
@@ -380,8 +383,8 @@ def test_period_over_period(ledger):
         .invoke(main, ["report", "--db", str(ledger), *NOVEMBER, "--by", "key", "--compare"], catch_exceptions=False)
         .output
     )
-    # in total $0.0715 against $0.07: +2.14 %
-    assert "+2.14%" in next(line for line in table.splitlines() if line.startswith("│ total"))
+    # in total $0.0715 against $0.07: +2.14 %, shown to 0.1 %
+    assert "+2.1%" in next(line for line in table.splitlines() if line.startswith("│ total"))
     assert "compared with 2026-10-02T00:00+02:00 to 2026-11-01T00:00+01:00 (Europe/Paris)" in table
 
 
@@ -432,11 +435,12 @@ def test_forecast_next_to_the_budgets(ledger, tmp_path):
     rows = {r["key"]: r["forecast_usd"] for r in report(ledger, *args)}
     # 84 of November's 720 hours (Paris) have gone: cost x 720 / 84
     assert rows == {"alice": "0.385714", "bob": "0.210000", "carol": "0.017143"}
-    table = CliRunner().invoke(main, ["report", "--db", str(ledger), *args], catch_exceptions=False).output
-    assert "$0.612857" in next(line for line in table.splitlines() if line.startswith("│ total"))  # 0.0715 x 720/84
+    table = CliRunner().invoke(main, ["report", "--db", str(ledger), *args], catch_exceptions=False, env=WIDE).output
+    # 0.0715 x 720/84 = $0.612857, to 3 significant digits
+    assert "$0.613" in next(line for line in table.splitlines() if line.startswith("│ total"))
     budget = next(line for line in table.splitlines() if "research-monthly" in line)
     # research spent A + G + B + F = $0.047; 0.047 x 720 / 84 = $0.402857, 402.9 % of the $0.10 limit
-    assert "$0.047" in budget and "$0.10" in budget and "$0.402857" in budget and "402.9% (over)" in budget
+    assert "$0.0470" in budget and "$0.10" in budget and "$0.403" in budget and "402.9% (over)" in budget
 
 
 def test_what_if_another_model(ledger):
@@ -506,9 +510,9 @@ def test_csv_markdown_parquet_and_html(ledger, tmp_path):
     )
     assert result.exit_code == 0
     html = page.read_text()
-    for title in ("Daily spend by model (USD)", "Cache hit rate (cached / input tokens)", "Top keys by spend (USD)"):
+    for title in ("Spend by model per day", "Top 3 keys by spend", "Cache hit rate per day", "Cache savings per day"):
         assert title in html
-    assert html.count("<svg") == 3 and "alice" in html and "$0.045000" in html
+    assert html.count("<svg") == 5 and "alice" in html and "$0.0450" in html
     # nothing to fetch: no external scripts, styles or images
     assert "<script src" not in html and "<link" not in html and 'xlink:href="http' not in html
     assert runner.invoke(main, ["report", "--db", str(ledger), "--format", "parquet"]).exit_code == 2
@@ -639,7 +643,9 @@ def test_wide_tables_are_never_cut():
     rows = [{"key": "a-rather-long-key-name", "cost_usd": D("1234.5"), "cache_hit_rate": D("0.5")}]
     render.to_table(rows, None, render.columns_for(["key"], measures=render.MEASURE_KEYS), console, "t")
     text = console.export_text()
-    assert "a-rather-long-key-name" in text and "$1,234.50" in text and "cache hit" in text and "…" not in text
+    # every chosen column stays (headings shortened to "hit" first), the table runs wider than 60
+    assert "a-rather-long-key-name" in text and "$1,234.50" in text and "50.0%" in text and "…" not in text
+    assert "hit" in text and max(len(line) for line in text.splitlines()) > 60
 
 
 def test_markdown_shows_html_as_text(tmp_path):
@@ -651,3 +657,100 @@ def test_markdown_shows_html_as_text(tmp_path):
         .output
     )
     assert '&lt;img src="http://x/y.png"&gt;' in text and "<img" not in text
+
+
+def table_at(ledger: Path, width: int, *args: str) -> str:
+    result = CliRunner().invoke(
+        main, ["report", "--db", str(ledger), *NOVEMBER, *args], env={"COLUMNS": str(width)}, catch_exceptions=False
+    )
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def cells(line: str, sep: str = "│") -> list[str]:
+    return [c.strip() for c in line.strip(sep + " ").split(sep)]
+
+
+@pytest.mark.parametrize(
+    ("width", "header", "total"),
+    [
+        (
+            80,
+            ["day", "model", "reqs", "in", "out", "cost", "hit", "unpr"],
+            ["total", "", "7", "115,450", "6,605", "$0.0715", "72.8%", "1"],
+        ),
+        (
+            120,
+            ["day", "model", "reqs", "in", "out", "cost", "hit", "saved", "avg/req", "p95/req", "unpr"],
+            ["total", "", "7", "115,450", "6,605", "$0.0715", "72.8%", "$0.0110", "$0.0143", "$0.0300", "1"],
+        ),
+    ],
+)
+def test_the_table_fits_the_terminal_with_the_ledgers_figures(ledger, width, header, total):
+    text = table_at(ledger, width, "--by", "day,model")
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= width
+    assert cells(next(ln for ln in lines if ln.startswith("┃")), "┃") == header
+    assert cells(next(ln for ln in lines if ln.startswith("│ total"))) == total
+    rows = [cells(ln) for ln in lines if ln.startswith("│ 2026-")]
+    # the ledger's day and model groups (Paris days), A alone on the 2nd: $0.03, 10000 in, 4000 cached (40 %)
+    assert rows[0][:7] == ["2026-11-02", "gpt-4o", "1", "10,000", "1,000", "$0.0300", "40.0%"]
+    assert [r[1] for r in rows] == ["gpt-4o", "acme-9", "gpt-4o", "gpt-4o-mini", "o4-mini", "gpt-4o"]
+    # money: the same places down a column (3 significant digits of its largest, $0.0715), right-aligned
+    for i, name in enumerate(header):
+        if name in ("cost", "saved", "avg/req", "p95/req"):
+            column = [r[i] for r in rows] + [total[i]]
+            assert all(re.fullmatch(r"\$\d\.\d{4}|-", c) for c in column), column
+    for line in (ln for ln in lines if ln.startswith("│")):  # right-aligned: padded on the left only
+        raw = line.split("│")[1:-1][header.index("cost")]
+        assert raw == " " * (len(raw) - len(raw.strip()) - 1) + raw.strip() + " ", line
+    if width == 80:
+        assert "left out to fit 80 columns: cache saved, avg/request, p95/request" in " ".join(text.split())
+
+
+def test_the_table_takes_the_terminals_width(ledger, tmp_path):
+    """Run under a real pseudo-terminal 100 columns wide, with no COLUMNS: the table uses the 100."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import subprocess
+    import sys
+    import termios
+
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 100, 0, 0))
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")} | {"NO_COLOR": "1", "TERM": "xterm"}
+    process = subprocess.Popen(
+        [sys.executable, "-c", "from tokenward.proxy.cli import main; main()", "report", "--db", str(ledger), *NOVEMBER],
+        stdin=follower,
+        stdout=follower,
+        stderr=follower,
+        env=env,
+    )
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # EIO: the program ended and closed the terminal
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(leader)
+    assert process.wait(timeout=60) == 0
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", b"".join(chunks).decode()).replace("\r", "")
+    lines = text.splitlines()
+    assert 80 < max(len(line) for line in lines) <= 100
+    # at 100 columns the table keeps cache savings and the average, which 80 leave out (98 characters)
+    assert cells(next(ln for ln in lines if ln.startswith("┃")), "┃") == [
+        "model", "day", "reqs", "in", "out", "cost", "hit", "saved", "avg/req", "unpr",
+    ]  # fmt: skip
+
+
+def test_table_cells_are_text_not_markup(tmp_path):
+    path = tmp_path / "markup.duckdb"
+    write_rows(path, [row("x", "2026-11-02T09:00:00+00:00", "[red]k[/red]", "t", "gpt-4o", "1")])
+    out = CliRunner().invoke(main, ["report", "--db", str(path), "--by", "key"], catch_exceptions=False).output
+    assert "[red]k[/red]" in out
