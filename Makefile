@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: run test demo bench lint clean
+.PHONY: run test demo bench bench-floor lint clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV) || ($(PYTHON) -m pip install --user virtualenv && $(PYTHON) -m virtualenv $(VENV))
@@ -26,8 +26,10 @@ test: $(BIN)/.installed
 demo: $(BIN)/.installed
 	$(BIN)/tokenward demo
 
-bench: $(BIN)/.installed
-	$(BIN)/python bench/bench_proxy.py
+# tokenward against calling the mock directly and a bare Python relay, pinned as in issue 13
+# (wants nginx, its echo module and wrk: apt-get install -y nginx libnginx-mod-http-echo wrk)
+bench bench-floor: $(BIN)/.installed
+	$(BIN)/python bench/bench_floor.py
 
 lint: $(BIN)/.installed
 	$(BIN)/ruff check proxy pricing reports tests bench

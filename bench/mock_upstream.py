@@ -1,8 +1,10 @@
 """A minimal, fast OpenAI-style upstream for benchmarks (raw asyncio protocol on uvloop).
 
-Answers every POST with a fixed chat completion (usage included) after ``--delay-ms``; a
-request whose body contains ``"stream":true`` gets ``--events`` SSE chunks, ``--gap-ms``
-apart, then a usage chunk and ``[DONE]``. Keep-alive, Content-Length request bodies only.
+Answers every POST with a fixed chat completion (usage included) after ``--delay-ms`` (at once
+for a path under ``/fast/``); a request whose body contains ``"stream":true`` gets ``--events``
+SSE chunks, ``--gap-ms`` apart, then a usage chunk and ``[DONE]`` (each also ``--gap-ms`` after
+the one before). Keep-alive, Content-Length request bodies only. ``bench/bench_floor.py`` uses
+it when nginx (or its echo module) is missing; the bytes are the ones its nginx mock serves.
 
     python bench/mock_upstream.py --port 9100 --delay-ms 50
 """
@@ -42,6 +44,9 @@ REPLY = json.dumps(
 
 HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
 STREAM_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+
+
+DONE = b"data: [DONE]\n\n"
 
 
 def chunk(data: bytes) -> bytes:
@@ -84,11 +89,12 @@ class Upstream(asyncio.Protocol):
             body = self.buffer[end + 4 : end + 4 + length]
             self.buffer = self.buffer[end + 4 + length :]
             streaming = b'"stream":true' in body.replace(b" ", b"")
-            asyncio.get_running_loop().create_task(self.reply(streaming))
+            fast = head.split(b" ", 2)[1].startswith(b"/fast/")
+            asyncio.get_running_loop().create_task(self.reply(streaming, 0.0 if fast else self.delay))
 
-    async def reply(self, streaming: bool) -> None:
-        if self.delay:
-            await asyncio.sleep(self.delay)
+    async def reply(self, streaming: bool, delay: float) -> None:
+        if delay:
+            await asyncio.sleep(delay)
         if not streaming:
             self.transport.write(HEAD % len(REPLY) + REPLY)  # type: ignore[attr-defined]
             return
@@ -97,7 +103,10 @@ class Upstream(asyncio.Protocol):
             self.transport.write(chunk(event(i, False)))  # type: ignore[attr-defined]
             if self.gap:
                 await asyncio.sleep(self.gap)
-        self.transport.write(chunk(event(self.events, True)) + chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")  # type: ignore[attr-defined]
+        self.transport.write(chunk(event(self.events, True)))  # type: ignore[attr-defined]
+        if self.gap:
+            await asyncio.sleep(self.gap)
+        self.transport.write(chunk(DONE) + b"0\r\n\r\n")  # type: ignore[attr-defined]
 
 
 async def main(port: int, delay: float, events: int, gap: float) -> None:

@@ -1,0 +1,752 @@
+"""Where tokenward's CPU and memory go, next to the bare relay (issue 13). Prints figures; asserts nothing.
+
+Same set-up as ``bench/bench_floor.py`` (nginx mock and wrk on CPU 0, the gateway on CPU 1):
+
+    profile_tokenward.py pyspy  [--gateway tokenward|relay] [--seconds 10] [--rate 200]
+        py-spy samples the pinned gateway under wrk at c=64 (50 ms upstream, then streamed);
+        prints self and cumulative time per request by module group and by function, in us,
+        scaled to the CPU per request measured in the same run (py-spy's pauses slow the run;
+        the shares are what counts). Needs ``pip install py-spy`` in the venv.
+    profile_tokenward.py ablate [--seconds 5] [--repeat 2]
+        tokenward variants with one part switched off by monkeypatching (proxy/ is unchanged):
+        CPU per request at c=64, non-streamed and streamed, and what each part costs.
+    profile_tokenward.py memory
+        RSS of each heavy package imported alone, what ``tokenward serve`` imports, RSS after
+        app creation, after the ledger opens, after the tokenizer loads; tracemalloc's top files.
+    profile_tokenward.py count
+        what a blocking budget's worst-case count costs per KB of request body.
+    profile_tokenward.py serve --config FILE --port N [--off part,part]
+        (used by ``ablate``) tokenward with the named parts switched off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from decimal import Decimal
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import bench_floor as floor  # noqa: E402
+from mock_upstream import event  # noqa: E402
+
+Decimal_one = Decimal("0.01")
+
+# ---------------------------------------------------------------- switching parts off (serve)
+
+PARTS = {
+    "metrics": "Metrics.observe does nothing (no prometheus counters per row)",
+    "ledger": "rows are built and dropped: no spool file, no DuckDB insert",
+    "recorder": "Recorder.finish only marks the exchange: no pricing, no row, no metrics, no ledger",
+    "watch": "no DisconnectWatch (no extra receive future per request)",
+    "litestar": "POST /v1/chat/completions dispatched by a raw ASGI callable ahead of Litestar",
+    "uuid": "request ids from a counter instead of uuid4().hex",
+    "gc": "not switched off, added: gc.freeze() once the app is built (start-up objects leave the GC's scans)",
+}
+
+
+class _BareRequest:
+    """What Forwarder.metered reads of a Litestar Request: scope, receive, body()."""
+
+    __slots__ = ("receive", "scope")
+
+    def __init__(self, scope, receive) -> None:
+        self.scope, self.receive = scope, receive
+
+    async def body(self) -> bytes:
+        chunks = []
+        more = True
+        while more:
+            message = await self.receive()
+            chunks.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        return b"".join(chunks)
+
+
+def _switch_off(parts: set[str]) -> None:
+    from tokenward.proxy import exchange, forward, metrics, recorder, relay
+
+    if "metrics" in parts:
+        metrics.Metrics.observe = lambda self, row: None
+    if "ledger" in parts:
+        recorder.Recorder._write = lambda self, rows: None
+    if "recorder" in parts:
+
+        def finish(self, ex, estimate=None):
+            ex.recorded = True
+            if self.guard is not None:
+                self.guard.release(ex.reservation)
+
+        recorder.Recorder.finish = finish
+    if "watch" in parts:
+
+        class NoWatch:
+            __slots__ = ()
+            pending = asyncio.Future  # replaced per instance below
+
+            def __init__(self, receive) -> None:
+                pass
+
+            def gone(self) -> bool:
+                return False
+
+            def close(self) -> None:
+                pass
+
+        class _Never:
+            def add_done_callback(self, fn):
+                pass
+
+            def remove_done_callback(self, fn):
+                pass
+
+        NoWatch.pending = _Never()  # type: ignore[assignment]
+        relay.DisconnectWatch = NoWatch  # type: ignore[misc]
+        forward.DisconnectWatch = NoWatch  # type: ignore[misc]
+    if "uuid" in parts:
+        import itertools
+
+        ids = itertools.count(1)
+        init = exchange.Exchange.__init__  # the dataclass __init__ holds the default factory in a closure cell
+        for name, cell in zip(init.__code__.co_freevars, init.__closure__ or (), strict=True):
+            if name == "__dataclass_dflt_request_id__":
+                cell.cell_contents = lambda: f"{next(ids):032x}"
+
+
+def _front(app, forwarder):
+    """A raw ASGI callable: POST /v1/chat/completions straight to the forwarder, the rest to Litestar."""
+    from tokenward.proxy.forward import METERED_ENDPOINTS
+
+    endpoint = METERED_ENDPOINTS["chat/completions"]
+
+    async def front(scope, receive, send):
+        if scope["type"] == "http" and scope["path"] == "/v1/chat/completions" and scope["method"] == "POST":
+            relay = await forwarder.metered(_BareRequest(scope, receive), endpoint)
+            await relay(scope, receive, send)
+            return
+        await app(scope, receive, send)
+
+    return front
+
+
+def serve(config_path: str, port: int, parts: set[str]) -> None:
+    import logging
+
+    import uvicorn
+
+    from tokenward.proxy.app import create_app
+    from tokenward.proxy.config import load_config
+
+    logging.basicConfig(level=logging.WARNING)
+    _switch_off(parts)
+    config = load_config(config_path)
+    app = create_app(config)
+    asgi = _front(app, app.state.forwarder) if "litestar" in parts else app
+    if "gc" in parts:
+        import gc
+
+        gc.freeze()
+    uvicorn.run(
+        asgi, host="127.0.0.1", port=port, log_level="warning", access_log=False, server_header=False,
+        date_header=False, lifespan="on",
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------- common set-up
+
+
+class Bench:
+    """The mock on CPU 0 and gateways started on CPU 1, stopped on exit."""
+
+    def __init__(self) -> None:
+        self.tmp = Path(tempfile.mkdtemp(prefix="tokenward-profile-"))
+        self.procs = floor.Processes()
+        if floor.two_cores():
+            os.sched_setaffinity(0, {0})
+        if not shutil.which("wrk"):
+            raise SystemExit("wrk is needed: apt-get install -y wrk")
+        self.mock_name, self.mock = floor.start_mock(self.procs, self.tmp)
+
+    def __enter__(self) -> Bench:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.procs.stop()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def tokenward(self, port: int, off: set[str] = frozenset(), budget: bool = False) -> floor.Gateway:
+        config = floor.tokenward_config(self.tmp, f"tw-{port}", budget)
+        argv = [sys.executable, __file__, "serve", "--config", str(config), "--port", str(port)]
+        if off:
+            argv += ["--off", ",".join(sorted(off))]
+        proc = self.procs.start(floor.pinned(1, argv), port, stderr=subprocess.DEVNULL)
+        base = f"http://127.0.0.1:{port}"
+        return floor.Gateway(
+            "tokenward", lambda kind: f"{base}/v1/chat/completions",
+            lambda kind: floor.HEADERS | {"x-tokenward-upstream": kind}, proc.pid,
+        )  # fmt: skip
+
+    def gateway(self, name: str) -> floor.Gateway:
+        if name == "tokenward":
+            return self.tokenward(floor.TW_PORT)
+        gateways = floor.start_gateways(self.procs, self.tmp, [name])
+        return gateways[-1]
+
+    def load(self, gateway: floor.Gateway, scenario: str, seconds: float) -> tuple[floor.Load, float]:
+        """Run one wrk load; returns it and the gateway's CPU ms per request."""
+        kind, concurrency, payload = floor.SCENARIOS[scenario]
+        before = floor.cpu_seconds(gateway.pid)
+        result = floor.wrk_load(self.tmp, gateway.url(kind), gateway.headers(kind), payload, concurrency, seconds)
+        if result.errors:
+            print(f"! {gateway.url(kind)} ({scenario}): {result.errors} failed requests")
+        return result, (floor.cpu_seconds(gateway.pid) - before) / max(result.requests, 1) * 1000
+
+    def warm(self, gateway: floor.Gateway) -> None:
+        for scenario in ("c64", "c64_stream"):
+            self.load(gateway, scenario, 1)
+
+
+# ---------------------------------------------------------------- py-spy
+
+GROUPS = [  # (group, pattern on "function (file:line)"), first match wins; matched on the leaf frame for self time
+    ("tokenizer/tiktoken", r"tiktoken|proxy/tokenizer\.py|count_input|_count_for_bound|bounds\.py"),
+    ("ledger writer thread (spool + DuckDB)", r"reports/ledger\.py|duckdb|Recorder\._write|Recorder\._ingest"),
+    ("prometheus metrics", r"prometheus_client|proxy/metrics\.py"),
+    ("pricing (quote, cost)", r"pricing/(quote|cost|catalog|rates|usage)\.py"),
+    ("row building + recorder queue", r"proxy/recorder\.py"),
+    ("metering (meter, dialect, SSE)", r"proxy/(metering|sse)\.py|proxy/dialects/"),
+    ("msgspec decode", r"msgspec"),
+    ("forwarder (headers, routing, admit)", r"proxy/(forward|routing|keys|guard)\.py"),
+    ("relay (reply headers, send loop)", r"proxy/relay\.py"),
+    ("exchange dataclass + uuid", r"proxy/exchange\.py|uuid\.py|<string>"),
+    ("upstream client wrapper", r"proxy/upstream\.py|multidict"),
+    ("aiohttp client", r"aiohttp/|yarl/"),
+    ("litestar", r"litestar/"),
+    ("uvicorn + httptools", r"uvicorn/|httptools"),
+    ("logging", r"logging/"),
+    ("asyncio + uvloop", r"asyncio/|uvloop|contextvars"),
+    ("apscheduler", r"apscheduler|tzlocal"),
+    ("other", r"."),
+]
+_IDLE = re.compile(r"acquire_lock|SimpleQueue_get|epoll_pwait|pthread_cond_(timed)?wait|select \(selectors")
+
+
+def group_of(frame: str) -> str:
+    return next(name for name, pattern in GROUPS if re.search(pattern, frame))
+
+
+def _frame_name(frame: str) -> str:
+    """``function (file:line)`` -> ``file:function`` (lines dropped, so one function is one row)."""
+    match = re.match(r"(.*) \((.*?)(?::\d+)?\)$", frame)
+    return f"{match.group(2)}:{match.group(1)}" if match else frame
+
+
+def summarise(raw: Path, cpu_ms: float, top: int) -> str:
+    """Self time by group, then functions by self and by cumulative time, in us per request."""
+    stacks: list[tuple[list[str], int]] = []
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames = stack.split(";")
+        if _IDLE.search(frames[-1]):
+            continue
+        stacks.append((frames, int(count)))
+    total = sum(n for _, n in stacks) or 1
+    per = cpu_ms * 1000 / total  # us per request for one sample
+    by_group: Counter[str] = Counter()
+    group_cum: Counter[str] = Counter()
+    self_fn: Counter[str] = Counter()
+    cum_fn: Counter[str] = Counter()
+    for frames, n in stacks:
+        python = [f for f in frames if re.search(r"\.py:\d+\)$|<string>|<frozen", f)]
+        leaf = python[-1] if python else frames[-1]
+        if frames[0].startswith("Thread._bootstrap") and group_of(leaf) not in ("tokenizer/tiktoken",):
+            leaf_group = "ledger writer thread (spool + DuckDB)" if "Recorder._write" in ";".join(frames) else None
+        else:
+            leaf_group = None
+        by_group[leaf_group or group_of(leaf)] += n
+        for group in {group_of(f) for f in frames[1:]}:
+            group_cum[group] += n
+        self_fn[_frame_name(leaf)] += n
+        for name in {_frame_name(f) for f in frames}:
+            cum_fn[name] += n
+    out = [f"  {total} on-CPU samples for {cpu_ms * 1000:.0f} us of CPU per request (one sample: {per:.3f} us)"]
+    out.append("  self time by group (us/request, share):")
+    for name, n in by_group.most_common():
+        out.append(f"    {name:<42} {n * per:7.1f}  {100 * n / total:5.1f}%")
+    out.append(f"  top {top} functions by self time (us/request):")
+    for name, n in self_fn.most_common(top):
+        out.append(f"    {n * per:7.1f}  {name}")
+    out.append(f"  top {top} tokenward/litestar/aiohttp functions by cumulative time (us/request):")
+    shown = 0
+    for name, n in cum_fn.most_common():
+        if re.search(r"proxy/|pricing/|reports/|litestar/|aiohttp/|prometheus", name) and shown < top:
+            out.append(f"    {n * per:7.1f}  {name}")
+            shown += 1
+    return "\n".join(out)
+
+
+def pyspy(args: argparse.Namespace) -> None:
+    tool = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    if not Path(tool).exists():
+        raise SystemExit("py-spy is needed: .venv/bin/pip install py-spy")
+    with Bench() as bench:
+        gateway = bench.gateway(args.gateway)
+        bench.warm(gateway)
+        for scenario in ("c64", "c64_stream"):
+            raw = bench.tmp / f"{scenario}.txt"
+            argv = [tool, "record", "-p", str(gateway.pid), "--rate", str(args.rate), "--format", "raw"]
+            argv += ["-o", str(raw), "--duration", str(int(args.seconds)), "--threads"]
+            argv += ["--native"] if args.native else ["--nonblocking"]
+            spy = subprocess.Popen(floor.pinned(0, argv), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            time.sleep(0.5)
+            result, cpu_ms = bench.load(gateway, scenario, args.seconds)
+            spy.wait(60)
+            label = "streamed" if "stream" in scenario else "non-streamed, 50 ms upstream"
+            print(
+                f"\n{args.gateway}, c=64 {label}: {result.rps:.0f} req/s under py-spy, {cpu_ms:.3f} ms CPU per request"
+            )
+            print(summarise(_strip_threads(raw), cpu_ms, args.top))
+            if args.keep:
+                shutil.copy(raw, Path(args.keep) / f"{args.gateway}-{scenario}{'-native' if args.native else ''}.txt")
+
+
+def _strip_threads(raw: Path) -> Path:
+    """Drop py-spy's leading ``thread (0x..)`` frame; keep a marker for non-main threads."""
+    out = raw.with_suffix(".stacks")
+    lines = []
+    for line in raw.read_text().splitlines():
+        frames = line.split(";")
+        if frames and frames[0].startswith(("thread (", "process ")):
+            frames = frames[1:]
+        lines.append(";".join(frames))
+    out.write_text("\n".join(lines) + "\n")
+    return out
+
+
+# ---------------------------------------------------------------- ablation
+
+
+def ablate(args: argparse.Namespace) -> None:
+    variants = [("full", set())] + [(f"-{p}", {p}) for p in ("litestar", "watch", "uuid", "metrics", "ledger")]
+    variants += [("+gc.freeze", {"gc"})]
+    variants += [("-recorder", {"recorder"}), ("-litestar -watch -recorder", {"litestar", "watch", "recorder"})]
+    results: dict[str, dict[str, list[float]]] = {name: {"c64": [], "c64_stream": []} for name, _ in variants}
+    with Bench() as bench:
+        relay = bench.gateway("relay")
+        gateways = [(name, bench.tokenward(9500 + i, off)) for i, (name, off) in enumerate(variants)]
+        gateways.append(("relay (floor)", relay))
+        results["relay (floor)"] = {"c64": [], "c64_stream": []}
+        for _, gateway in gateways:
+            bench.warm(gateway)
+        for _ in range(args.repeat):
+            for scenario in ("c64", "c64_stream"):
+                for name, gateway in gateways:
+                    _, cpu_ms = bench.load(gateway, scenario, args.seconds)
+                    results[name][scenario].append(cpu_ms)
+    full = {s: statistics.median(results["full"][s]) for s in ("c64", "c64_stream")}
+    floor_cpu = {s: statistics.median(results["relay (floor)"][s]) for s in ("c64", "c64_stream")}
+    print(f"CPU per request at c=64 (ms; median of {args.repeat}, [min..max]); saved = full - variant\n")
+    print(
+        f"{'variant':<28} {'non-streamed':>22} {'saved':>7} {'/relay':>7} {'streamed':>22} {'saved':>7} {'/relay':>7}"
+    )
+    for name, _ in [*variants, ("relay (floor)", None)]:
+        cells = []
+        for scenario in ("c64", "c64_stream"):
+            values = results[name][scenario]
+            med = statistics.median(values)
+            cells.append(f"{med:.3f} [{min(values):.3f}..{max(values):.3f}]".rjust(22))
+            cells.append(f"{full[scenario] - med:+.3f}".rjust(7))
+            cells.append(f"{med / floor_cpu[scenario]:.2f}x".rjust(7))
+        print(f"{name:<28} " + " ".join(cells))
+    print("\nparts switched off:")
+    for part, what in PARTS.items():
+        print(f"  -{part}: {what}")
+
+
+# ---------------------------------------------------------------- memory
+
+HEAVY = [
+    "litestar", "uvicorn", "uvloop", "aiohttp", "httpx", "anyio", "httpx_aiohttp", "duckdb", "tiktoken", "msgspec",
+    "prometheus_client", "apscheduler", "click", "rich", "pygments", "pygal", "openai", "yaml", "aiosmtplib",
+    "brotli", "zstandard", "watchfiles",
+]  # fmt: skip
+_RSS = "import re;print(int(re.search(r'VmRSS:\\s+(\\d+)', open('/proc/self/status').read()).group(1)))"
+
+
+def _rss_after(code: str) -> float:
+    out = subprocess.run([sys.executable, "-c", code + "\n" + _RSS], capture_output=True, text=True, check=True)
+    return int(out.stdout.split()[-1]) / 1024
+
+
+def _serve_modules() -> dict[str, list[str]]:
+    """Third-party modules `tokenward serve` has imported once its app exists, by top-level package, in order."""
+    code = (
+        "import sys, json\nimport tokenward.proxy.cli, tokenward.proxy.app, tokenward.proxy.server\n"
+        "std = set(sys.stdlib_module_names)\nby = {}\n"
+        "for m in list(sys.modules):\n"
+        "    top = m.split('.')[0]\n"
+        "    if top not in std and not top.startswith('_') and top not in ('tokenward', 'cython_runtime'):\n"
+        "        by.setdefault(top, []).append(m)\nprint(json.dumps(by))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    return json.loads(out)
+
+
+def _imports(modules: list[str]) -> str:
+    return "".join(f"try:\n    import {m}\nexcept Exception:\n    pass\n" for m in modules)
+
+
+def memory(args: argparse.Namespace) -> None:
+    base = _rss_after("pass")
+    loaded = _serve_modules()
+    print(f"python alone: {base:.1f} MB RSS; `tokenward serve` imports {len(loaded)} third-party packages:")
+    print("  " + " ".join(loaded))
+    print("\nRSS (MB) a package's modules (those serve imports) add imported alone, and last (after every other")
+    print("module serve imports: about what importing it lazily would save; 0 = something else needs it too)")
+    start = "import re\nr0 = int(re.search(r'VmRSS:\\s+(\\d+)', open('/proc/self/status').read()).group(1))\n"
+    for name in HEAVY:
+        modules = loaded.get(name, [name])
+        try:
+            alone = _rss_after(_imports(modules) + f"import {modules[0]}") - base
+        except subprocess.CalledProcessError:
+            print(f"  {name:<20}   (not installed)")
+            continue
+        others = _imports([m for top, mods in loaded.items() if top != name for m in mods])
+        code = others + start + _imports(modules) + _RSS.replace("print(", "print(-r0 + ")
+        last = (
+            int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.split()[-1]) / 1024
+        )
+        where = f"{len(modules)} modules imported by serve" if name in loaded else "not imported by serve"
+        print(f"  {name:<20} alone {alone:6.1f}   last {last:6.1f}   ({where})")
+    everything = _imports([m for mods in loaded.values() for m in mods])
+    print(f"  (all of them together: {_rss_after(everything) - base:.1f})")
+    steps = [
+        ("import tokenward.proxy.cli (what `tokenward serve` imports first)", "import tokenward.proxy.cli"),
+        ("+ import tokenward.proxy.app, server", "import tokenward.proxy.app, tokenward.proxy.server"),
+        ("+ create_app(config) (catalog, scheduler, app)", "app = tokenward.proxy.app.create_app(config)"),
+        ("+ open the ledger (DuckDB connection, migrations)", "from tokenward.reports.ledger import open_ledger\n"
+         "open_ledger(config.ledger.path).close()"),
+        ("+ tokenizer o200k_base loaded (first estimate or budget count)",
+         "from tokenward.proxy import tokenizer\n"
+         "tokenizer.count_tokens('hello', tokenizer.encoding_for_model('gpt-4o'))"),
+    ]  # fmt: skip
+    tmp = Path(tempfile.mkdtemp(prefix="tokenward-mem-"))
+    try:
+        config = floor.tokenward_config(tmp, "mem", False)
+        prelude = f"from tokenward.proxy.config import load_config\nconfig = load_config({str(config)!r})\n"
+        code = ""
+        print("\ntokenward serve, step by step (cumulative RSS, MB):")
+        for label, step in steps:
+            code += step + "\n"
+            rss = _rss_after("import tokenward.proxy.cli\n" + prelude + code)
+            print(f"  {label:<68} {rss:6.1f}")
+        script = (
+            "import sys, tracemalloc\ntracemalloc.start()\nimport tokenward.proxy.cli, tokenward.proxy.app\n"
+            + prelude
+            + "app = tokenward.proxy.app.create_app(config)\n"
+            "snap = tracemalloc.take_snapshot()\nimport collections, re\nby = collections.Counter()\n"
+            "for s in snap.statistics('filename'):\n"
+            "    f = s.traceback[0].filename\n"
+            "    m = re.search(r'site-packages/([^/]+)', f) or re.search(r'/(proxy|pricing|reports)/', f)\n"
+            "    by[m.group(1) if m else ('stdlib/other')] += s.size\n"
+            "print('tracemalloc (Python objects only) after create_app:', round(sum(by.values())/2**20, 1), 'MB')\n"
+            "for k, v in by.most_common(12): print(f'  {k:<28} {v/2**20:6.1f}')\n"
+            "mods = collections.Counter(m.split('.')[0] for m in sys.modules)\n"
+            "print('modules loaded:', len(sys.modules), '; by top-level package:',"
+            " ', '.join(f'{k} {v}' for k, v in mods.most_common(16)))\n"
+        )
+        print()
+        print(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout)
+        importtime(prelude)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def importtime(prelude: str) -> None:
+    """Top-level packages by cumulative import time at `tokenward serve` start (python -X importtime)."""
+    code = "import tokenward.proxy.cli, tokenward.proxy.app, tokenward.proxy.server\n"
+    err = subprocess.run([sys.executable, "-X", "importtime", "-c", code], capture_output=True, text=True).stderr
+    top: Counter[str] = Counter()
+    for line in err.splitlines():
+        match = re.match(r"import time:\s+(\d+) \|\s+(\d+) \|( *)(\S+)", line)
+        if match and len(match.group(3)) <= 2:  # modules imported by tokenward itself (or first level)
+            top[match.group(4).split(".")[0]] += int(match.group(2))
+    print("import time at start by top-level package (ms, cumulative, first level only):")
+    print("  " + ", ".join(f"{k} {v / 1000:.0f}" for k, v in top.most_common(16)))
+
+
+# ---------------------------------------------------------------- per-request steps, timed alone
+
+
+def _per_call(fn, number: int = 2000) -> float:
+    """Median us of this process's CPU per call over 7 batches (CPU time: the machine is shared)."""
+    batches = []
+    for _ in range(7):
+        t0 = time.process_time()
+        for _ in range(number):
+            fn()
+        batches.append((time.process_time() - t0) / number * 1e6)
+    return statistics.median(batches)
+
+
+def micro(args: argparse.Namespace) -> None:
+    """Time each per-request step of a metered chat completion alone, in this process (no server)."""
+    import datetime as dt
+    import uuid
+
+    from multidict import CIMultiDict
+
+    from tokenward.pricing.quote import quote, worst_case
+    from tokenward.proxy import forward, keys, relay
+    from tokenward.proxy.app import create_app
+    from tokenward.proxy.config import load_config
+    from tokenward.proxy.exchange import Exchange, Outcome
+    from tokenward.proxy.metering import Meter
+    from tokenward.proxy.recorder import build_rows
+    from tokenward.reports.ledger import Spool
+
+    tmp = Path(tempfile.mkdtemp(prefix="tokenward-micro-"))
+    try:
+        app = create_app(load_config(floor.tokenward_config(tmp, "micro", budget=True)))
+        fw, rec = app.state.forwarder, app.state.recorder
+        payload = floor.body()
+        scope = {
+            "type": "http", "method": "POST", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
+            "query_string": b"", "headers": [
+                (b"host", b"127.0.0.1:9402"), (b"content-length", str(len(payload)).encode()),
+                (b"content-type", b"application/json"), (b"authorization", b"Bearer sk-bench-0123456789"),
+                (b"x-tokenward-upstream", b"slow"),
+            ],
+        }  # fmt: skip
+        reply_headers = [
+            (b"server", b"nginx/1.22.1"), (b"date", b"Tue, 01 Dec 2026 09:51:53 GMT"),
+            (b"content-type", b"application/json"), (b"transfer-encoding", b"chunked"), (b"connection", b"keep-alive"),
+        ]  # fmt: skip
+        ex = Exchange(endpoint="chat_completions", method="POST", path="/v1/chat/completions")
+        inbound = fw._inbound(scope, ex, keep_length=False)
+        head = forward._decode_head(payload)
+        ex.requested_model = head.model
+        route = fw.router.pick(ex.requested_model, inbound.upstream)
+        fw._attach(ex, route, inbound)
+        meter = Meter("openai")
+        meter.feed_body(floor.REPLY)
+        result = meter.finish()
+        ex.http_status, ex.served_model, ex.usage, ex.raw_usage = 200, result.model, result.usage, result.raw_usage
+        ex.end(Outcome.OK)
+        rows = build_rows(ex, rec.catalog)
+        at = dt.datetime.fromtimestamp(ex.started_at, dt.UTC)
+        stream_chunks = [event(i, False) for i in range(20)] + [event(20, True), floor.DONE]
+        steps: list[tuple[str, float]] = []
+
+        def step(label: str, fn, number: int = 2000) -> None:
+            steps.append((label, _per_call(fn, number)))
+
+        step(
+            "Exchange(...) incl. uuid4().hex, time(), perf_counter()",
+            lambda: Exchange(endpoint="chat_completions", method="POST", path="/v1/chat/completions"),
+        )
+        step("  of which uuid.uuid4().hex", lambda: uuid.uuid4().hex)
+        step(
+            "Forwarder._inbound: one pass over the client's headers, identify",
+            lambda: fw._inbound(
+                scope, Exchange(endpoint="c", method="POST", path="/", request_id="x"), keep_length=False
+            ),
+        )
+        step(
+            "  of which keys.fingerprint (sha256 of the key, passthrough)",
+            lambda: keys.fingerprint("sk-bench-0123456789"),
+        )
+        step("msgspec decode of the request head (_RequestHead)", lambda: forward._decode_head(payload))
+        step(
+            "Router.pick + Forwarder._attach",
+            lambda: fw._attach(ex, fw.router.pick("gpt-4o-mini", "slow"), forward._Inbound(headers=[])),
+        )
+        step(
+            "headers to CIMultiDict for aiohttp (AiohttpUpstream.send)",
+            lambda: CIMultiDict([(n.decode("latin-1"), v.decode("latin-1")) for n, v in inbound.headers]),
+        )
+        step("_AiohttpReply: lower-case the reply's raw headers", lambda: [(n.lower(), v) for n, v in reply_headers])
+        step(
+            "Relay: reply header filter + request id + content-type lookup",
+            lambda: (
+                [(n, v) for n, v in reply_headers if n not in relay._REPLY_DROPPED]
+                + [(b"x-tokenward-request-id", b"x")],
+                relay.header(reply_headers, b"content-type"),
+            ),
+        )
+        step(
+            "Meter(...) + feed_body(reply) + finish()",
+            lambda: (lambda m: (m.feed_body(floor.REPLY), m.finish()))(Meter("openai", None)),
+        )
+        step(
+            "quote(usage) (pricing)",
+            lambda: quote(rec.catalog, ex.usage, model=ex.served_model, provider="openai", at=at),
+        )
+        step("build_rows(ex) (quote + row dict)", lambda: build_rows(ex, rec.catalog))
+        step("Metrics.observe(row) (prometheus counters)", lambda: rec.metrics.observe(rows[0]))
+        spool = Spool(tmp / "s.duckdb")
+        from tokenward.reports import ledger as ledger_module
+
+        step("Spool row encoding (msgspec NDJSON), per row", lambda: ledger_module._encoder.encode_lines(rows), 500)
+
+        def meter_stream() -> None:
+            m = Meter("openai", None)
+            for chunk in stream_chunks:
+                m.feed_stream(chunk)
+            m.end_stream()
+            m.finish()
+
+        step("streamed: Meter over 22 events (feed_stream each, finish)", meter_stream, 500)
+        guard = fw.guard
+        attributes = forward._attributes(ex)
+        step(
+            "budget: guard.in_scope(attributes, blocking_only)", lambda: guard.in_scope(attributes, blocking_only=True)
+        )
+        step(
+            "budget: _count_for_bound (decode, tiktoken, scan), small body",
+            lambda: forward._count_for_bound("openai", payload, "gpt-4o-mini"),
+            500,
+        )
+        step(
+            "budget: worst_case(...) (pricing bound)",
+            lambda: worst_case(
+                rec.catalog, model="gpt-4o-mini", provider="openai", at=at, input_tokens=30, max_output_tokens=16384
+            ),
+        )
+        step("budget: guard.admit + release", lambda: guard.release(guard.admit(attributes, Decimal_one, at)))
+        step(
+            "budget: guard.tightest + budget headers", lambda: forward._budget_headers(*guard.tightest(attributes, at))
+        )
+
+        async def in_loop() -> None:
+            async def receive():
+                await asyncio.Future()
+
+            def watch() -> None:
+                w = relay.DisconnectWatch(receive)
+                w.close()
+
+            loop_steps = []
+            for label, fn in (("DisconnectWatch(receive) + close (a Task per request)", watch),):
+                fn()
+                await asyncio.sleep(0)
+                batches = []
+                for _ in range(7):
+                    t0 = time.process_time()
+                    for _ in range(1000):
+                        fn()
+                    await asyncio.sleep(0)  # let the cancelled tasks finish, as the server does
+                    batches.append((time.process_time() - t0) / 1000 * 1e6)
+                loop_steps.append((label, statistics.median(batches)))
+            await asyncio.to_thread(lambda: None)
+            t0 = time.process_time()
+            for _ in range(300):
+                await asyncio.to_thread(lambda: None)
+            loop_steps.append(
+                ("budget: asyncio.to_thread round trip (CPU, both threads)", (time.process_time() - t0) / 300 * 1e6)
+            )
+            steps.extend(loop_steps)
+
+        import uvloop
+
+        uvloop.run(in_loop())
+        for n in (1, 100, 1000):
+            spool.write(rows * n)
+            t0 = time.process_time()
+            spool.ingest()
+            steps.append(
+                (
+                    f"ledger flush: Spool.ingest of {n} rows (open DuckDB, migrate check, insert), per flush",
+                    (time.process_time() - t0) * 1e6,
+                )
+            )
+        print("per-request steps of a metered chat completion, timed alone in one process (us per call, median)\n")
+        for label, us in steps:
+            print(f"  {us:9.1f}  {label}")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- worst-case count
+
+
+def count(args: argparse.Namespace) -> None:
+    from tokenward.proxy import forward, tokenizer
+
+    tokenizer.count_tokens("warm", tokenizer.encoding_for_model("gpt-4o-mini"))
+    readme = (HERE.parent / "README.md").read_text()
+    texts = {"English prose (README.md)": readme, "source code": _code(len(readme))}
+
+    def timed(body: bytes, calls: int) -> tuple[int, float]:
+        times = []
+        for _ in range(calls):
+            t0 = time.thread_time()
+            tokens, _ = forward._count_for_bound("openai", body, "gpt-4o-mini")
+            times.append((time.thread_time() - t0) * 1e6)
+        return tokens, statistics.median(times)
+
+    print("blocking budget worst-case count: _count_for_bound (one msgspec decode, tiktoken o200k per text, scan)")
+    print("CPU time of the calling thread, median; a chat body with one user message of the given text\n")
+    print(f"{'text':<28} {'body':>8} {'tokens':>7} {'us/call':>9} {'us per KB':>10}")
+    for label, source in texts.items():
+        for kb in (1, 4, 16, 64, 256):
+            text = (source * (kb * 1024 // len(source) + 1))[: kb * 1024 - 60]
+            body = json.dumps({"model": "gpt-4o-mini", "messages": [{"role": "user", "content": text}]}).encode()
+            tokens, us = timed(body, 200 if kb <= 16 else 30)
+            print(f"{label:<28} {len(body) / 1024:6.1f}KB {tokens:7d} {us:9.1f} {us / (len(body) / 1024):10.1f}")
+
+    async def hop() -> float:
+        await asyncio.to_thread(lambda: None)
+        t0 = time.process_time()
+        for _ in range(500):
+            await asyncio.to_thread(lambda: None)
+        return (time.process_time() - t0) / 500 * 1e6
+
+    print(f"\nasyncio.to_thread round trip around it (CPU of both threads): {asyncio.run(hop()):.1f} us per request")
+
+
+def _code(size: int) -> str:
+    line = "    for index, item in enumerate(items): total += item.price * quantities[index]  # sum\n"
+    return (line * (size // len(line) + 1))[:size]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("pyspy")
+    p.add_argument("--gateway", default="tokenward", choices=["tokenward", "relay", "tokenward+budget"])
+    p.add_argument("--seconds", type=float, default=10)
+    p.add_argument("--rate", type=int, default=200)
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--native", action="store_true", help="sample native frames too (slower, pauses the process)")
+    p.add_argument("--keep", help="copy the raw py-spy stacks into this directory")
+    p = sub.add_parser("ablate")
+    p.add_argument("--seconds", type=float, default=5)
+    p.add_argument("--repeat", type=int, default=2)
+    sub.add_parser("memory")
+    sub.add_parser("count")
+    sub.add_parser("micro")
+    p = sub.add_parser("serve")
+    p.add_argument("--config", required=True)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--off", default="")
+    args = parser.parse_args()
+    if args.command == "serve":
+        serve(args.config, args.port, {p for p in args.off.split(",") if p})
+        return
+    {"pyspy": pyspy, "ablate": ablate, "memory": memory, "count": count, "micro": micro}[args.command](args)
+
+
+if __name__ == "__main__":
+    main()
