@@ -297,7 +297,7 @@ class BooksSpend:
     Args:
         guard: the proxy's budget guard.
         now: the instant of the snapshot.
-        unpriced: the recorder's first unpriced row and count per (provider, model).
+        unpriced: the recorder's first unpriced row and count per (provider, model, price status).
     """
 
     def __init__(
@@ -311,13 +311,16 @@ class BooksSpend:
             )
         self._unpriced = [
             (
-                provider,
-                model,
-                dt.datetime.fromtimestamp(seen["row"]["started_at"], dt.UTC),
-                int(seen["count"]),
-                str(seen["row"]["request_id"]),
+                status,
+                (
+                    provider,
+                    model,
+                    dt.datetime.fromtimestamp(seen["row"]["started_at"], dt.UTC),
+                    int(seen["count"]),
+                    str(seen["row"]["request_id"]),
+                ),
             )
-            for (provider, model), seen in unpriced.items()
+            for (provider, model, status), seen in unpriced.items()
         ]
 
     def _book(self, budget: Budget, start: dt.datetime) -> tuple[Any, ...]:
@@ -344,9 +347,9 @@ class BooksSpend:
         refused: int = self._book(budget, start)[4]
         return refused
 
-    def unpriced_models(self) -> list[tuple[Any, Any, dt.datetime, int, str]]:
-        """Unpriced models this process recorded, first seen first."""
-        return sorted(self._unpriced, key=lambda item: item[2])
+    def unpriced_models(self, status: str = "unpriced") -> list[tuple[Any, Any, dt.datetime, int, str]]:
+        """Models this process recorded with price status ``status``, first seen first."""
+        return sorted((found for kind, found in self._unpriced if kind == status), key=lambda item: item[2])
 
     def totals(self, start: dt.datetime, end: dt.datetime) -> tuple[Decimal, int, int, int]:
         """Not in the books: raises ``LookupError``."""

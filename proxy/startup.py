@@ -20,18 +20,24 @@ import time
 from functools import partial
 from typing import IO, Any
 
+from tokenward.proxy.config import Config
 from tokenward.proxy.guard import BudgetGuard
 from tokenward.reports.ledger import DuckLedger, LedgerBusy, LedgerError, WriteAheadLog
 from tokenward.reports.ledger.legacy import import_legacy_state as _import
 from tokenward.reports.ledger.spend import DuckSpend
 
-__all__ = ["StartupError", "import_legacy_state", "load_books", "single_proxy_lock"]
+__all__ = ["StartupError", "import_legacy_state", "load_books", "needs_single_proxy", "single_proxy_lock"]
 
 log = logging.getLogger("tokenward.proxy")
 
 
 class StartupError(RuntimeError):
     """The proxy must not start (the message says why and what to do)."""
+
+
+def needs_single_proxy(config: Config) -> bool:
+    """Whether ``config`` keeps hard-limit books in this process (blocking budgets on a DuckDB ledger)."""
+    return any(budget.blocking for budget in config.budget_list())
 
 
 def single_proxy_lock(ledger: DuckLedger) -> IO[str]:
