@@ -299,10 +299,11 @@ def spend_report(
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The rows of :func:`spend` over ``selection`` and their total (:func:`spend_totals`), in two scans.
 
-    The first groups the rows and, in the same statement, adds up every group (``top`` cuts
-    what is returned, not the total); the second ranks the costs of the whole selection (the
-    total's ``p95_cost_usd``) and counts what only the total shows. With ``tag`` in ``by`` the
-    groups overlap, so the second scan reads every measure of the selection once.
+    The first ranks the costs of the whole selection (the total's ``p95_cost_usd``) and counts
+    what only the total shows; the second groups the rows and, in the same statement, adds up
+    every group (``top`` cuts what is returned, not the total). With ``tag`` in ``by`` the
+    groups overlap, so the first scan reads every measure of the selection once instead.
+    Values and types are those of :func:`spend` and :func:`spend_totals`.
 
     Raises:
         ValueError: unknown grouping or filter.
