@@ -16,7 +16,12 @@ from tokenward.pricing.catalog import PriceCatalog
 from tokenward.pricing.cost import Cost, price
 from tokenward.pricing.usage import Usage
 
-__all__ = ["PriceStatus", "Quote", "quote", "worst_case"]
+__all__ = ["MAX_REQUEST_COST_USD", "PriceStatus", "Quote", "quote", "worst_case"]
+
+MAX_REQUEST_COST_USD = Decimal(1_000_000)
+"""No single request costs a million dollars (at $100 per 1M tokens that is 10^10 tokens, far past
+every context window): a quote that reaches it comes from counts that cannot be true, and is
+``usage_invalid``. The ledger stores a row's cost with six integer digits (``DECIMAL(18, 12)``)."""
 
 
 class PriceStatus:
@@ -103,7 +108,8 @@ def quote(
         plus ``{"note": ...}`` items for anything priced by assumption. Counts that cannot be
         trusted (``usage.invalid``, or an invariant broken: :meth:`Usage.violations`) are
         ``usage_invalid`` and not priced; repaired counts (``usage.repairs``) are ``repaired``
-        unless a weaker status applies (unpriced, fallback, partially priced).
+        unless a weaker status applies (unpriced, fallback, partially priced). A cost of
+        :data:`MAX_REQUEST_COST_USD` or more is ``usage_invalid`` too.
     """
     resolution = catalog.resolve(model, provider, at, fallback=fallback, requested=requested, price_as=price_as)
     if not usage.trusted:
@@ -111,6 +117,8 @@ def quote(
     if resolution is None:
         return Quote(PriceStatus.UNPRICED, None, None, None, None, None)
     cost = price(usage, resolution, at=at, service_tier=service_tier)
+    if cost.total >= MAX_REQUEST_COST_USD:  # counts no real request reaches: not credible, not billed
+        return Quote(PriceStatus.USAGE_INVALID, None, None, None, None, None)
     if resolution.how == "fallback":
         status = PriceStatus.FALLBACK
     elif cost.unpriced_calls or cost.notes:
