@@ -36,7 +36,7 @@ import pytest
 from aiohttp import web
 
 from tokenward.pricing.catalog import load_catalog
-from tokenward.pricing.quote import quote
+from tokenward.pricing.quote import quote, worst_case
 from tokenward.pricing.settings import BudgetSettings, GuardSettings
 from tokenward.pricing.usage import Usage
 from tokenward.proxy.app import create_app
@@ -222,3 +222,38 @@ def test_hundred_concurrent_requests_never_overshoot_room_for_ten(tmp_path, vari
     assert len(upstream.billed) == admitted and refused == 100 - admitted
     assert billed <= limit and recorded <= limit
     assert billed == real * admitted
+
+
+def test_an_unpriced_model_held_at_a_configured_price_counts_what_it_holds(tmp_path):
+    # guard.unpriced_hold_usd $0.001 (the provider's real price here): room for ten holds of $0.001
+    limit = Decimal("0.01")
+    upstream = BillingUpstream("unpriced")
+    body = long_chat(1000, 1000, model="house-model-x")
+    with Servers(upstream.handle).running() as servers, proxy_for(
+        servers.upstream_url, tmp_path, limit, unpriced_hold_usd=Decimal("0.001")
+    ) as (url, ledger):
+        replies = asyncio.run(fire(url, "chat/completions", body, 100))
+    rows = read_rows(ledger)
+    assert sum(r.status_code == 200 for r in replies) == 10 and len(upstream.billed) == 10
+    # each admitted row is unpriced (cost NULL) and keeps its $0.001 hold as spend: exactly the limit
+    unpriced = [r for r in rows if r["price_status"] == "unpriced"]
+    assert len(unpriced) == 10 and all(r["reserved_usd"] == Decimal("0.001") for r in unpriced)
+    assert spend_of(rows) == limit and sum(upstream.billed, Decimal(0)) == limit
+
+
+def test_the_bound_prices_the_dearest_tier_a_request_can_be_served_at():
+    when = dt.datetime(2026, 12, 1, tzinfo=dt.UTC)
+
+    def bound(**kwargs: Any) -> Decimal | None:
+        return worst_case(
+            CATALOG, model="gpt-4o-mini", provider="openai", at=when, input_tokens=1000, max_output_tokens=1000, **kwargs
+        )
+
+    # gpt-4o-mini: standard 0.15 / 0.60, priority 0.25 / 1.00, batch 0.5x (never served unasked)
+    assert bound() == Decimal("0.00125")  # no tier asked: priority, 1000 x 0.25 + 1000 x 1.00
+    assert bound(service_tier="auto") == Decimal("0.00125")
+    assert bound(service_tier="default") == Decimal("0.00075")  # pinned: 150 + 600
+    assert bound(service_tier="priority") == Decimal("0.00125")
+    assert bound(service_tier="flex") == Decimal("0.00075")  # no flex price in the entry: standard rates
+    # one image: gpt-4o-mini's image_tokens_max 48,169 at the input rate, on top of the 1000 counted
+    assert bound(service_tier="default", images=1) == Decimal("0.00797535")  # 49,169 x 0.15 + 600
