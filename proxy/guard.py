@@ -24,6 +24,7 @@ from typing import Any
 from zoneinfo import ZoneInfo
 
 from tokenward.pricing.budgets import Budget, evaluate
+from tokenward.reports.ledger.schema import HELD_STATUSES
 
 __all__ = ["BooksSpend", "BudgetGuard", "BudgetRefusal", "Reservation", "attributes_of_row", "spend_amount"]
 
@@ -78,10 +79,11 @@ def _add(totals: dict[str, Decimal], name: str, amount: Decimal) -> None:
 def spend_amount(row: Mapping[str, Any]) -> Decimal | None:
     """What a ledger row counts against its budgets (USD; ``SPEND_EXPRESSION`` in SQL).
 
-    Its cost, or the reservation a ``usage_unknown`` row still holds.
+    Its cost, or the reservation a row with no cost still holds when the provider may have billed
+    it (``HELD_STATUSES``: ``usage_unknown``, ``unpriced``, ``usage_invalid``).
     """
     cost = row.get("cost_usd")
-    if cost is None and row.get("price_status") == "usage_unknown":
+    if cost is None and row.get("price_status") in HELD_STATUSES:
         return row.get("reserved_usd")
     return cost
 

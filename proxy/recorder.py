@@ -152,6 +152,7 @@ def build_row(
     }
     for name in TOKEN_FIELDS:
         row[name] = getattr(usage, name)
+    row["image_variant"] = usage.image_variant
     return row
 
 

@@ -38,10 +38,29 @@ def _before_m005(monkeypatch: pytest.MonkeyPatch, path: Path, rows: list[dict]) 
     earlier = migrations.MIGRATIONS[: names.index("m006_costs_in_64_bits")]
     with monkeypatch.context() as patch:
         patch.setattr(migrations, "MIGRATIONS", earlier)
-        write_rows(path, rows)
-        conn = open_ledger(path, read_only=True)
-        assert _types(conn)["cost_usd"] == "DECIMAL(38,12)"
-        conn.close()
+        conn = open_ledger(path)
+        try:
+            _insert_old(conn, rows)
+            assert _types(conn)["cost_usd"] == "DECIMAL(38,12)"
+        finally:
+            conn.close()
+
+
+def _insert_old(conn: duckdb.DuckDBPyConnection, rows: list[dict]) -> None:
+    """Insert ``rows`` into a ledger of an earlier schema: only the columns it has."""
+    import json
+
+    found = conn.execute("SELECT column_name FROM information_schema.columns WHERE table_name = 'requests'")
+    have = {r[0] for r in found.fetchall()}
+    for one in rows:
+        values = {k: v for k, v in one.items() if k in have}
+        values.update(started_at=dt.datetime.fromtimestamp(one["started_at"], dt.UTC))
+        values.update(ended_at=dt.datetime.fromtimestamp(one["ended_at"], dt.UTC))
+        for name in ("cost_lines", "raw_usage"):
+            if values.get(name) is not None:
+                values[name] = json.dumps(values[name], default=str)
+        marks = ", ".join("?" * len(values))
+        conn.execute(f"INSERT INTO requests ({', '.join(values)}) VALUES ({marks})", list(values.values()))
 
 
 def test_m005_stores_costs_in_64_bits_and_keeps_every_digit(tmp_path, monkeypatch):
@@ -158,13 +177,15 @@ def test_m006_keeps_stored_status_values_it_does_not_know(tmp_path, monkeypatch)
     names = [m.__name__ for m in migrations.MIGRATIONS]
     with monkeypatch.context() as patch:
         patch.setattr(migrations, "MIGRATIONS", migrations.MIGRATIONS[: names.index("m007_status_enums")])
-        write_rows(
-            path,
+        old = open_ledger(path)
+        _insert_old(
+            old,
             [
                 row("a", "2026-11-02T09:00:00+00:00", "k", "t", "gpt-4o", "0.5"),
                 row("b", "2026-11-02T10:00:00+00:00", "k", "t", "gpt-4o", None, price_status="legacy_unpriced"),
             ],
         )
+        old.close()
     conn = open_ledger(path)
     kind = conn.execute("SELECT data_type FROM information_schema.columns WHERE column_name = 'price_status'")
     assert kind.fetchone()[0].startswith("ENUM('priced'")

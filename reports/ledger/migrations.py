@@ -276,3 +276,17 @@ def m007_status_enums(conn: duckdb.DuckDBPyConnection) -> None:
         members = ", ".join("'" + v.replace("'", "''") + "'" for v in dict.fromkeys([*values, *sorted(stored)]))
         conn.execute(f"CREATE TYPE {column}_value AS ENUM ({members})")
         conn.execute(f"ALTER TABLE requests ALTER COLUMN {column} TYPE {column}_value")
+
+
+@migration
+def m008_media_units(conn: duckdb.DuckDBPyConnection) -> None:
+    """The units the images and audio endpoints bill by besides tokens.
+
+    ``output_images``: images generated; ``image_variant``: the ``<size>/<quality>`` they were made
+    at (per-image prices differ by it); ``input_audio_seconds``: seconds of audio transcribed or
+    translated (priced per minute); ``input_characters``: characters of text spoken (priced per 1M).
+    Earlier rows get 0 (and ``''``): they had none.
+    """
+    for column in ("output_images", "input_audio_seconds", "input_characters"):
+        conn.execute(f"ALTER TABLE requests ADD COLUMN {column} BIGINT DEFAULT 0")
+    conn.execute("ALTER TABLE requests ADD COLUMN image_variant VARCHAR DEFAULT ''")
