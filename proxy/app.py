@@ -27,6 +27,7 @@ from tokenward.proxy.dashboard import Dashboard, dashboard_routes
 from tokenward.proxy.errors import EXCEPTION_HANDLERS
 from tokenward.proxy.forward import Forwarder
 from tokenward.proxy.guard import BooksSpend, BudgetGuard
+from tokenward.proxy.isolation import Isolation, OwnerCache
 from tokenward.proxy.keys import Authenticator
 from tokenward.proxy.limits import BodyLimits
 from tokenward.proxy.recorder import Recorder
@@ -94,6 +95,9 @@ def create_app(
     auth = Authenticator(config.auth, config.virtual_keys)
     if config.auth.mode == "virtual_keys" and not config.virtual_keys:
         log.warning("auth mode virtual_keys, no keys in the config: only keys from `tokenward keys create` work")
+    isolation = None
+    if config.auth.mode == "virtual_keys":  # in passthrough mode each client's own provider key isolates it
+        isolation = Isolation(OwnerCache(ledger.state, fsync=config.ledger.fsync))
     forwarder = Forwarder(
         client,
         Router(config.upstreams, sends_own_keys=config.auth.mode == "virtual_keys"),
@@ -104,6 +108,7 @@ def create_app(
         guard=guard,
         guard_settings=config.guard,
         limits=BodyLimits.from_config(config.server),
+        isolation=isolation,
     )
     known = {entry.provider for entry in catalog.entries.values()}
     for upstream_config in config.upstreams:
@@ -147,6 +152,8 @@ def create_app(
             await recorder.start()
             await asyncio.to_thread(import_legacy_state, ledger)
             await reload_keys(ledger.state, auth)
+            if isolation is not None:
+                await isolation.owners.load()
             if guard is not None:
                 await asyncio.to_thread(load_books, ledger, guard, recorder.wal)
             scheduler.start()
@@ -162,6 +169,8 @@ def create_app(
             try:
                 await recorder.stop()
             finally:
+                if isolation is not None:
+                    isolation.owners.close()
                 await client.aclose()
                 if lock is not None:
                     lock.close()

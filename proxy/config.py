@@ -166,7 +166,8 @@ class VirtualKeyConfig(_Section):
     also be created with ``tokenward keys create`` (stored hashed in the ledger; they follow the
     global ``auth`` settings). ``allow_unmetered`` replaces ``auth.allow_unmetered`` for this key;
     each field of ``attribution`` set here replaces the global rule for that field.
-    ``role: admin`` also opens the dashboard and ``/metrics``.
+    ``role: admin`` also opens the dashboard and ``/metrics``, and reaches every key's provider
+    objects (files, batches, stored completions, ...); other keys reach only their own.
     """
 
     name: Annotated[str, msgspec.Meta(min_length=1)]

@@ -44,6 +44,7 @@ from tokenward.proxy.edge import METERED_ENDPOINTS, EdgeError, Endpoint, Target,
 from tokenward.proxy.errors import ProxyError
 from tokenward.proxy.exchange import Exchange, Outcome
 from tokenward.proxy.guard import BudgetGuard, BudgetRefusal
+from tokenward.proxy.isolation import Isolation, ObjectNotFound
 from tokenward.proxy.keys import AUTH_HEADERS, Authenticator, Identity, presented_key, upstream_credential
 from tokenward.proxy.limits import BodyLimits, body_stream, read_body
 from tokenward.proxy.media import MediaRequest, MediaRequestError, read_request
@@ -74,6 +75,8 @@ _OUTCOME_BY_CODE = {
     "budget_exceeded": Outcome.REJECTED,
     "endpoint_not_allowed": Outcome.REJECTED,
     "attribution_refused": Outcome.REJECTED,
+    "isolation_refused": Outcome.REJECTED,
+    "list_not_filtered": Outcome.UPSTREAM_ERROR,
     "client_disconnected": Outcome.CLIENT_DISCONNECTED,
 }
 _OUTCOME_BY_STATUS = {
@@ -102,6 +105,7 @@ class _RequestHead(msgspec.Struct):
     max_output_tokens: Any = None
     service_tier: Any = None
     speed: Any = None
+    store: Any = None
 
 
 _decode_head = msgspec.json.Decoder(_RequestHead).decode
@@ -135,6 +139,7 @@ class Forwarder:
         guard: budgets and their reservations (``None``: no budgets).
         guard_settings: how a request's worst-case cost is bounded for blocking budgets.
         limits: request body size and time limits (:mod:`tokenward.proxy.limits`).
+        isolation: keeps each virtual key to its own provider objects (``None``: passthrough mode).
     """
 
     def __init__(
@@ -149,6 +154,7 @@ class Forwarder:
         guard: BudgetGuard | None = None,
         guard_settings: GuardSettings | None = None,
         limits: BodyLimits | None = None,
+        isolation: Isolation | None = None,
     ) -> None:
         self.client = client
         self.router = router
@@ -159,6 +165,7 @@ class Forwarder:
         self.guard = guard
         self.guard_settings = guard_settings or GuardSettings()
         self.limits = limits or BodyLimits()
+        self.isolation = isolation
 
     async def handle(self, request: Request[Any, Any, Any]) -> Relay:
         """Route one request on its checked raw path (every method, every path but tokenward's own).
@@ -196,7 +203,8 @@ class Forwarder:
 
         In ``virtual_keys`` mode it must be allowed by the caller's ``allow_unmetered`` (else 403
         ``endpoint_not_allowed``). It goes to an upstream of the request's dialect
-        (:func:`~tokenward.proxy.edge.request_dialect`).
+        (:func:`~tokenward.proxy.edge.request_dialect`). Provider objects it names, lists or
+        creates are held to the caller's own (:mod:`tokenward.proxy.isolation`).
         """
         scope = request.scope
         ex = Exchange(endpoint="passthrough", method=scope["method"], path=found.path)
@@ -208,12 +216,29 @@ class Forwarder:
                 raise _not_allowed(found, inbound.identity)
             self.recorder.admit(ex)
             _settle_attribution(ex, inbound.identity)
+            has_body = any(name in (b"content-length", b"transfer-encoding") for name, _ in scope["headers"])
+            plan = self.isolation.plan(found, inbound.identity, inbound.anthropic) if self.isolation else None
+            body = None
+            if plan is not None:
+                await plan.check()
+                if has_body and plan.reads_body:  # a JSON body that may name objects: read it once, check it
+                    body = await read_body(request.receive, scope["headers"], self.limits)
+                    await plan.check_body(body)
             route = self.router.pick(None, inbound.upstream, request_dialect(found.tail, inbound.anthropic))
             self._attach(ex, route, inbound)
-            has_body = any(name in (b"content-length", b"transfer-encoding") for name, _ in scope["headers"])
-            content = body_stream(request.receive, scope["headers"], self.limits) if has_body else None
+            if plan is not None:
+                found = plan.prepare(found, inbound.headers)
+            if has_body and body is None:
+                content = body_stream(request.receive, scope["headers"], self.limits)
             await self.recorder.forwarding(ex)
-            reply = await self._send(route, found, inbound.headers, content, ex)
+            reply = await self._send(route, found, inbound.headers, content if body is None else body, ex)
+            if plan is not None:
+                listed = found
+
+                def resend(query: str) -> Any:
+                    return self._send(route, replace(listed, query=query), inbound.headers, None, ex)
+
+                reply = await plan.reply(ex, reply, resend)
             return Relay(ex, reply, self.complete, drain_timeout_s=self.drain_timeout_s)
         except BaseException as exc:
             # an upload that broke off over a limit: the client hears why, not what the upstream made of it
@@ -255,6 +280,10 @@ class Forwarder:
             ex.end_user = user if user is not None else identity and identity.end_user
         assert inbound.identity is not None
         _settle_attribution(ex, inbound.identity)
+        isolation = self.isolation
+        plan = isolation.plan_metered(endpoint.name, found, inbound.identity, body, head.store) if isolation else None
+        if plan is not None:
+            await plan.check_body(body)
         route = self.router.pick(ex.requested_model, inbound.upstream, endpoint.dialect)
         self._attach(ex, route, inbound)
         strip_usage = False
@@ -269,10 +298,14 @@ class Forwarder:
             # tokenward edits this stream: ask for it uncompressed (the relay decodes it if not)
             inbound.headers = [h for h in inbound.headers if h[0] != b"accept-encoding"]
             inbound.headers.append((b"accept-encoding", b"identity"))
+        if plan is not None:
+            plan.prepare(found, inbound.headers)
         budget_headers = await self._admit(ex, head, body, endpoint, media)
         watch.append(DisconnectWatch(request.receive))  # the body is read: receive now only reports a disconnect
         await self.recorder.forwarding(ex)
         reply = await self._send_while_connected(route, found, inbound.headers, body, ex, watch[0])
+        if plan is not None:
+            reply = await plan.reply(ex, reply, None)  # a stored completion or response: its owner first
         meter = Meter(endpoint.dialect, header(reply.headers, b"content-encoding"))
         return Relay(
             ex,
@@ -625,6 +658,8 @@ class Forwarder:
             self.recorder.finish(ex)
         else:
             ex.end(outcome, error.status, error.message)
+            if isinstance(exc, ObjectNotFound):  # the client hears "no such object"; the ledger says why
+                ex.outcome, ex.error = Outcome.REJECTED, exc.note
         return Relay.refusal(ex, error, self._record_refusal)
 
     async def _record_refusal(self, relay: Relay) -> None:

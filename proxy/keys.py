@@ -194,7 +194,8 @@ class Identity:
     ``principal`` is a virtual key's name or ``fp-...``; ``key_id`` the key's stable id
     (``vk-...`` or ``fp-...``; ``None`` without a key). ``unmetered`` says which unmetered
     endpoints the caller may use (``virtual_keys`` mode), ``unmetered_setting`` where that list is
-    configured; ``attribution`` what the caller may claim.
+    configured; ``attribution`` what the caller may claim; ``admin`` whether the key has
+    ``role: admin`` (it reaches every key's provider objects).
     """
 
     principal: str
@@ -204,6 +205,7 @@ class Identity:
     unmetered: UnmeteredPolicy = _FREE
     unmetered_setting: str = "auth.allow_unmetered"
     attribution: Attribution = _OPEN
+    admin: bool = False
 
 
 _ANONYMOUS = Identity("anonymous")
@@ -240,6 +242,7 @@ class Authenticator:
                 attribution=Attribution.from_settings(
                     ("auth.attribution", settings.attribution), (f"virtual_keys[{i}].attribution", k.attribution)
                 ),
+                admin=k.role == "admin",
             )
         self._configured = configured
         self._by_hash = dict(self._configured)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import hashlib
 import json
 from decimal import Decimal
 from pathlib import Path
@@ -15,6 +16,7 @@ from tokenward.pricing.budgets import Budget, Period, evaluate
 from tokenward.pricing.catalog import load_catalog
 from tokenward.pricing.settings import BudgetSettings, GuardSettings
 from tokenward.proxy.config import UpstreamConfig, VirtualKeyConfig
+from tokenward.proxy.keys import key_id
 from tokenward.proxy.simulator import FAULT_HEADER, RECORD_HEADER, Recording
 from tokenward.reports.ledger import write_rows
 
@@ -406,6 +408,8 @@ def test_a_request_that_cannot_be_bounded_runs_alone(start_proxy, simulator):
     register(simulator, "stored-file", request, prompt_tokens=5000, completion_tokens=10)
     budget = BudgetSettings(name="files", limit_usd=1, period="total", action="block")
     proxy = budget_proxy(start_proxy, simulator, [budget])
+    agent = key_id(hashlib.sha256(b"tw-agent-key-0001").hexdigest())  # the file is the key's own upload
+    proxy.app.state.ledger.state.record_objects([("file-abc", "file", agent, dt.datetime.now(dt.UTC))])
     first, second = asyncio.run(send_many(proxy.url, request, "stored-file", 2))
     # the first one holds everything left while it runs; the other is refused, saying why
     assert sorted([first.status_code, second.status_code]) == [200, 429]
