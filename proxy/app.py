@@ -21,6 +21,7 @@ from litestar.logging.config import LoggingConfig
 from tokenward.pricing.catalog import PriceCatalog
 from tokenward.pricing.settings import build_catalog
 from tokenward.proxy.admin_auth import AdminAuth
+from tokenward.proxy.budget_api import budget_routes
 from tokenward.proxy.config import Config
 from tokenward.proxy.dashboard import Dashboard, dashboard_routes
 from tokenward.proxy.errors import EXCEPTION_HANDLERS
@@ -31,6 +32,7 @@ from tokenward.proxy.limits import BodyLimits
 from tokenward.proxy.recorder import Recorder
 from tokenward.proxy.routes import MetricsAccess, build_routes
 from tokenward.proxy.routing import Router
+from tokenward.proxy.run_budgets import DynamicBudgets
 from tokenward.proxy.scheduler import (
     add_alert_jobs,
     create_scheduler,
@@ -40,6 +42,7 @@ from tokenward.proxy.scheduler import (
 )
 from tokenward.proxy.startup import import_legacy_state, load_books, single_proxy_lock
 from tokenward.proxy.upstream import AiohttpUpstream, HttpxUpstream, UpstreamClient
+from tokenward.proxy.velocity_books import VelocityBooks
 from tokenward.reports.alerts import Notifier
 from tokenward.reports.ledger import DuckLedger
 
@@ -74,11 +77,19 @@ def create_app(
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per upstream call costs CPU
     catalog = catalog if catalog is not None else build_catalog(config.pricing, refresh_file=config.refresh_file())
     budgets = config.budget_list()
+    templates = config.budget_templates()
+    policies = [config.auth.runs, *(k.runs for k in config.virtual_keys if k.runs is not None)]
+    runs_on = any(p.mode != "forbidden" for p in policies)
     scheduler = create_scheduler()
-    guard = None
-    if budgets:
+    guard = dynamic = velocity = None
+    if budgets or templates or runs_on:
         delay = config.ledger.flush_interval_s + 0.5  # after the row that crossed is in the ledger
         guard = BudgetGuard(budgets, dt.datetime.now(dt.UTC), lambda _: run_budget_check_soon(scheduler, delay))
+        horizon = max(p.policy("").max_ttl_s for p in policies)
+        dynamic = DynamicBudgets(guard, templates, horizon_s=horizon)
+        velocity = VelocityBooks(budgets)
+        if velocity:
+            guard.listeners.append(velocity.observe)
     ledger = DuckLedger(config.ledger.path)
     recorder = Recorder(catalog, ledger, config.ledger.flush_interval_s, guard=guard, fsync=config.ledger.fsync)
     if upstream is not None:
@@ -100,6 +111,7 @@ def create_app(
         guard=guard,
         guard_settings=config.guard,
         limits=BodyLimits.from_config(config.server),
+        dynamic=dynamic,
     )
     known = {entry.provider for entry in catalog.entries.values()}
     for upstream_config in config.upstreams:
@@ -115,7 +127,8 @@ def create_app(
         return BooksSpend(guard, dt.datetime.now(dt.UTC), recorder.unpriced_seen)
 
     sender = recorder.metrics.counting(notifier or Notifier(config.alerts))  # failed deliveries feed /metrics
-    add_alert_jobs(scheduler, ledger, spend, budgets, config.alerts, sender, auth)  # type: ignore[arg-type]
+    rates = (lambda: velocity.snapshot(dt.datetime.now(dt.UTC))) if velocity else None
+    add_alert_jobs(scheduler, ledger, spend, budgets, config.alerts, sender, auth, rates)  # type: ignore[arg-type]
     dashboard = Dashboard(recorder.live, guard, ledger, AdminAuth(config))
     refresh = config.pricing.refresh
     if refresh is not None:
@@ -137,14 +150,15 @@ def create_app(
     @asynccontextmanager
     async def lifespan(_: Litestar) -> AsyncIterator[None]:
         lock = None
-        if guard is not None and any(b.blocking for b in budgets):
+        if guard is not None and (runs_on or any(b.blocking for b in [*budgets, *templates])):
             lock = await asyncio.to_thread(single_proxy_lock, ledger)
         try:
             await recorder.start()
             await asyncio.to_thread(import_legacy_state, ledger)
             await reload_keys(ledger.state, auth)
             if guard is not None:
-                await asyncio.to_thread(load_books, ledger, guard, recorder.wal)
+                loaders = [loader.load for loader in (dynamic, velocity) if loader]
+                await asyncio.to_thread(load_books, ledger, guard, recorder.wal, loaders=loaders)
             scheduler.start()
         except BaseException:
             if lock is not None:
@@ -163,7 +177,8 @@ def create_app(
                     lock.close()
 
     app = Litestar(
-        route_handlers=build_routes(forwarder, metrics_access=MetricsAccess.from_config(config))
+        route_handlers=budget_routes(forwarder)
+        + build_routes(forwarder, metrics_access=MetricsAccess.from_config(config))
         + dashboard_routes(dashboard),
         exception_handlers=EXCEPTION_HANDLERS,  # type: ignore[arg-type]
         lifespan=[lifespan],
@@ -176,6 +191,7 @@ def create_app(
     app.state.config = config
     app.state.scheduler = scheduler
     app.state.guard = guard
+    app.state.dynamic = dynamic
     app.state.ledger = ledger
     app.state.dashboard = dashboard
     return app

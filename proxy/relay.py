@@ -145,6 +145,9 @@ class Relay:
         watch: a disconnect watch already running (the relay starts one otherwise).
         drain_timeout_s: after the client leaves mid-stream, how long to read on for usage.
         extra_headers: headers tokenward adds to the reply (budget standing).
+        final_headers: for a reply sent whole (not streamed), called once the exchange is
+            recorded; its headers (the request's cost, the budgets after it) replace those of
+            ``extra_headers`` with the same names.
     """
 
     def __init__(
@@ -162,9 +165,11 @@ class Relay:
         watch: DisconnectWatch | None = None,
         drain_timeout_s: float = 60.0,
         extra_headers: list[tuple[bytes, bytes]] | None = None,
+        final_headers: Callable[[Exchange], list[tuple[bytes, bytes]]] | None = None,
     ) -> None:
         self.complete = complete
         self.extra_headers = extra_headers or []
+        self.final_headers = final_headers
         self.watch = watch
         self.drain_timeout_s = drain_timeout_s
         self.ex = ex
@@ -277,6 +282,14 @@ class Relay:
         self.ex.mark_first_byte()
         self._end_ok()
         await self._complete()
+        if self.final_headers is not None:
+            try:
+                final = self.final_headers(self.ex)
+            except Exception:  # headers are a courtesy: never lose the reply over them
+                log.exception("final headers of %s failed", self.ex.request_id)
+                final = []
+            names = {name for name, _ in final}
+            headers = [h for h in headers if h[0] not in names] + final
         await send({"type": "http.response.start", "status": self.ex.http_status, "headers": headers})
         await send({"type": "http.response.body", "body": body, "more_body": False})
 

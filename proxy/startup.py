@@ -17,6 +17,7 @@ import fcntl
 import logging
 import os
 import time
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import IO, Any
 
@@ -71,8 +72,17 @@ def import_legacy_state(ledger: DuckLedger) -> None:
         log.info("moved %d keys, alert claims and deliveries into %s", copied, ledger.state.path)
 
 
-def load_books(ledger: DuckLedger, guard: BudgetGuard, wal: WriteAheadLog, wait_s: float = 30.0) -> None:
+Loader = Callable[[Any, dt.datetime, list[dict[str, Any]]], None]
+"""``loader(spend, now, unflushed)``: more books to open from the ledger (``DuckSpend``) at start."""
+
+
+def load_books(
+    ledger: DuckLedger, guard: BudgetGuard, wal: WriteAheadLog, wait_s: float = 30.0, loaders: Sequence[Loader] = ()
+) -> None:
     """Open the budget books from the ledger (read-only) plus the rows not yet moved into it.
+
+    ``loaders`` open more books in the same session, before the guard's (runs, per-user budgets,
+    velocity books).
 
     Raises:
         LedgerError: the ledger could not be read within ``wait_s`` seconds (another process kept
@@ -83,7 +93,7 @@ def load_books(ledger: DuckLedger, guard: BudgetGuard, wal: WriteAheadLog, wait_
         try:
             unflushed = ledger.unflushed_rows(wal)
             now = dt.datetime.now(dt.UTC)
-            ledger.session(partial(_load, guard, now, unflushed), read_only=True)
+            ledger.session(partial(_load, guard, now, unflushed, loaders), read_only=True)
             if unflushed:
                 log.info("budget books count %d rows not yet in the ledger", len(unflushed))
             return
@@ -93,5 +103,10 @@ def load_books(ledger: DuckLedger, guard: BudgetGuard, wal: WriteAheadLog, wait_
             time.sleep(0.1)
 
 
-def _load(guard: BudgetGuard, now: dt.datetime, unflushed: list[dict[str, Any]], conn: Any) -> None:
-    guard.load(DuckSpend(conn), now, unflushed)
+def _load(
+    guard: BudgetGuard, now: dt.datetime, unflushed: list[dict[str, Any]], loaders: Sequence[Loader], conn: Any
+) -> None:
+    spend = DuckSpend(conn)
+    for loader in loaders:
+        loader(spend, now, unflushed)
+    guard.load(spend, now, unflushed)

@@ -300,7 +300,8 @@ def test_m004_fills_output_cost_from_stored_cost_lines(tmp_path, monkeypatch):
     ]
     for request_id, cost, stored in (("old", Decimal("0.0057"), json.dumps(lines)), ("unpriced", None, None)):
         row = make_row(request_id, cost_usd=cost, price_status="priced" if cost else "unpriced")
-        values = {k: v for k, v in row.items() if k not in ("output_cost_usd", "cache_savings_usd", "reserved_usd")}
+        later = ("output_cost_usd", "cache_savings_usd", "reserved_usd", "org", "pool", "run_id", "sent_model")
+        values = {k: v for k, v in row.items() if k not in (*later, "degraded")}
         values.update(started_at=dt.datetime.now(dt.UTC), ended_at=dt.datetime.now(dt.UTC), cost_lines=stored)
         names = ", ".join(values)
         conn.execute(f"INSERT INTO requests ({names}) VALUES ({', '.join('?' * len(values))})", list(values.values()))

@@ -1,0 +1,123 @@
+"""Helpers for the agent-budget tests: a proxy on a given ledger (so it can be restarted), recorded replies.
+
+Prices are the test prices of ``tests/fixtures/field_case_prices.yaml`` (gpt-4o: $2.50 input and
+$10.00 output per 1M tokens; gpt-4o-mini: $0.15 and $0.60), so every figure can be worked out by hand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tokenward.pricing.catalog import load_catalog
+from tokenward.proxy.app import create_app
+from tokenward.proxy.config import AuthConfig, Config, LedgerConfig, UpstreamConfig, VirtualKeyConfig
+from tokenward.proxy.server import running_in_thread
+from tokenward.proxy.simulator import FAULT_HEADER, RECORD_HEADER, Recording
+
+from .conftest import Proxy
+
+PRICES = Path(__file__).parent / "fixtures" / "field_case_prices.yaml"
+AGENT_KEY = "tw-agent-key-0001"
+
+
+def prompt(n_tokens: int, max_tokens: int | None, model: str = "gpt-4o") -> dict[str, Any]:
+    """A chat request of ``n_tokens + 7`` input tokens (o200k_base; see test_budgets.long_prompt_request)."""
+    request: dict[str, Any] = {
+        "model": model,
+        "messages": [{"role": "user", "content": "hello" + " hello" * (n_tokens - 1)}],
+    }
+    if max_tokens is not None:
+        request["max_tokens"] = max_tokens
+    return request
+
+
+def record(simulator: Any, name: str, prompt_tokens: int, completion_tokens: int, model: str = "gpt-4o") -> None:
+    """Register a recorded non-streamed chat reply ``name`` with this usage (picked by the record header)."""
+    body = {
+        "id": name,
+        "object": "chat.completion",
+        "model": model,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
+    }
+    simulator.simulator.add(
+        Recording(
+            name,
+            "test",
+            "openai",
+            "chat_completions",
+            False,
+            {"body": {"model": model}},
+            {"status": 200, "content_type": "application/json", "body": body},
+            None,
+        )
+    )
+
+
+def upstream(simulator: Any) -> UpstreamConfig:
+    """The simulator's ``test`` provider (priced by the test prices), with an upstream key."""
+    return UpstreamConfig(
+        name="test", base_url=f"{simulator.url}/test/v1", default=True, provider="test", api_key_env="SIM_UPSTREAM_KEY"
+    )
+
+
+def agent_key(**extra: Any) -> VirtualKeyConfig:
+    """The ``agent`` key of team ``research``."""
+    return VirtualKeyConfig(name="agent", key=AGENT_KEY, team="research", **extra)
+
+
+@contextmanager
+def serving(
+    ledger: Path,
+    simulator: Any,
+    *,
+    budgets: Any = (),
+    keys: list[VirtualKeyConfig] | None = None,
+    auth: AuthConfig | None = None,
+    **config: Any,
+) -> Iterator[Proxy]:
+    """A proxy on ``ledger`` in front of the simulator, stopped (and flushed) on exit."""
+    settings = Config(
+        upstreams=[upstream(simulator)],
+        ledger=LedgerConfig(path=str(ledger), flush_interval_s=0.05),
+        auth=auth or AuthConfig(mode="virtual_keys"),
+        virtual_keys=keys if keys is not None else [agent_key()],
+        budgets=list(budgets),
+        **config,
+    )
+    app = create_app(settings, catalog=load_catalog([PRICES], builtin=False))
+    with running_in_thread(app) as url:
+        yield Proxy(url, app, ledger)
+
+
+def post(url: str, request: dict[str, Any], record_name: str, key: str = AGENT_KEY, **headers: str) -> httpx.Response:
+    """One chat request through the proxy, answered with recording ``record_name``."""
+    sent = {"authorization": f"Bearer {key}", RECORD_HEADER: record_name, **headers}
+    return httpx.post(f"{url}/v1/chat/completions", json=request, headers=sent, timeout=30)
+
+
+async def post_many(
+    url: str, requests: list[tuple[dict[str, Any], str, dict[str, str]]], wait_ms: int = 300
+) -> list[httpx.Response]:
+    """Send every ``(request, key, headers)`` at once; the upstream holds each ``wait_ms`` (all in flight)."""
+    async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=len(requests))) as client:
+        return await asyncio.gather(
+            *(
+                client.post(
+                    f"{url}/v1/chat/completions",
+                    json=request,
+                    headers={"authorization": f"Bearer {key}", FAULT_HEADER: f"wait:{wait_ms}", **headers},
+                )
+                for request, key, headers in requests
+            )
+        )
