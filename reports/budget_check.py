@@ -44,6 +44,7 @@ __all__ = [
     "record_deliveries",
     "status_of",
     "usd",
+    "velocity_of",
 ]
 
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
@@ -67,6 +68,15 @@ def status_of(spend: SpendSource, budget: Budget, now: dt.datetime) -> BudgetSta
     """Where ``budget`` stood at ``now`` (requests started before ``now`` in its current period)."""
     start, end = budget.period.window(now)
     return evaluate(budget, spend.spend_in(budget, start, min(end, now + dt.timedelta(microseconds=1))), now)
+
+
+def velocity_of(spend: SpendSource, budget: Budget, now: dt.datetime) -> VelocityStatus:
+    """``budget``'s velocity rule at ``now`` (it must have one), reading the windows from ``spend``."""
+    rule = budget.velocity
+    assert rule is not None
+    window_start, baseline_start = velocity_windows(rule, now)
+    recent = spend.spend_in(budget, window_start, now + dt.timedelta(microseconds=1))
+    return velocity_status(rule, recent, spend.spend_in(budget, baseline_start, window_start))
 
 
 def _keys(budget: str, start: dt.datetime, kind: str, thresholds: Sequence[int]) -> list[AlertKey]:
@@ -238,16 +248,11 @@ def _velocity_alerts(
         closed[claim.key.budget] = closed.get(claim.key.budget, 0) + 1
     alerts = []
     for budget in ruled:
-        rule = budget.velocity
-        assert rule is not None
-        window_start, baseline_start = velocity_windows(rule, now)
-        recent = rates.spend_in(budget, window_start, now + dt.timedelta(microseconds=1))
-        baseline = rates.spend_in(budget, baseline_start, window_start)
-        status = velocity_status(rule, recent, baseline)
+        status = velocity_of(rates, budget, now)
         episode = _EPOCH + dt.timedelta(seconds=closed.get(budget.name, 0))
         claimed = state.claimed(budget.name, episode)
         if status.firing and ("velocity", 0) not in claimed:
-            alert = _velocity_alert(budget, status, episode, window_start, now)
+            alert = _velocity_alert(budget, status, episode, now)
             if dry_run or state.claim(_keys(budget.name, episode, "velocity", (0,)), _detail(alert), now):
                 alerts.append(alert)
         elif not status.firing and ("velocity", 0) in claimed and not dry_run:
@@ -257,10 +262,9 @@ def _velocity_alerts(
     return alerts
 
 
-def _velocity_alert(
-    budget: Budget, status: VelocityStatus, episode: dt.datetime, window_start: dt.datetime, now: dt.datetime
-) -> Alert:
+def _velocity_alert(budget: Budget, status: VelocityStatus, episode: dt.datetime, now: dt.datetime) -> Alert:
     rule = status.rule
+    window_start, _ = velocity_windows(rule, now)
     subject = f"[tokenward] budget {_shown(budget.name)}: spending {status.describe()}"
     facts = [
         ("Budget", _shown(budget.name)),
