@@ -192,6 +192,7 @@ def create_app(
     app.state.scheduler = scheduler
     app.state.guard = guard
     app.state.dynamic = dynamic
+    app.state.velocity = velocity
     app.state.ledger = ledger
     app.state.dashboard = dashboard
     return app
