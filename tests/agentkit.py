@@ -84,11 +84,12 @@ def serving(
     budgets: Any = (),
     keys: list[VirtualKeyConfig] | None = None,
     auth: AuthConfig | None = None,
+    upstreams: list[UpstreamConfig] | None = None,
     **config: Any,
 ) -> Iterator[Proxy]:
-    """A proxy on ``ledger`` in front of the simulator, stopped (and flushed) on exit."""
+    """A proxy on ``ledger`` in front of the simulator (or ``upstreams``), stopped (and flushed) on exit."""
     settings = Config(
-        upstreams=[upstream(simulator)],
+        upstreams=upstreams or [upstream(simulator)],
         ledger=LedgerConfig(path=str(ledger), flush_interval_s=0.05),
         auth=auth or AuthConfig(mode="virtual_keys"),
         virtual_keys=keys if keys is not None else [agent_key()],
