@@ -133,7 +133,7 @@ class VelocitySettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     back under both.
     """
 
-    window_minutes: int = 15
+    window_minutes: Annotated[int, msgspec.Meta(ge=1, le=1440)] = 15
     max_usd_per_hour: Decimal | None = None
     baseline_factor: Decimal | None = None
     baseline_hours: Decimal = Decimal(24)
