@@ -4,10 +4,10 @@ An agent asks before its next step how much it has left. ``GET /v1/tokenward/bud
 OpenAI SDKs reach it as ``client.get("/tokenward/budget", cast_to=object)``) answers, for the
 calling key, every budget in scope: the key's, its team's, org's and pool's, all traffic's, the
 end user's (``X-Tokenward-User`` or the key's attribution header) and the run's
-(``X-Tokenward-Run``, joined as a request would join it), each with its limit, spent, held
-(reserved by requests in flight), remaining and reset time, tightest first. A budget that
-applies only to some requests (a ``model``, ``tag`` or ``upstream`` scope) is listed with
-``applies`` saying when. Like OpenRouter's ``GET /api/v1/key``; tokenward's own, so not sent
+(``X-Tokenward-Run``: an id alone looks the run up, a full header joins it as a request would),
+each with its limit, spent, held (reserved by requests in flight), remaining and reset time,
+tightest first. A budget that applies only to some requests (a ``model``, ``tag`` or
+``upstream`` scope) is listed with ``applies`` saying when. Like OpenRouter's ``GET /api/v1/key``; tokenward's own, so not sent
 upstream and not a ledger row.
 
 Reply headers (:func:`reply_headers`): ``x-tokenward-budget`` and
@@ -137,12 +137,15 @@ def caller_budgets(forwarder: Forwarder, headers: list[tuple[bytes, bytes]], now
         mapped = {name: given[name] for name in auth.attribution_headers if name in given}
         end_user, _, _ = attribution.settle(end_user, (), None, mapped)
     run_id = None
-    if b"x-tokenward-run" in given:  # the run is joined as a request would join it (its clock starts)
+    if b"x-tokenward-run" in given:
         try:
             header = parse_run_header(given[b"x-tokenward-run"])
             if forwarder.dynamic is None:
                 raise RunRefused(403, "Run budgets are off on this proxy.", "run_not_allowed")
-            run_id = forwarder.dynamic.join(identity.key_id, identity.principal, identity.runs, header, now)
+            if header.limit_usd is None and identity.runs.default_limit_usd is None:
+                run_id = header.id  # an id alone looks a run up
+            else:  # joined as a request would join it (a new run's clock starts)
+                run_id = forwarder.dynamic.join(identity.key_id, identity.principal, identity.runs, header, now)
         except RunRefused as exc:
             raise ProxyError(exc.status, exc.message, exc.code) from None
     attributes: dict[str, Any] = {

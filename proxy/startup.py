@@ -1,8 +1,8 @@
 """What the proxy does once before serving: one proxy per DuckDB ledger, old state moved, books opened.
 
-* :func:`single_proxy_lock`: with blocking budgets, the budget books live in one proxy's memory,
-  so a second proxy on the same DuckDB ledger would enforce every limit a second time; it
-  refuses to start (field case: two proxies overshot a hard budget by 90 %).
+* :func:`single_proxy_lock`: with blocking budgets (or run budgets allowed: a run is one), the
+  budget books live in one proxy's memory, so a second proxy on the same DuckDB ledger would
+  enforce every limit a second time; it refuses to start (field case: two proxies overshot a hard budget by 90 %).
 * :func:`import_legacy_state`: keys and alert claims an earlier version kept in the DuckDB
   file move to the state store once.
 * :func:`load_books`: the budget books start from the ledger plus every row still in the
@@ -50,7 +50,8 @@ def single_proxy_lock(ledger: DuckLedger) -> IO[str]:
         holder = handle.read().strip() or "another process"
         handle.close()
         raise StartupError(
-            f"another tokenward proxy ({holder}) serves the ledger {ledger.path} with blocking budgets. "
+            f"another tokenward proxy ({holder}) serves the ledger {ledger.path} with blocking budgets "
+            "(or run budgets, which auth.runs.mode: forbidden turns off). "
             "Their books are kept in that process, so a second proxy would enforce every hard limit again "
             "(and overshoot it): run one proxy per DuckDB ledger, or give all replicas a shared Postgres "
             "ledger (ledger.url)."
