@@ -203,6 +203,8 @@ class BudgetSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         Raises:
             ValueError: an invalid limit, scope, zone, threshold, window or rule (message names the budget).
         """
+        if self.name.startswith("run:") or "[" in self.name or "]" in self.name:
+            raise ValueError(f"budget {self.name!r}: names starting run: or holding [ ] are tokenward's own")
         degrade = None
         if self.degrade is not None:
             if self.action != "block":

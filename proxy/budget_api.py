@@ -7,8 +7,8 @@ end user's (``X-Tokenward-User`` or the key's attribution header) and the run's
 (``X-Tokenward-Run``: an id alone looks the run up, a full header joins it as a request would),
 each with its limit, spent, held (reserved by requests in flight), remaining and reset time,
 tightest first. A budget that applies only to some requests (a ``model``, ``tag`` or
-``upstream`` scope) is listed with ``applies`` saying when. Like OpenRouter's ``GET /api/v1/key``; tokenward's own, so not sent
-upstream and not a ledger row.
+``upstream`` scope) is listed with ``applies`` saying when. Like OpenRouter's
+``GET /api/v1/key``; tokenward's own, so not sent upstream and not a ledger row.
 
 Reply headers (:func:`reply_headers`): ``x-tokenward-budget`` and
 ``x-tokenward-budget-remaining-usd`` name the tightest budget in scope and what it has left;

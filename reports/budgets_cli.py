@@ -17,6 +17,7 @@ from zoneinfo import ZoneInfo
 import click
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from tokenward.pricing.budgets import Budget
 from tokenward.reports.alerts import Alert, AlertSettings, Notifier, html_text
@@ -121,8 +122,8 @@ def status(config: str | None, db: str | None, wait: float, at_text: str | None,
             else (f"{s.start.astimezone(zone):%Y-%m-%d %H:%M} to {s.end.astimezone(zone):%Y-%m-%d %H:%M} {zone.key}")
         )
         table.add_row(
-            s.budget.name,
-            s.budget.describe_scope(),
+            Text(s.budget.name),  # a per-user budget's name holds a client's value: never rich markup
+            Text(s.budget.describe_scope()),
             period,
             f"${s.spent:,.4f}",
             usd(s.budget.limit_usd),
@@ -184,7 +185,7 @@ def history(config: str | None, db: str | None, wait: float, limit: int) -> None
         )
         table.add_row(
             claim.created_at.isoformat(timespec="seconds"),
-            claim.key.budget,
+            Text(claim.key.budget),
             claim.key.kind,
             str(claim.key.threshold or ""),
             claim.status,

@@ -18,9 +18,10 @@ from tokenward.pricing.catalog import load_catalog
 from tokenward.proxy.app import create_app
 from tokenward.proxy.config import AuthConfig, Config, LedgerConfig, UpstreamConfig, VirtualKeyConfig
 from tokenward.proxy.server import running_in_thread
-from tokenward.proxy.simulator import FAULT_HEADER, RECORD_HEADER, Recording
+from tokenward.proxy.simulator import FAULT_HEADER, RECORD_HEADER
 
 from .conftest import Proxy
+from .test_budgets import register
 
 PRICES = Path(__file__).parent / "fixtures" / "field_case_prices.yaml"
 AGENT_KEY = "tw-agent-key-0001"
@@ -37,31 +38,9 @@ def prompt(n_tokens: int, max_tokens: int | None, model: str = "gpt-4o") -> dict
     return request
 
 
-def record(simulator: Any, name: str, prompt_tokens: int, completion_tokens: int, model: str = "gpt-4o") -> None:
-    """Register a recorded non-streamed chat reply ``name`` with this usage (picked by the record header)."""
-    body = {
-        "id": name,
-        "object": "chat.completion",
-        "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
-        "usage": {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-        },
-    }
-    simulator.simulator.add(
-        Recording(
-            name,
-            "test",
-            "openai",
-            "chat_completions",
-            False,
-            {"body": {"model": model}},
-            {"status": 200, "content_type": "application/json", "body": body},
-            None,
-        )
-    )
+def record(simulator: Any, name: str, prompt_tokens: int, completion_tokens: int) -> None:
+    """Register a recorded non-streamed gpt-4o reply ``name`` with this usage (picked by the record header)."""
+    register(simulator, name, {"model": "gpt-4o"}, prompt_tokens, completion_tokens)
 
 
 def upstream(simulator: Any) -> UpstreamConfig:

@@ -108,3 +108,35 @@ def test_a_template_makes_at_most_its_share_of_budgets():
         (("end_user", "u1"), ("team", "chat")),
         Decimal("0.02"),
     )
+
+
+def test_budgets_status_lists_the_largest_per_user_budgets(tmp_path):
+    from click.testing import CliRunner
+
+    from tokenward.proxy.cli import main
+
+    from .test_alerts import cost_row, seed
+
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        "upstreams: [{name: a, base_url: 'http://upstream.invalid'}]\n"
+        "budgets: [{name: chat-user, per: end_user, scope: {team: research}, limit_usd: 5, period: month}]\n"
+    )
+    db = tmp_path / "l.duckdb"
+    seed(
+        db,
+        [
+            {**cost_row("a", "2026-11-10T09:00:00+00:00", "1.25"), "end_user": "alice@example.com"},
+            {**cost_row("b", "2026-11-11T09:00:00+00:00", "4.00"), "end_user": "bob@example.com"},
+            {**cost_row("c", "2026-10-30T09:00:00+00:00", "9.00"), "end_user": "alice@example.com"},  # October's
+            {**cost_row("d", "2026-11-11T09:00:00+00:00", "0.50"), "end_user": "carol@example.com"},
+        ],
+    )
+    args = ["budgets", "status", "--config", str(config), "--db", str(db), "--at", "2026-11-12T00:00:00+00:00"]
+    result = CliRunner().invoke(main, [*args, "--top", "2"])
+    assert result.exit_code == 0, result.output
+    lines = [line for line in result.output.splitlines() if "chat-user[" in line]
+    assert len(lines) == 2 and "bob@example.com" in lines[0] and "alice@example.com" in lines[1]
+    for figure in ("$4.0000", "$5.00", "80.00", "$1.0000"):
+        assert figure in lines[0], figure
+    assert "$1.2500" in lines[1] and "25.00" in lines[1]

@@ -102,3 +102,26 @@ def test_a_hundred_concurrent_requests_from_four_keys_stay_within_every_limit(tm
         spent["a1-cap"] += cost if row["principal"] == "a1" else 0
     assert spent["acme"] == EACH * 20
     assert spent["dept-pool"] <= EACH * 12 and spent["alpha"] <= EACH * 8 and spent["a1-cap"] <= EACH * 3
+
+
+def test_the_budget_endpoint_answers_the_caller_only(tmp_path, simulator):
+    budgets = [
+        *BUDGETS,
+        BudgetSettings(name="alpha-gpt4o", limit_usd=1, scope={"team": "alpha", "model": "gpt-4o"}, period="day"),
+        BudgetSettings(name="beta-only", limit_usd=1, scope={"team": "beta"}, period="week"),
+    ]
+    with serving(tmp_path / "l.duckdb", simulator, keys=KEYS, budgets=budgets) as proxy:
+        url = f"{proxy.url}/v1/tokenward/budget"
+        unknown = httpx.get(url, headers={"authorization": "Bearer tw-not-a-key"})
+        assert unknown.status_code == 401 and "acme" not in unknown.text and "budgets" not in unknown.json()
+        assert httpx.get(url).status_code == 401
+        mine = httpx.get(url, headers={"authorization": "Bearer tw-key-a1-000001"})
+        assert mine.headers["cache-control"] == "no-store"
+        views = {b["name"]: b for b in mine.json()["budgets"]}
+        assert set(views) == {"acme", "dept-pool", "alpha", "a1-cap", "alpha-gpt4o"}  # not beta's
+        assert views["alpha-gpt4o"]["applies"] == "model=gpt-4o" and views["alpha-gpt4o"]["action"] == "alert"
+        assert views["alpha-gpt4o"]["resets_at"] is not None and views["acme"]["resets_at"] is None
+        assert mine.json()["limited_by"] == "a1-cap" and mine.json()["remaining_usd"] == "0.0375525"
+        # nothing of this reached the provider, and no row was written for it
+        assert not any("tokenward/budget" in r["path"] for r in simulator.simulator.requests)
+        assert proxy.rows() == []

@@ -77,6 +77,8 @@ def test_window_settings_are_checked(tmp_path):
         ("{name: b, windows: [{period: rolling, limit_usd: 5}]}", "rolling period needs rolling_hours"),
         ("{name: b, windows: [{period: day, limit_usd: -5}]}", "limit_usd must be a positive amount"),
         ("{name: b}", "give limit_usd (or windows)"),
+        ("{name: 'run:x', limit_usd: 1}", "are tokenward's own"),
+        ("{name: 'u[1]', limit_usd: 1}", "are tokenward's own"),
         ("{name: b/day, limit_usd: 1}, {name: b, windows: [{period: day, limit_usd: 2}]}", "duplicate budget name"),
     ):
         path = tmp_path / "c.yaml"
