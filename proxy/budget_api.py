@@ -23,6 +23,7 @@ import datetime as dt
 import math
 from collections.abc import Mapping
 from decimal import Decimal
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
@@ -50,9 +51,16 @@ def usd_text(amount: Decimal) -> str:
     return format(amount.normalize(), "f") if amount else "0"
 
 
+@lru_cache(maxsize=4096)
 def header_name(name: str) -> bytes:
     """A budget name as a header value: printable ASCII, anything else percent-encoded."""
     return quote(name, safe=_SAFE).encode("ascii")
+
+
+@lru_cache(maxsize=4096)
+def _entry_head(name: str, limit: Decimal) -> bytes:
+    """``<name>;limit_usd=<limit>;remaining_usd=`` (the same for every reply of a budget)."""
+    return header_name(name) + b";limit_usd=" + usd_text(limit).encode() + b";remaining_usd="
 
 
 def reply_headers(guard: BudgetGuard, attributes: Mapping[str, Any], now: dt.datetime) -> list[tuple[bytes, bytes]]:
@@ -64,13 +72,7 @@ def reply_headers(guard: BudgetGuard, attributes: Mapping[str, Any], now: dt.dat
     entries = []
     for entry in standing:
         budget: Budget = entry["budget"]
-        text = (
-            header_name(budget.name)
-            + b";limit_usd="
-            + usd_text(budget.limit_usd).encode()
-            + b";remaining_usd="
-            + usd_text(entry["remaining_usd"]).encode()
-        )
+        text = _entry_head(budget.name, budget.limit_usd) + usd_text(entry["remaining_usd"]).encode()
         if budget.period.kind in CALENDAR_PERIODS:
             text += b";resets_in_s=" + str(max(math.ceil((entry["period_end"] - now).total_seconds()), 0)).encode()
         entries.append(text)

@@ -406,6 +406,8 @@ class Forwarder:
                     ex.request_id,
                     ex.requested_model,
                 )
+        if not ex.stream:  # a whole reply gets them once it is recorded (Relay's final_headers)
+            return extra, body
         return reply_headers(guard, attributes, now) + extra, body
 
     async def _degrade(

@@ -219,3 +219,19 @@ def test_a_run_ends_after_its_ttl(tmp_path, simulator):
         dynamic = proxy.app.state.dynamic
         assert not proxy.app.state.guard.has_book(f"run:{AGENT_ID}:short")  # its books are closed
         assert dynamic.run_of(AGENT_ID, "short").ended(time.time())
+
+
+def test_a_streamed_reply_carries_the_budget_standing_with_its_worst_case_held(tmp_path, simulator):
+    # the headers of a stream leave before its cost is known: the run's $0.045 less the $0.0125175 held
+    with serving(tmp_path / "l.duckdb", simulator) as proxy:
+        headers = {"authorization": f"Bearer {AGENT_KEY}", "x-tokenward-run": "id=stream; limit_usd=0.045"}
+        with httpx.stream(
+            "POST", f"{proxy.url}/v1/chat/completions", json={**prompt(1000, 1000), "stream": True}, headers=headers
+        ) as reply:
+            assert reply.status_code == 200 and reply.headers["content-type"].startswith("text/event-stream")
+            assert reply.headers["x-tokenward-budget"] == f"run:{AGENT_ID}:stream"
+            assert reply.headers["x-tokenward-budget-remaining-usd"] == "0.0324825"
+            assert "x-tokenward-cost-usd" not in reply.headers
+            assert b"[DONE]" in b"".join(reply.iter_bytes())
+        (row,) = proxy.rows(1)
+    assert row["run_id"] == "stream" and row["reserved_usd"] == Decimal("0.0125175") and row["cost_usd"] > 0
