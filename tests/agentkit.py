@@ -40,7 +40,8 @@ def prompt(n_tokens: int, max_tokens: int | None, model: str = "gpt-4o") -> dict
 
 def record(simulator: Any, name: str, prompt_tokens: int, completion_tokens: int) -> None:
     """Register a recorded non-streamed gpt-4o reply ``name`` with this usage (picked by the record header)."""
-    register(simulator, name, {"model": "gpt-4o"}, prompt_tokens, completion_tokens)
+    # a body no real request has: the shared simulator also matches recordings by body
+    register(simulator, name, {"model": "gpt-4o", "recording": name}, prompt_tokens, completion_tokens)
 
 
 def upstream(simulator: Any) -> UpstreamConfig:
