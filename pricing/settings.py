@@ -273,13 +273,35 @@ class GuardSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """How blocking budgets bound a request's cost before it is sent.
 
     ``default_max_output_tokens``: the output assumed when a request sets no ``max_tokens``
-    (or ``max_completion_tokens`` / ``max_output_tokens``). ``foreign_tokenizer_margin``: the
-    input count is made with OpenAI's tokenizers; for other models it is multiplied by this.
-    ``image_tokens``: input tokens assumed per image (OpenAI's gpt-4o bills at most 1105 for a
-    high-detail image, GPT-4.1-mini about 2500, Claude about 1600; gpt-4o-mini bills up to
-    ~36800 at its lower rates: raise this where such models take images).
+    (or ``max_completion_tokens`` / ``max_output_tokens``), and the output tokens assumed per
+    generated image for image models whose price entry lists no ``image_output_tokens``.
+
+    ``input_margin`` and ``input_margin_tokens``: input the provider bills that the request's
+    text does not show (tool schemas as the provider renders them, response-format schemas,
+    system prefixes): every model's counted input is multiplied by ``input_margin``, rounded up,
+    and ``input_margin_tokens`` are added per request. Defaults from measurement: on the 192
+    recorded OpenAI chat and Responses requests with function tools or none (no stored state, no
+    media), OpenAI billed at most 279 tokens more than tiktoken counts (a Responses request with
+    one tool: 56 counted, 335 billed), and never more than the count on requests of 500 tokens
+    or more; 1.1 and 300 cover every one. ``foreign_tokenizer_margin``: models whose tokenizer is
+    not OpenAI's are counted with o200k_base, and that count is multiplied by this as well.
+
+    ``image_tokens``: input tokens assumed per image for models whose price entry gives no
+    ``image_tokens_max`` (the built-in entries give it where the provider documents its image
+    token formula: gpt-4o-mini bills up to 48,169 for one high-detail image).
+
+    ``unpriced_hold_usd``: a request for a model with no price under a blocking budget cannot be
+    bounded: it is refused (HTTP 400 ``model_not_priced``, naming the budget) unless this is set,
+    in which case this amount (USD) is held for it and counted as its spend.
     """
 
     default_max_output_tokens: Annotated[int, msgspec.Meta(gt=0)] = 16384
+    input_margin: Annotated[float, msgspec.Meta(ge=1)] = 1.1
+    input_margin_tokens: Annotated[int, msgspec.Meta(ge=0)] = 300
     foreign_tokenizer_margin: Annotated[float, msgspec.Meta(ge=1)] = 1.25
     image_tokens: Annotated[int, msgspec.Meta(ge=0)] = 3000
+    unpriced_hold_usd: Decimal | None = None
+
+    def __post_init__(self) -> None:
+        if self.unpriced_hold_usd is not None and not self.unpriced_hold_usd > 0:
+            raise ValueError("unpriced_hold_usd must be more than 0 USD - at `$.guard.unpriced_hold_usd`")

@@ -13,6 +13,7 @@ import datetime as dt
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import IO
 
 import httpx
 from litestar import Litestar
@@ -40,7 +41,7 @@ from tokenward.proxy.scheduler import (
     reload_keys,
     run_budget_check_soon,
 )
-from tokenward.proxy.startup import import_legacy_state, load_books, single_proxy_lock
+from tokenward.proxy.startup import import_legacy_state, load_books, needs_single_proxy, single_proxy_lock
 from tokenward.proxy.upstream import AiohttpUpstream, HttpxUpstream, UpstreamClient
 from tokenward.proxy.velocity_books import VelocityBooks
 from tokenward.reports.alerts import Notifier
@@ -58,6 +59,7 @@ def create_app(
     upstream: UpstreamClient | None = None,
     catalog: PriceCatalog | None = None,
     notifier: Notifier | None = None,
+    proxy_lock: IO[str] | None = None,
 ) -> Litestar:
     """Build the proxy application.
 
@@ -67,6 +69,8 @@ def create_app(
         upstream: replaces the upstream client altogether.
         catalog: replaces the built-in price catalog plus ``config.pricing.files``.
         notifier: replaces the alert sender built from ``config.alerts``.
+        proxy_lock: the one-proxy-per-ledger lock, already taken by the caller
+            (:func:`~tokenward.proxy.startup.single_proxy_lock`); taken at start otherwise.
 
     Returns:
         A Litestar app; ``app.state.forwarder`` and ``app.state.recorder`` expose its parts.
@@ -149,8 +153,8 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(_: Litestar) -> AsyncIterator[None]:
-        lock = None
-        if guard is not None and (runs_on or any(b.blocking for b in [*budgets, *templates])):
+        lock = proxy_lock
+        if lock is None and needs_single_proxy(config):
             lock = await asyncio.to_thread(single_proxy_lock, ledger)
         try:
             await recorder.start()

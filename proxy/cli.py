@@ -13,7 +13,7 @@ from tokenward.proxy.config import Config, ConfigError, config_from_args, load_c
 from tokenward.proxy.preflight import check_environment
 from tokenward.reports.budgets_cli import alerts, budgets, keys
 from tokenward.reports.cli import export, ledger, report
-from tokenward.reports.ledger import LedgerError, open_ledger
+from tokenward.reports.ledger import DuckLedger, LedgerError, open_ledger
 from tokenward.reports.pricing_cli import pricing
 from tokenward.reports.top_cli import top
 
@@ -61,6 +61,7 @@ def serve(
     """Run the proxy: point your OpenAI SDK's base URL at http://HOST:PORT/v1."""
     from tokenward.proxy.app import create_app
     from tokenward.proxy.server import run
+    from tokenward.proxy.startup import StartupError, needs_single_proxy, single_proxy_lock
 
     if bool(config_path) == bool(upstream):
         raise click.UsageError("give either --config FILE or --upstream URL")
@@ -77,8 +78,16 @@ def serve(
     _configure_logging(log_level, config.server.access_log)
     for warning in warnings:
         logging.getLogger("tokenward.proxy").warning("%s", warning)
+    lock = None
+    if needs_single_proxy(config):
+        try:
+            lock = single_proxy_lock(DuckLedger(config.ledger.path))  # held until the process ends
+        except StartupError as exc:
+            raise click.ClickException(str(exc)) from exc
+        except OSError as exc:  # the lock lives beside the ledger: a path that cannot hold one cannot hold it
+            raise click.ClickException(f"cannot open the ledger {config.ledger.path}: {exc}") from exc
     try:
-        app = create_app(config)
+        app = create_app(config, proxy_lock=lock)
     except CatalogError as exc:
         raise click.ClickException(str(exc)) from exc
     try:

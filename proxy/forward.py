@@ -22,7 +22,7 @@ import logging
 import math
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from decimal import Decimal
 from functools import partial
 from typing import Any
@@ -49,6 +49,8 @@ from tokenward.proxy.exchange import Exchange, Outcome
 from tokenward.proxy.guard import BudgetGuard, BudgetRefusal
 from tokenward.proxy.keys import AUTH_HEADERS, Authenticator, Identity, presented_key, upstream_credential
 from tokenward.proxy.limits import BodyLimits, body_stream, read_body
+from tokenward.proxy.media import MediaRequest, MediaRequestError, read_request
+from tokenward.proxy.media import estimate as media_estimate
 from tokenward.proxy.metering import Meter, count_input, estimate
 from tokenward.proxy.recorder import Recorder
 from tokenward.proxy.relay import HOP_BY_HOP, DisconnectWatch, Relay, header
@@ -71,8 +73,10 @@ _OUTPUT_LIMITS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
 _ANTHROPIC_HEADERS = frozenset({b"anthropic-version", b"anthropic-beta"})
 _INCLUDE_USAGE = b'"stream_options":{"include_usage":true}'
 _JSON_SPACE = re.compile(rb"[ \t\r\n]*")
+_RAW_MEDIA = ("audio/", "application/octet-stream")  # binary speech replies: relayed as they arrive
 _OUTCOME_BY_CODE = {
     "model_not_priced": Outcome.REJECTED,
+    "invalid_request": Outcome.CLIENT_ERROR,
     "budget_exceeded": Outcome.REJECTED,
     "endpoint_not_allowed": Outcome.REJECTED,
     "attribution_refused": Outcome.REJECTED,
@@ -116,6 +120,7 @@ class _RequestHead(msgspec.Struct):
     max_completion_tokens: Any = None
     max_output_tokens: Any = None
     service_tier: Any = None
+    speed: Any = None
 
 
 _decode_head = msgspec.json.Decoder(_RequestHead).decode
@@ -261,16 +266,11 @@ class Forwarder:
         inbound = self._inbound(scope, ex, keep_length=False)
         self.recorder.admit(ex)  # from here on, a crash leaves this request a row
         body = await read_body(request.receive, scope["headers"], self.limits)  # one copy; not request.body()
-        if not body.strip():
-            raise ProxyError(400, "The request body is empty: send a JSON object.", "invalid_json")
-        try:
-            head = _decode_head(body)
-        except msgspec.ValidationError as exc:
-            raise ProxyError(400, f"The request body must be a JSON object: {exc}", "invalid_json") from exc
-        except msgspec.DecodeError as exc:
-            raise ProxyError(400, f"We could not parse the JSON body of your request: {exc}", "invalid_json") from exc
-        except RecursionError:
-            raise ProxyError(400, "The JSON body of your request is nested too deeply.", "invalid_json") from None
+        media = None
+        if endpoint.dialect == "media":
+            media, head = await self._read_media(found, body, scope)
+        else:
+            head = _read_head(body)
         ex.requested_model = head.model if isinstance(head.model, str) else None
         ex.stream = head.stream is True
         # Anthropic: metadata.user_id (Claude Code's holds account, device and session ids)
@@ -296,7 +296,7 @@ class Forwarder:
             # tokenward edits this stream: ask for it uncompressed (the relay decodes it if not)
             inbound.headers = [h for h in inbound.headers if h[0] != b"accept-encoding"]
             inbound.headers.append((b"accept-encoding", b"identity"))
-        budget_headers, body = await self._admit(ex, head, body, endpoint, route, inbound.upstream)
+        budget_headers, body = await self._admit(ex, head, body, endpoint, media, route, inbound.upstream)
         watch.append(DisconnectWatch(request.receive))  # the body is read: receive now only reports a disconnect
         await self.recorder.forwarding(ex)
         reply = await self._send_while_connected(route, found, inbound.headers, body, ex, watch[0])
@@ -313,6 +313,8 @@ class Forwarder:
             watch=watch[0],
             drain_timeout_s=self.drain_timeout_s,
             extra_headers=budget_headers,
+            raw_types=_RAW_MEDIA if media is not None else (),
+            media=media,
             final_headers=self._final_headers,
         )
 
@@ -347,26 +349,42 @@ class Forwarder:
             headers += reply_headers(self.guard, _attributes(ex), dt.datetime.now(dt.UTC))
         return headers
 
+    async def _read_media(self, found: Target, body: bytes, scope: Scope) -> tuple[MediaRequest, _RequestHead]:
+        """Read an images or audio request (JSON or multipart, off the event loop) and its head.
+
+        Raises:
+            ProxyError: 400 ``invalid_request`` for a body that cannot be read.
+        """
+        content_type = header(scope["headers"], b"content-type")
+        try:
+            media = await asyncio.to_thread(read_request, found.tail, body, content_type)
+        except MediaRequestError as exc:
+            raise ProxyError(400, str(exc), "invalid_request") from None
+        return media, _RequestHead(model=media.model, stream=media.stream, user=media.user, n=media.n)
+
     async def _admit(
         self,
         ex: Exchange,
         head: _RequestHead,
         body: bytes,
         endpoint: Endpoint,
+        media: MediaRequest | None = None,
         route: Route | None = None,
         explicit: str | None = None,
     ) -> tuple[list[tuple[bytes, bytes]], bytes]:
         """Reserve the request's worst-case cost against the blocking budgets in its scope.
 
-        When it does not fit and the budgets allow it (``degrade``), the request is rerouted to a
-        cheaper model or its output limit lowered instead (:mod:`tokenward.proxy.degrade`); the
-        body is edited byte for byte.
+        When it does not fit and the budgets allow it (``degrade``), a chat, completions,
+        responses or messages request is rerouted to a cheaper model or its output limit lowered
+        instead (:mod:`tokenward.proxy.degrade`); the body is edited byte for byte.
 
-        Returns the budget headers for the reply (the tightest budget in scope and what is left,
-        every budget in scope, what was degraded) and the body to send.
+        Returns the budget headers for the reply (for a stream: the tightest budget in scope and
+        what is left, every budget in scope; a whole reply gets those once recorded), what was
+        degraded, and the body to send.
 
         Raises:
-            ProxyError: 429 ``budget_exceeded`` when a blocking budget would go over its limit;
+            ProxyError: 429 ``budget_exceeded`` when a blocking budget would go over its limit; 400
+                ``model_not_priced`` for a model with no price (unless ``guard.unpriced_hold_usd``);
                 429 ``budget_capacity`` when a per-value budget cannot be made.
         """
         guard = self.guard
@@ -382,14 +400,17 @@ class Forwarder:
                 raise ProxyError(exc.status, exc.message, exc.code, "insufficient_quota") from None
         if guard.in_scope(attributes, blocking_only=True):
             counts: dict[Any, Any] = {}
-            worst, unbounded = await self._worst_case(ex, head, body, endpoint, now, counts=counts)
+            if media is not None:
+                worst, unbounded = await self._media_worst_case(ex, media, now), False
+            else:
+                worst, unbounded = await self._worst_case(ex, head, body, endpoint, now, counts=counts)
             if worst is not None:
                 try:
                     ex.reservation = guard.admit(attributes, worst, now, unbounded=unbounded)
                     ex.reserved_usd = ex.reservation.amount
                 except BudgetRefusal as refusal:
                     plan = None
-                    if not unbounded:
+                    if not unbounded and media is None:
                         plan = await self._degrade(
                             ex, head, body, endpoint, route, explicit, now, attributes, worst, counts
                         )
@@ -401,15 +422,10 @@ class Forwarder:
                     body, extra = self._apply(ex, head, body, endpoint, route, plan)
                     attributes = _attributes(ex)
             else:
-                log.warning(
-                    "request %s: model %r has no price, so blocking budgets cannot bound it",
-                    ex.request_id,
-                    ex.requested_model,
-                )
+                self._hold_unpriced(ex, attributes, now)
         if not ex.stream:  # a whole reply gets them once it is recorded (Relay's final_headers)
             return extra, body
         return reply_headers(guard, attributes, now) + extra, body
-
     async def _degrade(
         self,
         ex: Exchange,
@@ -474,6 +490,7 @@ class Forwarder:
         header = ", ".join(parts).encode("ascii", "backslashreplace") + b";budget=" + header_name(plan.budget.name)
         return body, [(b"x-tokenward-degraded", header)]
 
+
     async def _worst_case(
         self,
         ex: Exchange,
@@ -499,9 +516,10 @@ class Forwarder:
             if counts is not None:
                 counts[model] = cached
         counted, extra = cached
-        exact = tokenizer.encoding_name_known(model)
-        input_tokens = counted if exact else math.ceil(counted * settings.foreign_tokenizer_margin)
-        input_tokens += extra.images * settings.image_tokens + extra.audio_tokens
+        margin = settings.input_margin
+        if not tokenizer.encoding_name_known(model):
+            margin *= settings.foreign_tokenizer_margin
+        input_tokens = math.ceil(counted * margin) + settings.input_margin_tokens + extra.audio_tokens
         limit = max_output if max_output is not None else _output_limit(head, settings.default_max_output_tokens)
         choices = head.n if isinstance(head.n, int) and not isinstance(head.n, bool) and head.n > 1 else 1
         bound = worst_case(
@@ -514,10 +532,54 @@ class Forwarder:
             audio_input_tokens=extra.audio_tokens,
             audio_output=extra.audio_output,
             service_tier=head.service_tier if isinstance(head.service_tier, str) else None,
+            speed=head.speed if isinstance(head.speed, str) else None,
             fallback=ex.price_fallback,
             price_as=ex.price_as,
+            images=extra.images,
+            image_tokens=settings.image_tokens,
         )
         return bound, extra.unbounded
+
+    async def _media_worst_case(self, ex: Exchange, media: MediaRequest, now: dt.datetime) -> Decimal | None:
+        """The cost bound (USD; ``None``: no price) of an images or audio request (:mod:`~tokenward.proxy.media`)."""
+        settings = self.guard_settings
+        counted = await asyncio.to_thread(media.text_tokens)
+        text = math.ceil(counted * settings.input_margin) + settings.input_margin_tokens
+        return worst_case(
+            self.recorder.catalog,
+            model=ex.requested_model,
+            provider=ex.provider,
+            at=now,
+            fallback=ex.price_fallback,
+            price_as=ex.price_as,
+            image_tokens=settings.image_tokens,
+            **media.bound_args(text, settings.default_max_output_tokens),
+        )
+
+    def _hold_unpriced(self, ex: Exchange, attributes: dict[str, Any], now: dt.datetime) -> None:
+        """Refuse a request no price bounds under a blocking budget, or hold ``guard.unpriced_hold_usd`` for it.
+
+        Raises:
+            ProxyError: 400 ``model_not_priced`` naming the budgets; 429 ``budget_exceeded`` when
+                the hold does not fit.
+        """
+        assert self.guard is not None
+        hold = self.guard_settings.unpriced_hold_usd
+        if hold is None:
+            names = ", ".join(repr(b.name) for b in self.guard.in_scope(attributes, blocking_only=True))
+            raise ProxyError(
+                400,
+                f"tokenward has no price for model {ex.requested_model!r}, so it cannot bound what this request "
+                f"may cost, and budget {names} refuses requests it cannot bound: ask your admin to add a price "
+                "(or set guard.unpriced_hold_usd).",
+                "model_not_priced",
+            )
+        try:
+            ex.reservation = self.guard.admit(attributes, hold, now)
+            ex.reserved_usd = ex.reservation.amount
+        except BudgetRefusal as refusal:
+            headers = _budget_headers(refusal.budget, refusal.remaining) + _no_retry(refusal, now)
+            raise ProxyError(429, str(refusal), "budget_exceeded", "insufficient_quota", headers) from refusal
 
     def _inbound(self, scope: Scope, ex: Exchange, *, keep_length: bool) -> _Inbound:
         """One pass over the client's headers: what to forward, who is calling, what it asked.
@@ -784,6 +846,8 @@ class Forwarder:
             ex.error = f"{ex.error}; {result.unmetered}" if ex.error else result.unmetered
         if result.usage is not None:
             ex.usage = result.usage
+            if relay.media is not None and result.usage.output_images and not result.usage.image_variant:
+                ex.usage = replace(result.usage, image_variant=relay.media.variant)  # the reply named no size
             ex.parts = result.parts
             ex.raw_usage = result.raw_usage
             await self.recorder.commit(ex)
@@ -801,6 +865,10 @@ class Forwarder:
             await self.recorder.commit(ex)
             return
         source = UsageSource.ESTIMATED if ex.outcome is Outcome.OK else UsageSource.PARTIAL
+        if relay.media is not None:
+            kept = list(meter.kept_reply)
+            await self.recorder.commit(ex, estimate=partial(media_estimate, relay.media, kept, source=source))
+            return
         job = partial(
             estimate,
             relay.dialect,
@@ -813,6 +881,24 @@ class Forwarder:
             only_if_output=result.error is not None,
         )
         await self.recorder.commit(ex, estimate=job)
+
+
+def _read_head(body: bytes) -> _RequestHead:
+    """The members of a JSON request body tokenward acts on.
+
+    Raises:
+        ProxyError: 400 ``invalid_json`` for an empty body, or one that is not a JSON object.
+    """
+    if not body.strip():
+        raise ProxyError(400, "The request body is empty: send a JSON object.", "invalid_json")
+    try:
+        return _decode_head(body)
+    except msgspec.ValidationError as exc:
+        raise ProxyError(400, f"The request body must be a JSON object: {exc}", "invalid_json") from exc
+    except msgspec.DecodeError as exc:
+        raise ProxyError(400, f"We could not parse the JSON body of your request: {exc}", "invalid_json") from exc
+    except RecursionError:
+        raise ProxyError(400, "The JSON body of your request is nested too deeply.", "invalid_json") from None
 
 
 def _not_allowed(found: Target, identity: Identity) -> ProxyError:

@@ -29,6 +29,7 @@ from typing import Any
 from zoneinfo import ZoneInfo
 
 from tokenward.pricing.budgets import Budget, evaluate
+from tokenward.reports.ledger.schema import HELD_STATUSES
 
 __all__ = ["BooksSpend", "BudgetGuard", "BudgetRefusal", "Reservation", "attributes_of_row", "spend_amount"]
 
@@ -83,10 +84,11 @@ def _add(totals: dict[str, Decimal], name: str, amount: Decimal) -> None:
 def spend_amount(row: Mapping[str, Any]) -> Decimal | None:
     """What a ledger row counts against its budgets (USD; ``SPEND_EXPRESSION`` in SQL).
 
-    Its cost, or the reservation a ``usage_unknown`` row still holds.
+    Its cost, or the reservation a row with no cost still holds when the provider may have billed
+    it (``HELD_STATUSES``: ``usage_unknown``, ``unpriced``, ``usage_invalid``).
     """
     cost = row.get("cost_usd")
-    if cost is None and row.get("price_status") == "usage_unknown":
+    if cost is None and row.get("price_status") in HELD_STATUSES:
         return row.get("reserved_usd")
     return cost
 
@@ -378,7 +380,7 @@ class BooksSpend:
     Args:
         guard: the proxy's budget guard.
         now: the instant of the snapshot.
-        unpriced: the recorder's first unpriced row and count per (provider, model).
+        unpriced: the recorder's first unpriced row and count per (provider, model, price status).
     """
 
     def __init__(
@@ -392,13 +394,16 @@ class BooksSpend:
             )
         self._unpriced = [
             (
-                provider,
-                model,
-                dt.datetime.fromtimestamp(seen["row"]["started_at"], dt.UTC),
-                int(seen["count"]),
-                str(seen["row"]["request_id"]),
+                status,
+                (
+                    provider,
+                    model,
+                    dt.datetime.fromtimestamp(seen["row"]["started_at"], dt.UTC),
+                    int(seen["count"]),
+                    str(seen["row"]["request_id"]),
+                ),
             )
-            for (provider, model), seen in unpriced.items()
+            for (provider, model, status), seen in unpriced.items()
         ]
 
     def _book(self, budget: Budget, start: dt.datetime) -> tuple[Any, ...]:
@@ -425,9 +430,9 @@ class BooksSpend:
         refused: int = self._book(budget, start)[4]
         return refused
 
-    def unpriced_models(self) -> list[tuple[Any, Any, dt.datetime, int, str]]:
-        """Unpriced models this process recorded, first seen first."""
-        return sorted(self._unpriced, key=lambda item: item[2])
+    def unpriced_models(self, status: str = "unpriced") -> list[tuple[Any, Any, dt.datetime, int, str]]:
+        """Models this process recorded with price status ``status``, first seen first."""
+        return sorted((found for kind, found in self._unpriced if kind == status), key=lambda item: item[2])
 
     def totals(self, start: dt.datetime, end: dt.datetime) -> tuple[Decimal, int, int, int]:
         """Not in the books: raises ``LookupError``."""

@@ -158,6 +158,7 @@ def build_row(
     }
     for name in TOKEN_FIELDS:
         row[name] = getattr(usage, name)
+    row["image_variant"] = usage.image_variant
     return row
 
 
@@ -251,8 +252,9 @@ class Recorder:
         self.guard = guard
         self.wal = WriteAheadLog(self.ledger.spool_dir, fsync=fsync)
         self.flush_interval_s = flush_interval_s
-        self.unpriced_seen: dict[tuple[str | None, str | None], dict[str, Any]] = {}
-        """First row and count of each unpriced (provider, model) this process recorded."""
+        self.unpriced_seen: dict[tuple[str | None, str | None, str], dict[str, Any]] = {}
+        """First row and count of each (provider, model, status) recorded without a price this process
+        (status ``unpriced``: no price; ``usage_invalid``: the usage the provider reported was invalid)."""
         self._open: dict[str, Exchange] = {}
         self._tasks: set[asyncio.Future[Any]] = set()
         self._task: asyncio.Task[None] | None = None
@@ -368,8 +370,8 @@ class Recorder:
                 self.guard.observe(row)
             except Exception:
                 log.exception("budget books failed for row %s", row["request_id"])
-        if row["price_status"] == PriceStatus.UNPRICED:
-            key = (row["provider"], row["served_model"] or row["requested_model"])
+        if row["price_status"] in (PriceStatus.UNPRICED, PriceStatus.USAGE_INVALID):
+            key = (row["provider"], row["served_model"] or row["requested_model"], row["price_status"])
             seen = self.unpriced_seen.get(key)
             if seen is not None:
                 seen["count"] += 1

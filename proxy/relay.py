@@ -145,6 +145,8 @@ class Relay:
         watch: a disconnect watch already running (the relay starts one otherwise).
         drain_timeout_s: after the client leaves mid-stream, how long to read on for usage.
         extra_headers: headers tokenward adds to the reply (budget standing).
+        raw_types: content types of a metered reply that are relayed as they arrive and not
+            parsed (binary speech audio: its usage comes from the request).
         final_headers: for a reply sent whole (not streamed), called once the exchange is
             recorded; its headers (the request's cost, the budgets after it) replace those of
             ``extra_headers`` with the same names.
@@ -165,9 +167,13 @@ class Relay:
         watch: DisconnectWatch | None = None,
         drain_timeout_s: float = 60.0,
         extra_headers: list[tuple[bytes, bytes]] | None = None,
+        raw_types: tuple[str, ...] = (),
+        media: Any = None,
         final_headers: Callable[[Exchange], list[tuple[bytes, bytes]]] | None = None,
     ) -> None:
         self.complete = complete
+        self.raw_types = raw_types
+        self.media = media
         self.extra_headers = extra_headers or []
         self.final_headers = final_headers
         self.watch = watch
@@ -218,7 +224,7 @@ class Relay:
         self.streaming = self.meter is not None and content_type.startswith("text/event-stream")
         listener = self.watch or DisconnectWatch(receive)
         try:
-            if self.meter is None:
+            if self.meter is None or (self.raw_types and content_type.startswith(self.raw_types)):
                 await self._relay_raw(send, headers, listener)
             elif self.streaming:
                 await self._relay_stream(send, headers, listener)
@@ -306,6 +312,8 @@ class Relay:
             async for chunk in self.reply.chunks():
                 if expected is not None and sent + len(chunk) >= expected:  # this chunk ends the body
                     self.ex.mark_first_byte()
+                    if self.meter is not None:
+                        self.meter.end_raw()
                     self._end_ok()
                     await self._complete()
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
@@ -317,6 +325,8 @@ class Relay:
         except UpstreamError as exc:
             self._broke_off(exc)
             return
+        if self.meter is not None:
+            self.meter.end_raw()
         self._end_ok()
         await self._complete()
         await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -21,18 +21,31 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import IO, Any
 
+from tokenward.proxy.config import Config
 from tokenward.proxy.guard import BudgetGuard
 from tokenward.reports.ledger import DuckLedger, LedgerBusy, LedgerError, WriteAheadLog
 from tokenward.reports.ledger.legacy import import_legacy_state as _import
 from tokenward.reports.ledger.spend import DuckSpend
 
-__all__ = ["StartupError", "import_legacy_state", "load_books", "single_proxy_lock"]
+__all__ = ["StartupError", "import_legacy_state", "load_books", "needs_single_proxy", "single_proxy_lock"]
 
 log = logging.getLogger("tokenward.proxy")
 
 
 class StartupError(RuntimeError):
     """The proxy must not start (the message says why and what to do)."""
+
+
+def needs_single_proxy(config: Config) -> bool:
+    """Whether ``config`` keeps hard-limit books in this process (on a DuckDB ledger).
+
+    Blocking budgets (per-value ones too), or run budgets allowed to any caller (a run is a
+    blocking budget).
+    """
+    if any(budget.blocking for budget in [*config.budget_list(), *config.budget_templates()]):
+        return True
+    policies = [config.auth.runs, *(key.runs for key in config.virtual_keys if key.runs is not None)]
+    return any(policy.mode != "forbidden" for policy in policies)
 
 
 def single_proxy_lock(ledger: DuckLedger) -> IO[str]:

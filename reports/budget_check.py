@@ -97,8 +97,9 @@ def claim_alerts(
 
     Kinds: ``threshold`` (one message for the thresholds newly crossed), ``forecast`` (spend is
     projected past the limit before the period ends), ``refusing`` (a blocking budget refused
-    requests this period), and, for ``settings.admins``, ``unpriced_model`` (the first request
-    for a model with no price). Claims still pending from earlier evaluations (a target not yet
+    requests this period), and, for ``settings.admins``, ``unpriced_model`` and ``usage_invalid``
+    (the first requests for a model recorded without a cost: no price, or counts no rule could
+    repair). Claims still pending from earlier evaluations (a target not yet
     reached) come back too, addressed only to the targets they have not reached. With
     ``dry_run`` nothing is claimed.
 
@@ -297,41 +298,61 @@ def _velocity_alert(budget: Budget, status: VelocityStatus, episode: dt.datetime
     )
 
 
+_WITHOUT_PRICE = {
+    # price status -> (alert kind, claim name prefix, what the subject says, what to do)
+    "unpriced": (
+        "unpriced_model",
+        "unpriced",
+        "no price for model",
+        "add a price (pricing.files), then run `tokenward pricing reprice`",
+    ),
+    "usage_invalid": (
+        "usage_invalid",
+        "invalid",
+        "invalid usage reported for model",
+        "the upstream reported counts no rule can repair (raw usage kept in the row's raw_usage); "
+        "check the upstream, then price the rows by hand or ask the provider",
+    ),
+}
+
+
 def _unpriced_alerts(
     spend: SpendSource, state: StateStore, settings: AlertSettings, now: dt.datetime, dry_run: bool
 ) -> list[Alert]:
-    claimed = {claim.key.budget for claim in state.claims(kind="unpriced_model")}
+    """Admins hear once of each model whose rows carry no cost: no price, or usage that made no sense."""
     alerts = []
-    for provider, model, first, count, request_id in spend.unpriced_models():
-        name = f"unpriced:{provider}/{model}"
-        if name in claimed:
-            continue
-        subject = (
-            f"[tokenward] no price for model {_shown(model)} ({_shown(provider)}): "
-            f"{count} request(s) recorded without a cost"
-        )
-        facts = [
-            ("Model", _shown(model)),
-            ("Provider", _shown(provider)),
-            ("First seen", first.isoformat()),
-            ("Requests so far", str(count)),
-            ("Example request", str(request_id)),
-            ("What to do", "add a price (pricing.files), then run `tokenward pricing reprice`"),
-        ]
-        text = "\n".join([subject, "", *(f"{k}: {v}" for k, v in facts)])
-        alert = Alert(
-            name,
-            _EPOCH,
-            "unpriced_model",
-            0,
-            subject,
-            text,
-            html_document(subject, facts, []),
-            tuple(settings.admins),
-            {"model": model, "provider": provider, "requests": count},
-        )
-        if dry_run or state.claim(_keys(name, _EPOCH, "unpriced_model", (0,)), _detail(alert), now):
-            alerts.append(alert)
+    for status, (kind, prefix, says, remedy) in _WITHOUT_PRICE.items():
+        claimed = {claim.key.budget for claim in state.claims(kind=kind)}
+        for provider, model, first, count, request_id in spend.unpriced_models(status):
+            name = f"{prefix}:{provider}/{model}"
+            if name in claimed:
+                continue
+            subject = (
+                f"[tokenward] {says} {_shown(model)} ({_shown(provider)}): "
+                f"{count} request(s) recorded without a cost"
+            )
+            facts = [
+                ("Model", _shown(model)),
+                ("Provider", _shown(provider)),
+                ("First seen", first.isoformat()),
+                ("Requests so far", str(count)),
+                ("Example request", str(request_id)),
+                ("What to do", remedy),
+            ]
+            text = "\n".join([subject, "", *(f"{k}: {v}" for k, v in facts)])
+            alert = Alert(
+                name,
+                _EPOCH,
+                kind,
+                0,
+                subject,
+                text,
+                html_document(subject, facts, []),
+                tuple(settings.admins),
+                {"model": model, "provider": provider, "requests": count, "price_status": status},
+            )
+            if dry_run or state.claim(_keys(name, _EPOCH, kind, (0,)), _detail(alert), now):
+                alerts.append(alert)
     return alerts
 
 
@@ -353,7 +374,7 @@ def _pending(
     for (budget, start, kind, _), claims in groups.items():
         info = claims[0].detail
         known = by_name.get(budget)
-        if kind in ("unpriced_model", "delivery_failed"):
+        if kind in ("unpriced_model", "usage_invalid", "delivery_failed"):
             to = tuple(settings.admins)
         elif known is None:
             to = ()  # the budget is no longer configured

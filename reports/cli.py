@@ -21,6 +21,7 @@ from tokenward.reports import queries, render
 from tokenward.reports.cli_common import (
     ledger_options,
     ledger_path,
+    open_named,
     open_read_only,
     parse_when,
     range_options,
@@ -103,6 +104,40 @@ def migrate_command(db: str | None, config: str | None) -> None:
         click.echo(f"ledger {path}: applied {', '.join(applied)}")
     else:
         click.echo(f"ledger {path} is up to date")
+
+
+@ledger.command("reconcile")
+@click.argument("request_id")
+@click.option("--cost", "cost", help="What the provider billed for it (USD, exact decimal).")
+@click.option("--not-billed", is_flag=True, help="The provider did not bill it.")
+@click.option("--db", type=click.Path(dir_okay=False), help="Ledger DuckDB file.")
+@click.option("--config", "config", type=click.Path(dir_okay=False), help="Config file naming the ledger.")
+@click.option("--wait", default=10.0, show_default=True, help="Seconds to wait while the proxy is writing.")
+def reconcile_command(
+    request_id: str, cost: str | None, not_billed: bool, db: str | None, config: str | None, wait: float
+) -> None:
+    """Settle a usage_unknown row (it counts its reservation as spend until then) at what it really cost.
+
+    Budget books take the new figure from the next proxy start.
+    """
+    from decimal import Decimal, InvalidOperation
+
+    from tokenward.reports.ledger.reconcile import reconcile
+
+    if (cost is None) == (not not_billed):
+        raise click.UsageError("give --cost USD or --not-billed")
+    try:
+        amount = None if not_billed else Decimal(str(cost))
+    except InvalidOperation as exc:
+        raise click.BadParameter(f"{cost!r} is not a decimal amount", param_hint="--cost") from exc
+    conn = open_named(db, config, wait, read_only=False)
+    try:
+        status = reconcile(conn, request_id, amount)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from exc
+    finally:
+        conn.close()
+    click.echo(f"request {request_id}: {status}" + (f" at ${amount}" if amount is not None else ""))
 
 
 @contextlib.contextmanager

@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 
 from tokenward.pricing.catalog import load_catalog
+from tokenward.pricing.settings import GuardSettings
 from tokenward.proxy.app import create_app
 from tokenward.proxy.config import AuthConfig, Config, LedgerConfig, UpstreamConfig, VirtualKeyConfig
 from tokenward.proxy.server import running_in_thread
@@ -25,6 +26,8 @@ from .test_budgets import register
 
 PRICES = Path(__file__).parent / "fixtures" / "field_case_prices.yaml"
 AGENT_KEY = "tw-agent-key-0001"
+EXACT_COUNT = GuardSettings(input_margin=1, input_margin_tokens=0)
+"""No margin for input the provider adds unseen: a worst case is the text's count and ``max_tokens``."""
 
 
 def prompt(n_tokens: int, max_tokens: int | None, model: str = "gpt-4o") -> dict[str, Any]:
@@ -65,10 +68,15 @@ def serving(
     keys: list[VirtualKeyConfig] | None = None,
     auth: AuthConfig | None = None,
     upstreams: list[UpstreamConfig] | None = None,
+    guard: GuardSettings = EXACT_COUNT,
     **config: Any,
 ) -> Iterator[Proxy]:
-    """A proxy on ``ledger`` in front of the simulator (or ``upstreams``), stopped (and flushed) on exit."""
+    """A proxy on ``ledger`` in front of the simulator (or ``upstreams``), stopped (and flushed) on exit.
+
+    Its guard counts input exactly (:data:`EXACT_COUNT`), so that worst cases can be worked out by hand.
+    """
     settings = Config(
+        guard=guard,
         upstreams=upstreams or [upstream(simulator)],
         ledger=LedgerConfig(path=str(ledger), flush_interval_s=0.05),
         auth=auth or AuthConfig(mode="virtual_keys"),

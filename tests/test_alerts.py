@@ -522,3 +522,67 @@ def test_a_stored_subject_with_a_line_break_is_still_mailed(smtp):
     assert delivery.ok, delivery.error
     [mail] = inbox.wait_for(1)
     assert mail["Subject"] == "[tokenward] budget x\\x0d\\x0aBcc: y@example.com" and mail["Bcc"] is None
+
+
+def test_a_threshold_crossed_while_mail_is_down_is_mailed_once_mail_is_back(tmp_path, smtp):
+    """50 % already reached lead@; SMTP is down when 80 % is crossed: the 80 % alert stays due."""
+    inbox, port = smtp
+    path = tmp_path / "l.duckdb"
+    seed(path, [cost_row("a", "2026-11-02T09:00:00+00:00", "55.00")])
+    assert [a.thresholds for a, _ in run_check(path, [MONTHLY], settings_for(port), "2026-11-02T10:00:00+00:00")] == [
+        (50,)
+    ]
+    seed(path, [cost_row("b", "2026-11-02T11:00:00+00:00", "30.00")])  # 85 %: past 80
+    down = settings_for(free_port())
+    failed = run_check(path, [MONTHLY], down, "2026-11-02T11:01:00+00:00")
+    assert [(a.thresholds, d[0].ok) for a, d in failed] == [((80,), False)]
+    state = DuckLedger(path).state
+    assert [(c.key.threshold, c.status) for c in state.claims(kind="threshold")] == [(50, "sent"), (80, "pending")]
+    # the same address already has the 50 % mail: that must not count as having the 80 % one
+    again = run_check(path, [MONTHLY], settings_for(port), "2026-11-02T11:05:00+00:00")
+    assert [(a.thresholds, a.targets, d[0].ok) for a, d in again] == [((80,), ("lead@example.com",), True)]
+    assert [m["Subject"].rsplit("(", 1)[1] for m in inbox.wait_for(2)] == ["crossed 50%)", "crossed 80%)"]
+    assert run_check(path, [MONTHLY], settings_for(port), "2026-11-02T11:10:00+00:00") == []
+    assert len(inbox.wait_for(3, timeout=0.5)) == 2
+
+
+def test_a_reader_holding_the_ledger_delays_and_doubles_no_alert(start_proxy, simulator, smtp, monkeypatch):
+    from .test_budgets import budget_proxy, long_prompt_request, register
+    from .test_readers_and_replicas import Reader
+
+    monkeypatch.setenv("SIM_UPSTREAM_KEY", "sk-upstream")
+    inbox, port = smtp
+    request = long_prompt_request(1000, 1000)
+    register(simulator, "held", request, prompt_tokens=1007, completion_tokens=1000)
+    budget = BudgetSettings(name="tiny", limit_usd="0.05", period="total", notify=["lead@example.com"])
+    proxy = budget_proxy(start_proxy, simulator, [budget], alerts=settings_for(port, evaluate_every_s=1))
+    headers = {"authorization": "Bearer tw-agent-key-0001", RECORD_HEADER: "held"}
+    assert httpx.post(f"{proxy.url}/v1/chat/completions", json=request, headers=headers).status_code == 200
+    proxy.rows(1)
+    reader = Reader(proxy.ledger)  # from now on the proxy cannot write the DuckDB file
+    try:
+        reply = httpx.post(f"{proxy.url}/v1/chat/completions", json=request, headers=headers)
+        assert reply.status_code == 200  # 2 x $0.0125175 = $0.025035: 50.07 %
+        (mail,) = inbox.wait_for(1, timeout=15)  # from the books and the state store: no ledger access needed
+        assert mail["Subject"] == "[tokenward] budget tiny: 50.07% of $0.05 (crossed 50%)"
+        time.sleep(3.5)  # three more evaluations while the reader still holds the file
+        assert len(inbox.messages) == 1
+        claims = DuckLedger(proxy.ledger).state.claims(kind="threshold")
+        assert [(c.key.threshold, c.status) for c in claims] == [(50, "sent")]
+    finally:
+        reader.close()
+
+
+def test_admins_hear_once_of_usage_no_rule_could_repair(tmp_path, smtp):
+    inbox, port = smtp
+    path = tmp_path / "l.duckdb"
+    bad = dict(provider="relay", served_model="odd-1", price_status="usage_invalid", cost_usd=None)
+    when = dt.datetime.fromisoformat("2026-11-10T02:00:00+00:00").timestamp()
+    seed(path, [make_row(f"u{i}", started_at=when + i, ended_at=when + i, **bad) for i in range(2)])
+    settings = settings_for(port, admins=["ops@example.com"])
+    sent = run_check(path, [], settings, "2026-11-10T06:00:00+00:00")
+    assert [(a.kind, a.targets) for a, _ in sent] == [("usage_invalid", ("ops@example.com",))]
+    (mail,) = inbox.wait_for(1)
+    assert mail["Subject"] == "[tokenward] invalid usage reported for model odd-1 (relay): 2 request(s) recorded without a cost"
+    assert "Example request: u0" in mail.get_body(("plain",)).get_content()
+    assert run_check(path, [], settings, "2026-11-10T07:00:00+00:00") == []

@@ -13,7 +13,7 @@ import pytest
 
 from tokenward.pricing.budgets import Budget, Period, evaluate
 from tokenward.pricing.catalog import load_catalog
-from tokenward.pricing.settings import BudgetSettings
+from tokenward.pricing.settings import BudgetSettings, GuardSettings
 from tokenward.proxy.config import UpstreamConfig, VirtualKeyConfig
 from tokenward.proxy.simulator import FAULT_HEADER, RECORD_HEADER, Recording
 from tokenward.reports.ledger import write_rows
@@ -167,8 +167,14 @@ def upstream_key(monkeypatch):
     monkeypatch.setenv("SIM_UPSTREAM_KEY", "sk-upstream")
 
 
+EXACT_COUNT = GuardSettings(input_margin=1, input_margin_tokens=0)
+"""No input margin: these tests bound requests by their counted text alone, to check the arithmetic
+(the margins are tested in test_bound_is_a_bound.py)."""
+
+
 def budget_proxy(start_proxy, simulator, budgets, *, seed_rows=(), **extra):
     factory = start_proxy
+    extra.setdefault("guard", EXACT_COUNT)
     ledger = factory.directory / f"ledger{len(factory.contexts)}.duckdb"
     if seed_rows:
         write_rows(ledger, list(seed_rows))

@@ -300,13 +300,15 @@ def test_m004_fills_output_cost_from_stored_cost_lines(tmp_path, monkeypatch):
     ]
     for request_id, cost, stored in (("old", Decimal("0.0057"), json.dumps(lines)), ("unpriced", None, None)):
         row = make_row(request_id, cost_usd=cost, price_status="priced" if cost else "unpriced")
-        later = ("output_cost_usd", "cache_savings_usd", "reserved_usd", "org", "pool", "run_id", "sent_model")
-        values = {k: v for k, v in row.items() if k not in (*later, "degraded")}
+        later = ("output_cost_usd", "cache_savings_usd", "reserved_usd", "output_images", "input_audio_seconds")
+        later += ("input_characters", "image_variant")  # columns of migrations after m003
+        later += ("org", "pool", "run_id", "sent_model", "degraded")
+        values = {k: v for k, v in row.items() if k not in later}
         values.update(started_at=dt.datetime.now(dt.UTC), ended_at=dt.datetime.now(dt.UTC), cost_lines=stored)
         names = ", ".join(values)
         conn.execute(f"INSERT INTO requests ({names}) VALUES ({', '.join('?' * len(values))})", list(values.values()))
     monkeypatch.undo()
-    assert migrations.migrate(conn)[0] == "m004_cost_breakdown"
+    assert migrations.migrate(conn) == [m.__name__ for m in migrations.MIGRATIONS[3:]]  # m004 and later
     rows = conn.execute("SELECT request_id, output_cost_usd FROM requests ORDER BY request_id").fetchall()
     conn.close()
     # output + reasoning lines: 0.002 + 0.0012 = 0.0032; the unpriced row stays NULL, never $0
@@ -344,3 +346,26 @@ def test_simulate_serves_recorded_providers(sample):
         server.terminate()
         _, stderr = server.communicate(timeout=10)
     assert "providers at http://127.0.0.1:" in stderr and "openai" in stderr
+
+
+def test_a_usage_unknown_row_is_reconciled_from_the_bill(tmp_path):
+    path = tmp_path / "l.duckdb"
+    held = dict(price_status="usage_unknown", cost_usd=None, reserved_usd=Decimal("0.0010425"), outcome="client_disconnected")
+    write_rows(path, [make_row("gone", **held), make_row("free", **held), make_row("fine")])
+    runner = CliRunner()
+    done = runner.invoke(main, ["ledger", "reconcile", "gone", "--cost", "0.00031", "--db", str(path)])
+    assert done.exit_code == 0 and done.output.strip() == "request gone: priced at $0.00031"
+    free = runner.invoke(main, ["ledger", "reconcile", "free", "--not-billed", "--db", str(path)])
+    assert free.exit_code == 0 and free.output.strip() == "request free: not_billed"
+    again = runner.invoke(main, ["ledger", "reconcile", "gone", "--cost", "1", "--db", str(path)])
+    assert again.exit_code == 1 and "is priced, not usage_unknown" in again.output
+    both = runner.invoke(main, ["ledger", "reconcile", "fine", "--db", str(path)])
+    assert both.exit_code == 2 and "give --cost USD or --not-billed" in both.output
+    conn = duckdb.connect(str(path), read_only=True)
+    rows = dict(
+        (r[0], r[1:])
+        for r in conn.execute("SELECT request_id, price_status, cost_usd, price_resolved_by FROM requests").fetchall()
+    )
+    conn.close()
+    assert rows["gone"] == ("priced", Decimal("0.00031"), "reconciled")
+    assert rows["free"] == ("not_billed", Decimal(0), "reconciled")

@@ -56,8 +56,8 @@ class SpendSource(Protocol):
         """Requests ``budget`` refused since ``start``."""
         ...
 
-    def unpriced_models(self) -> list[UnpricedModel]:
-        """Every model with unpriced rows, first seen first."""
+    def unpriced_models(self, status: str = "unpriced") -> list[UnpricedModel]:
+        """Every model with rows of price status ``status`` (``unpriced``, ``usage_invalid``), first seen first."""
         ...
 
     def totals(self, start: dt.datetime, end: dt.datetime) -> tuple[Decimal, int, int, int]:
@@ -134,11 +134,12 @@ class DuckSpend:
         ).fetchone()
         return int(row[0]) if row else 0
 
-    def unpriced_models(self) -> list[UnpricedModel]:
+    def unpriced_models(self, status: str = "unpriced") -> list[UnpricedModel]:
         """See :meth:`SpendSource.unpriced_models`."""
         rows = self.conn.execute(
             "SELECT provider, coalesce(served_model, requested_model) AS model, min(started_at), count(*), "
-            "min(request_id) FROM requests WHERE price_status = 'unpriced' GROUP BY 1, 2 ORDER BY 3"
+            "min(request_id) FROM requests WHERE price_status = ? GROUP BY 1, 2 ORDER BY 3",
+            [status],
         ).fetchall()
         return [(p, m, first, int(n), str(rid)) for p, m, first, n, rid in rows]
 
