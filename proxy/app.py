@@ -41,7 +41,14 @@ from tokenward.proxy.scheduler import (
     reload_keys,
     run_budget_check_soon,
 )
-from tokenward.proxy.startup import import_legacy_state, load_books, needs_single_proxy, single_proxy_lock
+from tokenward.proxy.startup import (
+    StartupError,
+    import_legacy_state,
+    load_books,
+    needs_single_proxy,
+    runs_allowed,
+    single_proxy_lock,
+)
 from tokenward.proxy.upstream import AiohttpUpstream, HttpxUpstream, UpstreamClient
 from tokenward.proxy.velocity_books import VelocityBooks
 from tokenward.reports.alerts import Notifier
@@ -83,7 +90,7 @@ def create_app(
     budgets = config.budget_list()
     templates = config.budget_templates()
     policies = [config.auth.runs, *(k.runs for k in config.virtual_keys if k.runs is not None)]
-    runs_on = any(p.mode != "forbidden" for p in policies)
+    runs_on = runs_allowed(config)
     scheduler = create_scheduler()
     guard = dynamic = velocity = None
     if budgets or templates or runs_on:
@@ -156,6 +163,12 @@ def create_app(
         lock = proxy_lock
         if lock is None and needs_single_proxy(config):
             lock = await asyncio.to_thread(single_proxy_lock, ledger)
+        elif lock is None and dynamic is not None and runs_on:  # a run is a hard limit too
+            try:
+                lock = await asyncio.to_thread(single_proxy_lock, ledger)
+            except (StartupError, OSError):
+                dynamic.runs_off = "another tokenward proxy serves this ledger, and its runs"
+                log.warning("another proxy holds %s: this one refuses X-Tokenward-Run (503)", ledger.path)
         try:
             await recorder.start()
             await asyncio.to_thread(import_legacy_state, ledger)

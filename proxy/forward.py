@@ -89,6 +89,7 @@ _OUTCOME_BY_CODE = {
             "run_ended",
             "run_limit_raised",
             "too_many_runs",
+            "runs_unavailable",
             "budget_capacity",
         ),
         Outcome.REJECTED,
@@ -324,7 +325,8 @@ class Forwarder:
         Raises:
             ProxyError: 400 ``invalid_run``; 403 ``run_required``, ``run_not_allowed``,
                 ``run_limit_too_high``, ``run_ttl_too_long``; 409 ``run_ended``,
-                ``run_limit_raised``; 429 ``too_many_runs`` (all with ``x-should-retry: false``).
+                ``run_limit_raised``; 429 ``too_many_runs``; 503 ``runs_unavailable`` (all with
+                ``x-should-retry: false``).
         """
         identity = inbound.identity
         assert identity is not None

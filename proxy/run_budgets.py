@@ -82,6 +82,8 @@ class DynamicBudgets:
         self._earlier_runs: dict[str, tuple[float, Decimal]] = {}
         self._earlier_values: dict[str, tuple[dt.datetime, Decimal]] = {}
         self._made: dict[str, int] = {t.name: 0 for t in self.templates}
+        self.runs_off: str | None = None
+        """Why this proxy serves no runs (another proxy holds the ledger's lock), or ``None``."""
         guard.scopes.append(self.scope)
 
     # -- what is in scope ----------------------------------------------------------------------
@@ -149,11 +151,14 @@ class DynamicBudgets:
 
         Raises:
             RunRefused: what :meth:`RunPolicy.settle` raises; 409 ``run_ended`` (the run's ttl has
-                passed) or ``run_limit_raised``; 429 ``too_many_runs`` (``policy.max_active`` live).
+                passed) or ``run_limit_raised``; 429 ``too_many_runs`` (``policy.max_active`` live);
+                503 ``runs_unavailable`` (another proxy on this ledger serves the runs).
         """
         settled = policy.settle(header)
         if settled is None:
             return None
+        if self.runs_off is not None:
+            raise RunRefused(503, f"Run budgets are off on this proxy: {self.runs_off}.", "runs_unavailable")
         assert settled.limit_usd is not None and settled.ttl_s is not None
         at = now.timestamp()
         self._expire(at)

@@ -1,8 +1,8 @@
 """What the proxy does once before serving: one proxy per DuckDB ledger, old state moved, books opened.
 
-* :func:`single_proxy_lock`: with blocking budgets (or run budgets allowed: a run is one), the
-  budget books live in one proxy's memory, so a second proxy on the same DuckDB ledger would
-  enforce every limit a second time; it refuses to start (field case: two proxies overshot a hard budget by 90 %).
+* :func:`single_proxy_lock`: with blocking budgets, the budget books live in one proxy's memory,
+  so a second proxy on the same DuckDB ledger would enforce every limit a second time; it
+  refuses to start (field case: two proxies overshot a hard budget by 90 %).
 * :func:`import_legacy_state`: keys and alert claims an earlier version kept in the DuckDB
   file move to the state store once.
 * :func:`load_books`: the budget books start from the ledger plus every row still in the
@@ -37,13 +37,16 @@ class StartupError(RuntimeError):
 
 
 def needs_single_proxy(config: Config) -> bool:
-    """Whether ``config`` keeps hard-limit books in this process (on a DuckDB ledger).
+    """Whether ``config`` keeps hard-limit books in this process (blocking budgets on a DuckDB ledger).
 
-    Blocking budgets (per-value ones too), or run budgets allowed to any caller (a run is a
-    blocking budget).
+    Per-value budgets (``per``) count. Run budgets do not make a second proxy refuse to start:
+    a proxy that cannot hold the lock serves no runs instead (:func:`runs_allowed`).
     """
-    if any(budget.blocking for budget in [*config.budget_list(), *config.budget_templates()]):
-        return True
+    return any(budget.blocking for budget in [*config.budget_list(), *config.budget_templates()])
+
+
+def runs_allowed(config: Config) -> bool:
+    """Whether some caller may set run budgets (``auth.runs`` or a key's ``runs`` not ``forbidden``)."""
     policies = [config.auth.runs, *(key.runs for key in config.virtual_keys if key.runs is not None)]
     return any(policy.mode != "forbidden" for policy in policies)
 
@@ -63,8 +66,7 @@ def single_proxy_lock(ledger: DuckLedger) -> IO[str]:
         holder = handle.read().strip() or "another process"
         handle.close()
         raise StartupError(
-            f"another tokenward proxy ({holder}) serves the ledger {ledger.path} with blocking budgets "
-            "(or run budgets, which auth.runs.mode: forbidden turns off). "
+            f"another tokenward proxy ({holder}) serves the ledger {ledger.path} with blocking budgets. "
             "Their books are kept in that process, so a second proxy would enforce every hard limit again "
             "(and overshoot it): run one proxy per DuckDB ledger, or give all replicas a shared Postgres "
             "ledger (ledger.url)."

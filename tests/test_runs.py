@@ -235,3 +235,16 @@ def test_a_streamed_reply_carries_the_budget_standing_with_its_worst_case_held(t
             assert b"[DONE]" in b"".join(reply.iter_bytes())
         (row,) = proxy.rows(1)
     assert row["run_id"] == "stream" and row["reserved_usd"] == Decimal("0.0125175") and row["cost_usd"] > 0
+
+
+def test_a_second_proxy_on_the_ledger_serves_no_runs(tmp_path, simulator):
+    # without blocking budgets two proxies may share a DuckDB ledger; the runs stay with the one holding its lock
+    record(simulator, "two", 1007, 400)
+    header = {"x-tokenward-run": "id=shared; limit_usd=1"}
+    ledger = tmp_path / "l.duckdb"
+    with serving(ledger, simulator) as first, serving(ledger, simulator) as second:
+        assert post(first.url, prompt(1000, 1000), "two", **header).status_code == 200
+        refused = post(second.url, prompt(1000, 1000), "two", **header)
+        assert (refused.status_code, refused.json()["error"]["code"]) == (503, "runs_unavailable")
+        assert post(second.url, prompt(1000, 1000), "two").status_code == 200  # no run: served
+
