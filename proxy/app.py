@@ -11,8 +11,12 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import logging
+import os
+import secrets
+import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 
 import httpx
 from litestar import Litestar
@@ -32,8 +36,11 @@ from tokenward.proxy.recorder import Recorder
 from tokenward.proxy.routes import MetricsAccess, build_routes
 from tokenward.proxy.routing import Router
 from tokenward.proxy.scheduler import (
+    RECONCILE_S,
     add_alert_jobs,
     create_scheduler,
+    on_one_replica,
+    reconcile_books,
     refresh_prices,
     reload_keys,
     run_budget_check_soon,
@@ -42,6 +49,10 @@ from tokenward.proxy.startup import import_legacy_state, load_books, single_prox
 from tokenward.proxy.upstream import AiohttpUpstream, HttpxUpstream, UpstreamClient
 from tokenward.reports.alerts import Notifier
 from tokenward.reports.ledger import DuckLedger
+from tokenward.reports.ledger.books import PgBooks
+from tokenward.reports.ledger.pg_spend import PgSpend
+from tokenward.reports.ledger.postgres import PgLedger
+from tokenward.reports.ledger.spend import SpendSource
 
 __all__ = ["create_app"]
 
@@ -75,11 +86,17 @@ def create_app(
     catalog = catalog if catalog is not None else build_catalog(config.pricing, refresh_file=config.refresh_file())
     budgets = config.budget_list()
     scheduler = create_scheduler()
+    ledger = config.open_ledger()
+    books = None  # shared budget books (Postgres); None: in this process's memory
+    if isinstance(ledger, PgLedger) and any(b.blocking for b in budgets):
+        replica = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+        books = PgBooks(ledger.url, replica, config.ledger.lease_s)
     guard = None
     if budgets:
         delay = config.ledger.flush_interval_s + 0.5  # after the row that crossed is in the ledger
-        guard = BudgetGuard(budgets, dt.datetime.now(dt.UTC), lambda _: run_budget_check_soon(scheduler, delay))
-    ledger = DuckLedger(config.ledger.path)
+        guard = BudgetGuard(
+            budgets, dt.datetime.now(dt.UTC), lambda _: run_budget_check_soon(scheduler, delay), store=books
+        )
     recorder = Recorder(catalog, ledger, config.ledger.flush_interval_s, guard=guard, fsync=config.ledger.fsync)
     if upstream is not None:
         client: UpstreamClient = upstream
@@ -111,7 +128,9 @@ def create_app(
                 upstream_config.catalog_provider,
             )
 
-    def spend() -> BooksSpend:
+    def spend() -> SpendSource:
+        if isinstance(ledger, PgLedger):  # every replica's spend: the shared ledger, not these books
+            return PgSpend(ledger.pool)
         return BooksSpend(guard, dt.datetime.now(dt.UTC), recorder.unpriced_seen)
 
     sender = recorder.metrics.counting(notifier or Notifier(config.alerts))  # failed deliveries feed /metrics
@@ -120,37 +139,55 @@ def create_app(
     refresh = config.pricing.refresh
     if refresh is not None:
         scheduler.add_job(
-            refresh_prices,
+            on_one_replica,
             "interval",
             hours=refresh.every_hours,
             next_run_time=dt.datetime.now(dt.UTC) + dt.timedelta(seconds=5),
-            kwargs={
-                "settings": refresh,
-                "refresh_file": config.refresh_file(),
-                "current": lambda: recorder.catalog,
-                "rebuild": lambda: build_catalog(config.pricing, refresh_file=config.refresh_file()),
-                "install": lambda new: setattr(recorder, "catalog", new),
-            },
+            args=[
+                ledger,
+                "price-refresh",
+                partial(
+                    refresh_prices,
+                    refresh,
+                    config.refresh_file(),
+                    lambda: recorder.catalog,
+                    lambda: build_catalog(config.pricing, refresh_file=config.refresh_file()),
+                    lambda new: setattr(recorder, "catalog", new),
+                ),
+            ],
             id="price-refresh",
+        )
+    if books is not None and guard is not None:
+        windows = partial(lambda g: g.book_windows(dt.datetime.now(dt.UTC)), guard)
+        scheduler.add_job(
+            on_one_replica,
+            "interval",
+            seconds=RECONCILE_S,
+            args=[ledger, "books-reconcile", reconcile_books, ledger, windows],
+            id="books-reconcile",
         )
 
     @asynccontextmanager
     async def lifespan(_: Litestar) -> AsyncIterator[None]:
         lock = None
-        if guard is not None and any(b.blocking for b in budgets):
+        if guard is not None and any(b.blocking for b in budgets) and isinstance(ledger, DuckLedger):
             lock = await asyncio.to_thread(single_proxy_lock, ledger)
         try:
             await recorder.start()
             await asyncio.to_thread(import_legacy_state, ledger)
             await reload_keys(ledger.state, auth)
+            if books is not None:
+                await books.start()
             if guard is not None:
                 await asyncio.to_thread(load_books, ledger, guard, recorder.wal)
             scheduler.start()
         except BaseException:
             if lock is not None:
                 lock.close()
+            if books is not None:
+                await books.stop()
             raise
-        log.info("ledger %s, %d upstream(s), auth %s", config.ledger.path, len(config.upstreams), config.auth.mode)
+        log.info("ledger %s, %d upstream(s), auth %s", ledger.name, len(config.upstreams), config.auth.mode)
         try:
             yield
         finally:
@@ -158,6 +195,8 @@ def create_app(
             try:
                 await recorder.stop()
             finally:
+                if books is not None:
+                    await books.stop()
                 await client.aclose()
                 if lock is not None:
                     lock.close()

@@ -52,6 +52,7 @@ from tokenward.proxy.relay import HOP_BY_HOP, DisconnectWatch, Relay, header
 from tokenward.proxy.routing import Route, Router
 from tokenward.proxy.splice import find_member, set_member
 from tokenward.proxy.upstream import UpstreamClient, UpstreamError, UpstreamReply
+from tokenward.reports.ledger.books import BooksUnavailable
 
 __all__ = ["METERED_ENDPOINTS", "Endpoint", "Forwarder"]
 
@@ -307,11 +308,15 @@ class Forwarder:
             worst, unbounded = await self._worst_case(ex, head, body, endpoint, now)
             if worst is not None:
                 try:
-                    ex.reservation = guard.admit(attributes, worst, now, unbounded=unbounded)
+                    ex.reservation = await guard.admit(attributes, worst, now, unbounded=unbounded)
                     ex.reserved_usd = ex.reservation.amount
                 except BudgetRefusal as refusal:
                     headers = _budget_headers(refusal.budget, refusal.remaining) + _no_retry(refusal, now)
                     raise ProxyError(429, str(refusal), "budget_exceeded", "insufficient_quota", headers) from refusal
+                except BooksUnavailable as exc:  # fail closed: no replica can know what the others hold
+                    message = "A hard budget applies to this request and its books cannot be reached; try again soon."
+                    retry = [(b"retry-after", b"5")]
+                    raise ProxyError(503, message, "budget_books_unavailable", "server_error", retry) from exc
             else:
                 log.warning(
                     "request %s: model %r has no price, so blocking budgets cannot bound it",

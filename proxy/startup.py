@@ -21,7 +21,8 @@ from functools import partial
 from typing import IO, Any
 
 from tokenward.proxy.guard import BudgetGuard
-from tokenward.reports.ledger import DuckLedger, LedgerBusy, LedgerError, WriteAheadLog
+from tokenward.reports.ledger import DuckLedger, Ledger, LedgerBusy, LedgerError, WriteAheadLog
+from tokenward.reports.ledger.books import reconcile
 from tokenward.reports.ledger.legacy import import_legacy_state as _import
 from tokenward.reports.ledger.spend import DuckSpend
 
@@ -60,8 +61,10 @@ def single_proxy_lock(ledger: DuckLedger) -> IO[str]:
     return handle
 
 
-def import_legacy_state(ledger: DuckLedger) -> None:
+def import_legacy_state(ledger: Ledger) -> None:
     """Move keys and alert claims from an earlier version's DuckDB tables into the state store (once)."""
+    if not isinstance(ledger, DuckLedger):
+        return  # a Postgres ledger never had them
     try:
         copied = ledger.session(lambda conn: _import(conn, ledger.state), read_only=True)
     except LedgerError as exc:
@@ -71,13 +74,21 @@ def import_legacy_state(ledger: DuckLedger) -> None:
         log.info("moved %d keys, alert claims and deliveries into %s", copied, ledger.state.path)
 
 
-def load_books(ledger: DuckLedger, guard: BudgetGuard, wal: WriteAheadLog, wait_s: float = 30.0) -> None:
+def load_books(ledger: Ledger, guard: BudgetGuard, wal: WriteAheadLog, wait_s: float = 30.0) -> None:
     """Open the budget books from the ledger (read-only) plus the rows not yet moved into it.
+
+    A shared ledger (Postgres): this process's figures from the ledger, and the shared books of
+    blocking budgets reconciled from it (rows in the period plus settlements not yet in it).
 
     Raises:
         LedgerError: the ledger could not be read within ``wait_s`` seconds (another process kept
             writing it): serving without the books would let hard limits be overshot.
     """
+    if ledger.shared:
+        now = dt.datetime.now(dt.UTC)
+        ledger.read_spend(lambda spend: guard.load(spend, now))
+        reconcile(ledger.pool, guard.book_windows(now))  # type: ignore[attr-defined]
+        return
     deadline = time.monotonic() + wait_s
     while True:
         try:
