@@ -1,0 +1,226 @@
+"""Three real proxy processes on one Postgres ledger: one hard limit, no lost row, one mail, a database outage.
+
+Each replica is ``tokenward serve`` in its own process with its own write-ahead log directory;
+they share only the database. Skipped cleanly when Postgres is not installed.
+
+Costs (gpt-4o-mini, $0.15 in / $0.60 out per 1M tokens): the counting upstream bills 8 tokens in
+(what the guard counts for "hi") and 5 out, so one request costs 8 x 0.15 + 5 x 0.60 = $4.2e-6,
+and with ``max_tokens: 5`` its worst case is the same $4.2e-6: room for 10 is $4.2e-5.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email
+import email.policy
+import socket
+import time
+from decimal import Decimal
+from pathlib import Path
+
+import httpx
+import psycopg
+from aiosmtpd.controller import Controller
+
+from .crashkit import COMPLETION_TOKENS, PROMPT_TOKENS, CountingUpstream, Load, ProxyProcess
+
+ONE = Decimal("0.15") * PROMPT_TOKENS / 10**6 + Decimal("0.60") * COMPLETION_TOKENS / 10**6
+assert ONE == Decimal("0.0000042")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def replicas(
+    tmp_path: Path, upstream: str, url: str, extra: str, count: int = 3, lease_s: float = 15
+) -> list[ProxyProcess]:
+    procs = []
+    for number in range(count):
+        directory = tmp_path / f"replica{number}"
+        directory.mkdir()
+        port = free_port()
+        config = directory / "tokenward.yaml"
+        config.write_text(
+            "upstreams:\n"
+            f"  - {{name: openai, base_url: '{upstream}', default: true, provider: openai}}\n"
+            f"server: {{port: {port}, drain_after_disconnect_s: 0}}\n"
+            f"ledger: {{url: '{url}', spool_dir: spool, flush_interval_s: 0.5, lease_s: {lease_s}}}\n" + extra
+        )
+        procs.append(ProxyProcess(config, port))
+    for proc in procs:
+        proc.start()
+    return procs
+
+
+def query(url: str, sql: str, params: list | None = None) -> list[tuple]:
+    with psycopg.connect(url) as conn:
+        return conn.execute(sql, params or []).fetchall()
+
+
+def wait_until(check, timeout: float = 20.0, step: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(step)
+    return check()
+
+
+HARD = f"budgets:\n  - {{name: hard, limit_usd: {ONE * 10}, period: day, action: block}}\n"
+
+
+def test_100_concurrent_requests_through_3_replicas_against_room_for_10(tmp_path, pg_url):
+    with CountingUpstream(wait_s=0.3) as upstream:
+        procs = replicas(tmp_path, upstream.url, pg_url, HARD)
+        try:
+
+            async def send_all() -> list[int]:
+                body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+                async with httpx.AsyncClient(timeout=30) as client:
+                    replies = await asyncio.gather(
+                        *(
+                            client.post(f"{procs[i % 3].url}/v1/chat/completions", json=body,
+                                        headers={"authorization": "Bearer sk-client"})
+                            for i in range(100)
+                        )
+                    )
+                return [r.status_code for r in replies]
+
+            statuses = asyncio.run(send_all())
+            assert statuses.count(200) == 10 and statuses.count(429) == 90
+            assert len(upstream.received) == 10
+            rows = wait_until(lambda: query(pg_url, "SELECT count(*) FROM requests")[0][0] == 100 and query(
+                pg_url, "SELECT outcome, count(*), sum(cost_usd) FROM requests GROUP BY 1 ORDER BY 1"))
+            spent = {outcome: (n, cost) for outcome, n, cost in rows}
+            assert spent["ok"] == (10, ONE * 10)  # recorded spend <= limit: exactly the limit
+            assert spent["rejected"][0] == 90
+            books = query(pg_url, "SELECT spent, held FROM budget_books WHERE book = 'hard'")
+            assert books == [(ONE * 10, 0)]
+        finally:
+            for proc in procs:
+                proc.stop()
+
+
+def test_sigkill_of_one_replica_under_load_loses_no_row_and_its_holds_expire(tmp_path, pg_url):
+    budget = "budgets:\n  - {name: hard, limit_usd: 1000, period: day, action: block}\n"
+    with CountingUpstream(wait_s=0.2) as upstream:
+        procs = replicas(tmp_path, upstream.url, pg_url, budget, lease_s=3)
+        loads = [Load(proc.url, clients=6, headers={"x-test-wait": "0.2"}).start() for proc in procs]
+        try:
+            time.sleep(2.0)
+            killed_at = time.monotonic()
+            procs[0].kill()  # SIGKILL with requests in flight and reservations held
+            time.sleep(1.0)
+        finally:
+            for load in loads:
+                load.stop()
+        # the live replicas' own holds are settled; the dead one's go when its lease (3 s) ends
+        held = wait_until(lambda: query(pg_url, "SELECT held FROM budget_books WHERE book = 'hard'") == [(0,)],
+                          timeout=10)
+        assert held, query(pg_url, "SELECT * FROM budget_books")
+        assert time.monotonic() - killed_at < 3 + 3 + 2  # lease + one renewal period + slack
+        procs[0].start()  # the restarted replica recovers its log from its spool directory
+        try:
+            completed = {rid for load in loads for rid in load.completed}
+            assert len(completed) > 10
+
+            def rows() -> dict[str, list[tuple]]:
+                found: dict[str, list[tuple]] = {}
+                for client_id, status, outcome in query(
+                    pg_url, "SELECT client_request_id, price_status, outcome FROM requests WHERE row_kind = 'request'"
+                ):
+                    found.setdefault(client_id, []).append((status, outcome))
+                return found
+
+            assert wait_until(lambda: completed <= set(rows())), "a completed request has no row"
+            found = rows()
+            assert [rid for rid, got in found.items() if len(got) > 1] == []  # none doubled
+            assert all(found[rid] == [("priced", "ok")] for rid in completed)
+            # every request the upstream saw has its row: completed, or usage_unknown with its reservation kept
+            seen = {r for r in upstream.received if r}
+            assert seen <= set(found)
+            assert {found[rid][0][0] for rid in seen} <= {"priced", "usage_unknown"}
+        finally:
+            for proc in procs:
+                proc.stop()
+
+
+class Inbox:
+    def __init__(self) -> None:
+        self.messages: list[email.message.EmailMessage] = []
+
+    async def handle_DATA(self, server, session, envelope):  # noqa: N802 - aiosmtpd's hook name
+        self.messages.append(email.message_from_bytes(envelope.content, policy=email.policy.default))
+        return "250 OK"
+
+
+def test_a_threshold_crossed_through_3_replicas_is_mailed_once(tmp_path, pg_url):
+    inbox = Inbox()
+    smtp = Controller(inbox, hostname="127.0.0.1", port=free_port())
+    smtp.start()
+    extra = (
+        f"budgets:\n  - {{name: shared, limit_usd: {ONE * 10}, period: total, thresholds: [50], "
+        "notify: [ops@example.com]}\n"
+        "alerts:\n  evaluate_every_s: 1\n  retries: 0\n"
+        f"  smtp: {{host: 127.0.0.1, port: {smtp.port}, security: none, sender: tokenward@test}}\n"
+    )
+    with CountingUpstream(wait_s=0.01) as upstream:
+        procs = replicas(tmp_path, upstream.url, pg_url, extra)
+        try:
+            body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+            for i in range(6):  # 6 x $4.2e-6 = 60 % of the limit, two requests per replica
+                reply = httpx.post(f"{procs[i % 3].url}/v1/chat/completions", json=body,
+                                   headers={"authorization": "Bearer sk-client"}, timeout=10)
+                assert reply.status_code == 200
+            assert wait_until(lambda: inbox.messages, timeout=20), "no alert mail"
+            time.sleep(4)  # several more checks on every replica
+            assert len(inbox.messages) == 1, [m["subject"] for m in inbox.messages]
+            assert "50" in inbox.messages[0]["subject"] and "shared" in inbox.messages[0]["subject"]
+            claims = query(pg_url, "SELECT budget, kind, threshold, status FROM alert_claims")
+            assert claims == [("shared", "threshold", 50, "sent")]
+        finally:
+            for proc in procs:
+                proc.stop()
+            smtp.stop()
+
+
+def test_database_down_requests_rows_and_budgets(tmp_path, pg_cluster):
+    """Postgres stops: unbudgeted requests go on and their rows wait in the log; hard budgets fail closed (503)."""
+    import uuid
+
+    url = pg_cluster.create_database(f"t_{uuid.uuid4().hex[:12]}")
+    extra = "budgets:\n  - {name: hard, limit_usd: 10, period: day, action: block, scope: {model: gpt-4o-mini}}\n"
+    with CountingUpstream(wait_s=0.01) as upstream:
+        (proc,) = replicas(tmp_path, upstream.url, url, extra, count=1)
+        try:
+            headers = {"authorization": "Bearer sk-client"}
+
+            def send(model: str) -> httpx.Response:
+                body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+                return httpx.post(f"{proc.url}/v1/chat/completions", json=body, headers=headers, timeout=15)
+
+            assert send("gpt-4o-mini").status_code == 200
+            pg_cluster.halt()
+            try:
+                free = send("gpt-4o")  # no blocking budget in scope: served, its row in the log
+                assert free.status_code == 200
+                capped = send("gpt-4o-mini")  # its hard budget's books are out of reach: refused
+                assert capped.status_code == 503
+                assert capped.json()["error"]["code"] == "budget_books_unavailable"
+                time.sleep(1.5)
+                health = httpx.get(f"{proc.url}/healthz", timeout=5).json()
+                assert health["problem"] == "ledger_error" and health["spool_rows"] >= 2
+            finally:
+                pg_cluster.resume()
+            # back: the log drains into the ledger, budgets work again
+            assert wait_until(lambda: query(url, "SELECT count(*) FROM requests")[0][0] == 3, timeout=20)
+            statuses = dict(query(url, "SELECT requested_model || ':' || http_status, count(*) FROM requests "
+                                       "GROUP BY 1"))
+            assert statuses == {"gpt-4o-mini:200": 1, "gpt-4o:200": 1, "gpt-4o-mini:503": 1}
+            assert wait_until(lambda: send("gpt-4o-mini").status_code == 200, timeout=10)
+        finally:
+            proc.stop()
