@@ -268,3 +268,38 @@ def test_cli_names_the_ledger_by_url_or_environment(tmp_path, pg_url, monkeypatc
     out = runner.invoke(main, ["keys", "create", "ci-bot", "--team", "platform"], catch_exceptions=False).output
     assert "ci-bot" in out
     assert [k.name for k in PgLedger(pg_url, tmp_path / "x").state.keys()] == ["ci-bot"]
+
+
+def test_a_periodic_job_lock_is_held_by_one_process_at_a_time(tmp_path, pg_url):
+    first, second = pg(tmp_path, pg_url), PgLedger(pg_url, tmp_path / "other")
+    held = first.job_lock("budgets")
+    assert held is not None
+    assert second.job_lock("budgets") is None  # another replica skips this run
+    other = second.job_lock("digest")  # another job is not blocked
+    assert other is not None
+    other.close()
+    held.close()  # the lock ends with its connection (or its process)
+    again = second.job_lock("budgets")
+    assert again is not None
+    again.close()
+
+
+def test_the_config_names_the_engine_and_the_environment_wins(tmp_path, monkeypatch):
+    from tokenward.proxy.config import ConfigError, load_config
+
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        "upstreams: [{name: a, base_url: 'http://127.0.0.1:9/v1'}]\n"
+        "ledger: {url: 'postgresql://app@db:5432/tw', spool_dir: spool}\n"
+    )
+    loaded = load_config(config).open_ledger()
+    assert isinstance(loaded, PgLedger) and loaded.spool_dir == tmp_path / "spool"
+    monkeypatch.setenv(LEDGER_URL_ENV, "postgresql://other:secret@db2/tw")
+    loaded = load_config(config).open_ledger()
+    assert loaded.name == "postgresql://other:***@db2/tw"  # the password never shows
+    monkeypatch.delenv(LEDGER_URL_ENV)
+    config.write_text("upstreams: [{name: a, base_url: 'http://127.0.0.1:9/v1'}]\nledger: {path: l.duckdb}\n")
+    assert isinstance(load_config(config).open_ledger(), DuckLedger)
+    config.write_text("upstreams: [{name: a, base_url: 'http://127.0.0.1:9/v1'}]\nledger: {url: 'mysql://x'}\n")
+    with pytest.raises(ConfigError, match="postgresql://"):
+        load_config(config)

@@ -45,7 +45,7 @@ def replicas(
         config = directory / "tokenward.yaml"
         config.write_text(
             "upstreams:\n"
-            f"  - {{name: openai, base_url: '{upstream}', default: true, provider: openai}}\n"
+            f"  - {{name: openai, base_url: '{upstream}', default: true, provider: openai, api_key_env: UPSTREAM_KEY}}\n"
             f"server: {{port: {port}, drain_after_disconnect_s: 0}}\n"
             f"ledger: {{url: '{url}', spool_dir: spool, flush_interval_s: 0.5, lease_s: {lease_s}}}\n" + extra
         )
@@ -224,3 +224,34 @@ def test_database_down_requests_rows_and_budgets(tmp_path, pg_cluster):
             assert wait_until(lambda: send("gpt-4o-mini").status_code == 200, timeout=10)
         finally:
             proc.stop()
+
+
+def test_a_key_created_or_revoked_from_the_cli_works_on_every_replica_within_5_s(tmp_path, pg_url, monkeypatch):
+    from click.testing import CliRunner
+
+    from tokenward.proxy.cli import main
+
+    monkeypatch.setenv("UPSTREAM_KEY", "sk-upstream")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    with CountingUpstream(wait_s=0.01) as upstream:
+        procs = replicas(tmp_path, upstream.url, pg_url, "auth: {mode: virtual_keys}\n", count=2)
+        try:
+            runner = CliRunner()
+            key = runner.invoke(main, ["keys", "create", "bot", "--db", pg_url], catch_exceptions=False).output
+            key = key.splitlines()[0]
+            created = time.monotonic()
+            body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+
+            def status(proc: ProxyProcess) -> int:
+                return httpx.post(f"{proc.url}/v1/chat/completions", json=body,
+                                  headers={"authorization": f"Bearer {key}"}, timeout=10).status_code
+
+            assert wait_until(lambda: all(status(p) == 200 for p in procs), timeout=8)
+            assert time.monotonic() - created < 5 + 1.5  # the reload period, and the time to ask
+            runner.invoke(main, ["keys", "revoke", "bot", "--db", pg_url], catch_exceptions=False)
+            revoked = time.monotonic()
+            assert wait_until(lambda: all(status(p) == 401 for p in procs), timeout=8)
+            assert time.monotonic() - revoked < 5 + 1.5
+        finally:
+            for proc in procs:
+                proc.stop()

@@ -96,7 +96,8 @@ class PgLedger:
         self.state = PgState(self.pool)
         self.mirror = Mirror(Path(mirror_path) if mirror_path else self.spool_dir / "reports.duckdb", self.pool)
         self._ready = False
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # one flush at a time in this process: each segment is taken once
+        self._sessions = threading.Lock()  # one report copy session at a time (never holds up a flush)
 
     @property
     def name(self) -> str:
@@ -144,7 +145,7 @@ class PgLedger:
 
     def session(self, work: Callable[[duckdb.DuckDBPyConnection], T], *, read_only: bool = False) -> T:
         """See :meth:`Ledger.session` (sessions in this process are serialised, like the DuckDB engine's)."""
-        with self._lock:
+        with self._sessions:
             conn = self.connect(read_only=read_only, wait_s=10.0)
             try:
                 return work(conn)
