@@ -43,7 +43,7 @@ RESERVE = "SELECT hold_id FROM tw_reserve($1, $2, $3::timestamptz[], $4::numeric
 SETTLE = "SELECT tw_settle($1, $2, $3, $4, $5::timestamptz[], $6::numeric[])"
 
 
-async def psycopg_calls(url: str, n: int, concurrency: int) -> tuple[float, float]:
+async def psycopg_calls(url: str, n: int, concurrency: int) -> tuple[float, float, float]:
     from tokenward.reports.ledger.pg_pool import AsyncPool
 
     pool = AsyncPool(url, 4)
@@ -79,7 +79,7 @@ async def psycopg_calls(url: str, n: int, concurrency: int) -> tuple[float, floa
     return result
 
 
-async def asyncpg_calls(url: str, n: int, concurrency: int) -> tuple[float, float]:
+async def asyncpg_calls(url: str, n: int, concurrency: int) -> tuple[float, float, float]:
     import asyncpg
 
     pool = await asyncpg.create_pool(url, min_size=4, max_size=4)
@@ -98,12 +98,13 @@ async def asyncpg_calls(url: str, n: int, concurrency: int) -> tuple[float, floa
     return result
 
 
-async def run(one, n: int, concurrency: int) -> tuple[float, float]:
+async def run(one, n: int, concurrency: int) -> tuple[float, float, float]:
     for _ in range(50):
         await one()  # warm-up: connections, prepared plans
+    cpu = time.process_time()
     if concurrency == 1:
         samples = [await one() for _ in range(n)]
-        return statistics.median(samples) * 1000, n / sum(samples)
+        return statistics.median(samples) * 1000, n / sum(samples), (time.process_time() - cpu) / n * 1000
     started = time.perf_counter()
     gate = asyncio.Semaphore(concurrency)
 
@@ -112,18 +113,20 @@ async def run(one, n: int, concurrency: int) -> tuple[float, float]:
             return await one()
 
     samples = await asyncio.gather(*(gated() for _ in range(n)))
-    return statistics.median(samples) * 1000, n / (time.perf_counter() - started)
+    rate = n / (time.perf_counter() - started)
+    return statistics.median(samples) * 1000, rate, (time.process_time() - cpu) / n * 1000
 
 
 def drivers(url: str) -> None:
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute("INSERT INTO budget_replicas VALUES ('bench', now() + interval '1 day') ON CONFLICT DO NOTHING")
-    print("reserve + settle (two books), one round trip each:")
-    print(f"  {'driver':<10} {'p50 ms (1 at a time)':>22} {'calls/s (32 at once, pool of 4)':>34}")
+    print("reserve + settle (two books), one round trip each; CPU is this process's, per reserve + settle:")
+    header = f"  {'driver':<10} {'p50 ms (1 at a time)':>21} {'CPU ms':>7}"
+    print(header + f" {'calls/s (32 at once, pool of 4)':>32} {'CPU ms':>7}")
     for name, fn in (("psycopg 3", psycopg_calls), ("asyncpg", asyncpg_calls)):
-        p50, _ = asyncio.run(fn(url, 2000, 1))
-        _, rate = asyncio.run(fn(url, 4000, 32))
-        print(f"  {name:<10} {p50:>22.3f} {rate:>34,.0f}")
+        p50, _, cpu1 = asyncio.run(fn(url, 2000, 1))
+        _, rate, cpu32 = asyncio.run(fn(url, 4000, 32))
+        print(f"  {name:<10} {p50:>21.3f} {cpu1:>7.3f} {rate:>32,.0f} {cpu32:>7.3f}")
 
 
 def ingest(url: str, duck: Path, scratch: Path, rows: int) -> PgLedger:

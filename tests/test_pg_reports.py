@@ -42,6 +42,8 @@ COMMANDS = [
     ["export", "--format", "csv", "--since", "2026-11-02", "--until", "2026-11-03"],
     ["budgets", "status", "--at", "2026-11-20T12:00:00+00:00"],
     ["budgets", "check", "--dry-run", "--at", "2026-11-20T12:00:00+00:00"],
+    ["alerts", "history"],
+    ["keys", "list"],
     ["pricing", "check"],
     ["pricing", "explain", "A"],
     ["pricing", "explain", "B"],
@@ -64,7 +66,7 @@ def both(ledger, pg_url, tmp_path, monkeypatch):  # noqa: F811 - the fixture imp
 @pytest.mark.parametrize("command", COMMANDS, ids=lambda c: " ".join(c[:4]))
 def test_every_report_is_the_same_on_both_engines(both, command):
     duck, url, config = both
-    extra = ["--config", config] if command[0] in ("budgets", "pricing") or "--forecast" in command else []
+    extra = ["--config", config] if command[0] in ("budgets", "pricing", "alerts") or "--forecast" in command else []
     runner = CliRunner()
     outputs = []
     for db in (duck, url):

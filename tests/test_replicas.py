@@ -11,8 +11,6 @@ and with ``max_tokens: 5`` its worst case is the same $4.2e-6: room for 10 is $4
 from __future__ import annotations
 
 import asyncio
-import email
-import email.policy
 import socket
 import time
 from decimal import Decimal
@@ -23,6 +21,7 @@ import psycopg
 from aiosmtpd.controller import Controller
 
 from .crashkit import COMPLETION_TOKENS, PROMPT_TOKENS, CountingUpstream, Load, ProxyProcess
+from .test_alerts import Inbox
 
 ONE = Decimal("0.15") * PROMPT_TOKENS / 10**6 + Decimal("0.60") * COMPLETION_TOKENS / 10**6
 assert ONE == Decimal("0.0000042")
@@ -147,15 +146,6 @@ def test_sigkill_of_one_replica_under_load_loses_no_row_and_its_holds_expire(tmp
         finally:
             for proc in procs:
                 proc.stop()
-
-
-class Inbox:
-    def __init__(self) -> None:
-        self.messages: list[email.message.EmailMessage] = []
-
-    async def handle_DATA(self, server, session, envelope):  # noqa: N802 - aiosmtpd's hook name
-        self.messages.append(email.message_from_bytes(envelope.content, policy=email.policy.default))
-        return "250 OK"
 
 
 def test_a_threshold_crossed_through_3_replicas_is_mailed_once(tmp_path, pg_url):

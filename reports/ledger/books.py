@@ -315,6 +315,8 @@ class PgBooks:
                 await self._send_queued()
             except BooksUnavailable:
                 pass  # logged once by _down; requests in scope of blocking budgets are refused meanwhile
+            except Exception as exc:  # the lease must keep being renewed, whatever one pass met
+                self._down(exc)
 
     def _down(self, exc: BaseException) -> None:
         if self.available:
@@ -392,6 +394,8 @@ class PgBooks:
             async with self._pool.connection() as conn:
                 await conn.execute(_SETTLE, list(params))
         except (psycopg.Error, LedgerError, OSError) as exc:
+            # sent again later; if it had committed after all, its spend counts twice until the next
+            # reconciliation (30 s): an over-count refuses early, it never overshoots
             self._down(exc)
             self._queued.append(params)
 
