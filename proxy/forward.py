@@ -59,6 +59,7 @@ from tokenward.proxy.routing import Route, Router
 from tokenward.proxy.run_budgets import DynamicBudgets
 from tokenward.proxy.splice import find_member, set_member
 from tokenward.proxy.upstream import UpstreamClient, UpstreamError, UpstreamReply
+from tokenward.reports.ledger.books import BooksUnavailable
 
 __all__ = ["METERED_ENDPOINTS", "Endpoint", "Forwarder"]
 
@@ -441,23 +442,26 @@ class Forwarder:
                 worst, unbounded = await self._worst_case(ex, head, body, endpoint, now, counts=counts)
             if worst is not None:
                 try:
-                    ex.reservation = guard.admit(attributes, worst, now, unbounded=unbounded)
-                    ex.reserved_usd = ex.reservation.amount
-                except BudgetRefusal as refusal:
-                    plan = None
-                    if not unbounded and media is None:
-                        plan = await self._degrade(
-                            ex, head, body, endpoint, route, explicit, now, attributes, worst, counts
-                        )
-                    if plan is None:
-                        headers = _budget_headers(refusal.budget, refusal.remaining) + _no_retry(refusal, now)
-                        raise ProxyError(
-                            429, str(refusal), "budget_exceeded", "insufficient_quota", headers
-                        ) from refusal
-                    body, extra = self._apply(ex, head, body, endpoint, route, plan)
-                    attributes = _attributes(ex)
+                    try:
+                        ex.reservation = await guard.admit(attributes, worst, now, unbounded=unbounded)
+                        ex.reserved_usd = ex.reservation.amount
+                    except BudgetRefusal as refusal:
+                        plan = None
+                        if not unbounded and media is None:
+                            plan = await self._degrade(
+                                ex, head, body, endpoint, route, explicit, now, attributes, worst, counts
+                            )
+                        if plan is None:
+                            headers = _budget_headers(refusal.budget, refusal.remaining) + _no_retry(refusal, now)
+                            raise ProxyError(
+                                429, str(refusal), "budget_exceeded", "insufficient_quota", headers
+                            ) from refusal
+                        body, extra = self._apply(ex, head, body, endpoint, route, plan)
+                        attributes = _attributes(ex)
+                except BooksUnavailable as exc:
+                    raise _books_unavailable() from exc
             else:
-                self._hold_unpriced(ex, attributes, now)
+                await self._hold_unpriced(ex, attributes, now)
         if not ex.stream:  # a whole reply gets them once it is recorded (Relay's final_headers)
             return extra, body
         return reply_headers(guard, attributes, now) + extra, body
@@ -591,7 +595,7 @@ class Forwarder:
             **media.bound_args(text, settings.default_max_output_tokens),
         )
 
-    def _hold_unpriced(self, ex: Exchange, attributes: dict[str, Any], now: dt.datetime) -> None:
+    async def _hold_unpriced(self, ex: Exchange, attributes: dict[str, Any], now: dt.datetime) -> None:
         """Refuse a request no price bounds under a blocking budget, or hold ``guard.unpriced_hold_usd`` for it.
 
         Raises:
@@ -610,11 +614,13 @@ class Forwarder:
                 "model_not_priced",
             )
         try:
-            ex.reservation = self.guard.admit(attributes, hold, now)
+            ex.reservation = await self.guard.admit(attributes, hold, now)
             ex.reserved_usd = ex.reservation.amount
         except BudgetRefusal as refusal:
             headers = _budget_headers(refusal.budget, refusal.remaining) + _no_retry(refusal, now)
             raise ProxyError(429, str(refusal), "budget_exceeded", "insufficient_quota", headers) from refusal
+        except BooksUnavailable as exc:
+            raise _books_unavailable() from exc
 
     def _inbound(self, scope: Scope, ex: Exchange, *, keep_length: bool) -> _Inbound:
         """One pass over the client's headers: what to forward, who is calling, what it asked.
@@ -1012,6 +1018,12 @@ def _count_for_bound(dialect: str, body: bytes, model: str | None) -> tuple[int,
     except (msgspec.DecodeError, RecursionError):
         decoded = None
     return count_input(dialect, decoded, model), scan(decoded)
+
+
+def _books_unavailable() -> ProxyError:
+    """503 ``budget_books_unavailable``: fail closed, no replica can know what the others hold."""
+    message = "A hard budget applies to this request and its books cannot be reached; try again soon."
+    return ProxyError(503, message, "budget_books_unavailable", "server_error", [(b"retry-after", b"5")])
 
 
 def _no_retry(refusal: BudgetRefusal, now: dt.datetime) -> list[tuple[bytes, bytes]]:
