@@ -243,7 +243,7 @@ class BudgetGuard:
         """Set each budget's books for its current period from the ledger, at start.
 
         Args:
-            source: a :class:`~tokenward.reports.ledger.spend.DuckSpend` on the ledger.
+            source: a spend source on the ledger (``DuckSpend``, or ``PgSpend`` on Postgres).
             now: the instant the books are opened at.
             unflushed: rows not in the ledger yet (still in the write-ahead log), counted on top.
         """

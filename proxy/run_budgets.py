@@ -242,7 +242,7 @@ class DynamicBudgets:
         templates' budgets as it opens them).
 
         Args:
-            source: a :class:`~tokenward.reports.ledger.spend.DuckSpend` on the ledger.
+            source: a spend source on the ledger (``DuckSpend``, or ``PgSpend`` on Postgres).
             now: the instant the books open at.
             unflushed: rows still in the write-ahead log (their run spend is counted here).
         """
