@@ -118,6 +118,8 @@ def create_app(
         )
         horizon = max(p.policy("").max_ttl_s for p in policies)
         dynamic = DynamicBudgets(guard, templates, horizon_s=horizon)
+        if books is not None:
+            books.run_horizon_s = horizon  # runs are forgotten in the database as in each replica
         velocity = VelocityBooks(budgets)
         if velocity:
             guard.listeners.append(velocity.observe)

@@ -34,7 +34,7 @@ from litestar.types import Scope
 
 from tokenward.pricing.budgets import CALENDAR_PERIODS, Budget
 from tokenward.pricing.quote import worst_case
-from tokenward.pricing.runs import RunRefused, parse_run_header
+from tokenward.pricing.runs import RunRefused, parse_run_header, run_budget_name
 from tokenward.pricing.settings import GuardSettings
 from tokenward.pricing.usage import UsageSource
 from tokenward.proxy import tokenizer
@@ -59,7 +59,7 @@ from tokenward.proxy.routing import Route, Router
 from tokenward.proxy.run_budgets import DynamicBudgets
 from tokenward.proxy.splice import find_member, set_member
 from tokenward.proxy.upstream import UpstreamClient, UpstreamError, UpstreamReply
-from tokenward.reports.ledger.books import BooksUnavailable
+from tokenward.reports.ledger.books import BooksUnavailable, PgBooks
 
 __all__ = ["METERED_ENDPOINTS", "Endpoint", "Forwarder"]
 
@@ -308,7 +308,7 @@ class Forwarder:
             ex.end_user = user if user is not None else identity and identity.end_user
         assert inbound.identity is not None
         _settle_attribution(ex, inbound.identity, inbound.claimed)
-        self._join_run(ex, inbound)
+        await self._join_run(ex, inbound)
         isolation = self.isolation
         plan = isolation.plan_metered(endpoint.name, found, inbound.identity, body, head.store) if isolation else None
         if plan is not None:
@@ -353,7 +353,7 @@ class Forwarder:
             final_headers=self._final_headers,
         )
 
-    def _join_run(self, ex: Exchange, inbound: _Inbound) -> None:
+    async def _join_run(self, ex: Exchange, inbound: _Inbound) -> None:
         """Hold the request's ``X-Tokenward-Run`` to the caller's run policy; open the run's books.
 
         Raises:
@@ -374,6 +374,13 @@ class Forwarder:
                 if header is not None:
                     raise RunRefused(403, "Run budgets are off on this proxy: drop X-Tokenward-Run.", "run_not_allowed")
                 return
+            store = self.guard.store if self.guard is not None else None
+            if header is not None and isinstance(store, PgBooks) and self.dynamic.unknown(ex.key_id, header.id):
+                try:  # replicas share a run's age: its ttl counts from its first request on any of them
+                    first = await store.run_started(run_budget_name(ex.key_id, header.id), now)
+                except BooksUnavailable as exc:
+                    raise _books_unavailable() from exc
+                self.dynamic.started_elsewhere(ex.key_id, header.id, first)
             ex.run_id = self.dynamic.join(ex.key_id, ex.principal, identity.runs, header, now)
         except RunRefused as exc:
             raise ProxyError(exc.status, exc.message, exc.code, headers=[(b"x-should-retry", b"false")]) from None

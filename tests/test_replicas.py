@@ -293,3 +293,31 @@ def test_per_user_and_run_budgets_hold_across_2_replicas(tmp_path, pg_url):
         finally:
             for proc in procs:
                 proc.stop()
+
+
+def test_a_runs_ttl_is_one_clock_for_every_replica(tmp_path, pg_url):
+    """A run first seen on replica 0 ends at its ttl on replica 1 too, however late replica 1 first sees it."""
+    with CountingUpstream(wait_s=0.01) as upstream:
+        procs = replicas(tmp_path, upstream.url, pg_url, "", count=2)
+        try:
+            body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
+                    "service_tier": "default"}
+            headers = {"authorization": "Bearer sk-client", "x-tokenward-run": "id=task-9; limit_usd=1; ttl=4s"}
+
+            def send(proc: ProxyProcess) -> httpx.Response:
+                return httpx.post(f"{proc.url}/v1/chat/completions", json=body, headers=headers, timeout=10)
+
+            first = time.monotonic()
+            assert send(procs[0]).status_code == 200
+            time.sleep(2.5)
+            assert send(procs[1]).status_code == 200  # replica 1's first sight of the run, 2.5 s into it
+            time.sleep(max(0.0, first + 4.5 - time.monotonic()))
+            ended = send(procs[1])  # 4.5 s after the run's first request: over on every replica
+            assert ended.status_code == 409 and ended.json()["error"]["code"] == "run_ended"
+            assert send(procs[0]).status_code == 409
+            assert [name for (name,) in query(pg_url, "SELECT name FROM budget_runs")] == [
+                name for (name,) in query(pg_url, "SELECT book FROM budget_books WHERE starts_with(book, 'run:')")
+            ]
+        finally:
+            for proc in procs:
+                proc.stop()

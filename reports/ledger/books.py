@@ -205,6 +205,10 @@ _SEED = (
     "INSERT INTO budget_books (book, period_start, limit_usd, spent) SELECT * FROM unnest(%s::text[], "
     "%s::timestamptz[], %s::numeric[], %s::numeric[]) ORDER BY 1, 2 ON CONFLICT DO NOTHING"
 )
+_RUN_START = (
+    "INSERT INTO budget_runs VALUES (%s, %s) ON CONFLICT (name) DO UPDATE SET name = EXCLUDED.name "
+    "RETURNING started_at"
+)
 _SETTLE = "SELECT tw_settle(%s, %s, %s, %s, %s::timestamptz[], %s::numeric[])"
 _RENEW = (
     "INSERT INTO budget_replicas VALUES (%s, now() + %s * interval '1 second') "
@@ -238,6 +242,8 @@ class PgBooks:
         self._beat: asyncio.Task[None] | None = None
         self.available = True
         """Whether the last call reached the database."""
+        self.run_horizon_s = 7 * 86400.0
+        """Runs whose first request is older than this are forgotten (at least every ``max_ttl``)."""
 
     # -- local view --------------------------------------------------------------------------
 
@@ -310,6 +316,9 @@ class PgBooks:
         try:
             async with self._pool.connection() as conn:
                 await conn.execute(_RENEW, [self.replica, self.lease_s])
+                await conn.execute(
+                    "DELETE FROM budget_runs WHERE started_at < now() - %s * interval '1 second'", [self.run_horizon_s]
+                )
                 released = (await (await conn.execute("SELECT tw_expire()")).fetchone() or [0])[0]
                 rows = await (
                     await conn.execute(
@@ -351,6 +360,23 @@ class PgBooks:
         if not self.available:
             log.warning("budget books reachable again")
         self.available = True
+
+    async def run_started(self, name: str, now: dt.datetime) -> dt.datetime:
+        """When run ``name`` had its first request on any replica (``now`` if this is it); one round trip.
+
+        Raises:
+            BooksUnavailable: the database cannot be reached.
+        """
+        try:
+            async with self._pool.connection() as conn:
+                row = await (await conn.execute(_RUN_START, [name, now])).fetchone()
+        except (psycopg.Error, LedgerError, OSError) as exc:
+            self._down(exc)
+            raise BooksUnavailable(f"budget books unavailable: {exc}") from exc
+        self._up()
+        assert row is not None
+        started: dt.datetime = row[0]
+        return started
 
     # -- reservations ------------------------------------------------------------------------
 

@@ -438,3 +438,10 @@ def m007_agent_budgets(conn: Any) -> None:
 def m008_object_order(conn: Any) -> None:
     """``objects.seq``: the order owners were recorded in (``recent_objects`` breaks ties in ``created_at`` by it)."""
     conn.execute("ALTER TABLE objects ADD COLUMN seq bigserial")
+
+
+@migration
+def m009_run_starts(conn: Any) -> None:
+    """``budget_runs``: the first request of each run on any replica, so its ``ttl`` is one clock for all."""
+    conn.execute("CREATE TABLE budget_runs (name text PRIMARY KEY, started_at timestamptz NOT NULL)")
+    conn.execute("CREATE INDEX budget_runs_by_start ON budget_runs (started_at)")
