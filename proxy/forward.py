@@ -980,15 +980,17 @@ def _attributes(ex: Exchange) -> dict[str, Any]:
 
 
 def _output_limit(head: _RequestHead, default: int) -> int:
-    """The request's output limit per choice (the first valid of its output-limit fields, else ``default``)."""
-    return next(
-        (
-            v
-            for v in (head.max_completion_tokens, head.max_tokens, head.max_output_tokens)
-            if isinstance(v, int) and not isinstance(v, bool) and v > 0
-        ),
-        default,
-    )
+    """The request's output limit per choice: the largest valid of its output-limit fields, else ``default``.
+
+    The largest, since an upstream may read any one of them (``max_tokens`` beside
+    ``max_completion_tokens``: an OpenAI-compatible server that knows only ``max_tokens``).
+    """
+    limits = [
+        v
+        for v in (head.max_completion_tokens, head.max_tokens, head.max_output_tokens)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0
+    ]
+    return max(limits) if limits else default
 
 
 def _limit_field(endpoint: Endpoint, route: Route | None) -> str:

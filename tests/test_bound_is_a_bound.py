@@ -110,6 +110,8 @@ class BillingUpstream:
             usage = Usage(input_tokens=335, output_tokens=20)
         elif variant == "client_gone":  # the whole reply is generated and billed; nobody reads it
             usage = Usage(input_tokens=1007, output_tokens=1000)
+        elif variant == "two_limits":  # an upstream that reads max_tokens and ignores max_completion_tokens
+            usage = Usage(input_tokens=1007, output_tokens=document["max_tokens"])
         else:  # unpriced: the provider has its own price for its own model: $0.001 a request
             usage = Usage(input_tokens=1007, output_tokens=1000)
         model = document["model"]
@@ -190,6 +192,16 @@ VARIANTS = [
     # 1007 x 0.15 + 1000 x 0.60 = $0.00075105 billed although the client left. Bound: 1408 x 0.15 + 600
     # = $0.0008112 -> 9 admitted, each keeping its $0.0008112 as spend (usage_unknown).
     ("client_gone", "chat/completions", long_chat(1000, 1000, service_tier="default"), Decimal("0.00075105"), 9),
+    # max_completion_tokens 1 beside max_tokens 1000, to an upstream that honours max_tokens: 1007 x 0.15 +
+    # 1000 x 0.60 = $0.00075105. Bound at the larger limit: 1408 x 0.15 + 600 = $0.0008112 -> 9 admitted.
+    # (Bound at the first field, before: 1408 x 0.15 + 0.60 = $0.0002118: 35 admitted, +250 %.)
+    (
+        "two_limits",
+        "chat/completions",
+        long_chat(1000, 1000, max_completion_tokens=1, service_tier="default"),
+        Decimal("0.00075105"),
+        9,
+    ),
     # no price: refused (400 model_not_priced) before it reaches the provider. (Before: all 100 admitted.)
     ("unpriced", "chat/completions", long_chat(1000, 1000, model="house-model-x"), Decimal("0.001"), 0),
 ]
