@@ -72,6 +72,10 @@ _USER_HEADER = b"x-tokenward-user"
 _RUN_HEADER = b"x-tokenward-run"
 _OUTPUT_LIMITS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
 _ANTHROPIC_HEADERS = frozenset({b"anthropic-version", b"anthropic-beta"})
+# Which organization and project of the provider account a request bills: they go with the
+# credential, so in virtual_keys mode (tokenward's credential) the client may not pick them.
+# https://platform.openai.com/docs/api-reference/authentication (checked 2026-12-01)
+_ACCOUNT_HEADERS = frozenset({b"openai-organization", b"openai-project"})
 _INCLUDE_USAGE = b'"stream_options":{"include_usage":true}'
 _JSON_SPACE = re.compile(rb"[ \t\r\n]*")
 _RAW_MEDIA = ("audio/", "application/octet-stream")  # binary speech replies: relayed as they arrive
@@ -638,6 +642,8 @@ class Forwarder:
                 credentials += 1
                 if not passthrough:
                     continue
+            elif name in _ACCOUNT_HEADERS and not passthrough:
+                continue
             elif name in _ANTHROPIC_HEADERS:
                 inbound.anthropic = True
             elif name == b"x-request-id":
