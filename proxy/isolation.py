@@ -84,6 +84,9 @@ _CHAT = _KIND["chat_completion"]
 _RESPONSE = _KIND["response"]
 _EVAL = _KIND["eval"]
 _BODY_CHECKED = frozenset({"chat_completions", "responses", "anthropic_messages"})
+_JSON_CHECKED = frozenset({"images"})
+"""Metered endpoints whose JSON bodies (not their multipart ones) may name files: an image edit's
+``images[].file_id`` and ``mask.file_id`` (platform.openai.com/docs/api-reference/images/createEdit)."""
 
 
 class ObjectNotFound(ProxyError):
@@ -217,7 +220,8 @@ class Isolation:
             capture = Capture(_CHAT, ("id",))
         elif endpoint == "responses" and store is not False:
             capture = Capture(_RESPONSE, ("id",))
-        checks = not identity.admin and endpoint in _BODY_CHECKED and may_reference(endpoint, body)
+        checked = endpoint in _BODY_CHECKED or (endpoint in _JSON_CHECKED and body.lstrip()[:1] == b"{")
+        checks = not identity.admin and checked and may_reference(endpoint, body)
         if capture is None and not checks:
             return None
         return Plan(self.owners, Access(None, capture=capture, reads_body=checks), found, identity, False)

@@ -485,3 +485,28 @@ def unused_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def test_an_image_edit_reaches_only_the_callers_files(store, tmp_path):
+    """A JSON image edit names its images and mask by ``file_id``: another key's file is refused like in a path."""
+    ledger = tmp_path / "ledger.duckdb"
+    with proxy(store, ledger) as url, gpt(url, ALICE) as alice, gpt(url, BOB) as bob:
+        mine, theirs = upload(alice, "a.png"), upload(bob, "b.png")
+
+        def edit(body: dict[str, Any] | None = None, **multipart: Any) -> httpx.Response:
+            auth = {"authorization": f"Bearer {ALICE}"}
+            return httpx.post(f"{url}/v1/images/edits", json=body, headers=auth, timeout=10, **multipart)
+
+        sent = len(store.requests)
+        for body in (
+            {"model": "gpt-image-1", "prompt": "x", "images": [{"file_id": mine}, {"file_id": theirs}]},
+            {"model": "gpt-image-1", "prompt": "x", "images": [{"file_id": mine}], "mask": {"file_id": theirs}},
+        ):
+            reply = edit(body)
+            assert (reply.status_code, reply.json()["error"]) == (404, not_found("File", theirs))
+        assert store.requests[sent:] == []  # neither reached the account
+        edit({"model": "gpt-image-1", "prompt": "x", "images": [{"file_id": mine}], "mask": {"file_id": mine}})
+        # a multipart edit names no object: its bytes are not read as JSON, whatever they hold
+        form = {"model": "gpt-image-1", "prompt": "x"}
+        edit(data=form, files={"image": ("i.png", b'\x89PNG "file_id": "' + theirs.encode() + b'"', "image/png")})
+        assert store.requests[sent:] == [("POST", "/v1/images/edits")] * 2

@@ -466,3 +466,24 @@ def test_limits_are_validated_where_they_are_configured(tmp_path):
     path.write_text("upstreams: [{name: u, base_url: 'http://127.0.0.1:1/v1'}]\nserver: {max_connections: 0}\n")
     with pytest.raises(ConfigError, match=r"server\.max_connections"):
         load_config(path)
+
+
+def test_the_dashboard_login_form_is_held_to_a_small_body_and_the_body_timeout(start_proxy):
+    """Anyone may post the login form: a large or slow body there is refused like one to /v1 (was: read whole)."""
+    proxy = start_proxy(server={"body_timeout_s": 0.5, "body_min_kib_s": 64})
+    form = {"content-type": "application/x-www-form-urlencoded"}
+    declared = httpx.post(f"{proxy.url}/dashboard/login", content=b"token=" + b"a" * 20_000, headers=form)
+    assert (declared.status_code, declared.json()["error"]["code"]) == (413, "request_too_large")
+    chunked = httpx.post(f"{proxy.url}/dashboard/login", content=iter([b"token=", b"a" * 10_000, b"a" * 10_000]))
+    assert (chunked.status_code, chunked.json()["error"]["code"]) == (413, "request_too_large")
+    wrong = httpx.post(f"{proxy.url}/dashboard/login", data={"token": "not-an-admin-key"})
+    assert wrong.status_code == 401 and "That is not an admin credential." in wrong.text
+    with socket.create_connection(address(proxy.url)) as sock:
+        lines = ["POST /dashboard/login HTTP/1.1", "host: tokenward", f"content-type: {form['content-type']}"]
+        sock.sendall(("\r\n".join([*lines, "content-length: 100"]) + "\r\n\r\n").encode())
+        started = time.monotonic()
+        trickle(sock, b"token=" + b"a" * 94, 0.05, started + 3)
+        reply, closed = read_reply(sock)
+        took = time.monotonic() - started
+    assert status_of(reply) == 408 and closed and error_of(reply)["code"] == "request_timeout"
+    assert 0.5 <= took < 2.5

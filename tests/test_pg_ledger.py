@@ -375,6 +375,8 @@ def test_spend_sources_give_the_same_figures_on_both_engines(tmp_path, pg_url):
         make_row("d", started_at=at + 3600 * 30, cost_usd=D("1"), end_user="alice"),  # the next day
         make_row("e", started_at=at + 10, cost_usd=None, price_status="unpriced", reserved_usd=D("0.0625"),
                  requested_model="mystery", provider="openai"),
+        make_row("f", started_at=at - 3600, cost_usd=D("2"), requested_model="gpt-4o", sent_model="gpt-4o-mini",
+                 served_model=None),  # rerouted by a budget's degrade; the reply named no model
     ]
     ledger = pg(tmp_path, pg_url)
     ledger.write_rows(rows)
@@ -400,6 +402,9 @@ def test_spend_sources_give_the_same_figures_on_both_engines(tmp_path, pg_url):
             assert source.spend_in(run, *run.period.window(T0)) == D("0.75")
             assert [m[1:4] for m in source.unpriced_models("usage_invalid")] == [(None, T0 + dt.timedelta(seconds=130), 1)]
             assert [m[:2] for m in source.unpriced_models()] == [("openai", "mystery")]
+            for model in ("gpt-4o-mini", "gpt-4o", "gpt-4o-mini-2024-07-18"):  # sent, requested, a snapshot
+                mini = Budget("m", D(10), scope=(("model", model),), period=Period("day"))
+                assert source.spend_in(mini, T0 - dt.timedelta(hours=2), T0) == D("2")
     finally:
         conn.close()
 

@@ -24,14 +24,15 @@ __all__ = ["PgSpend", "pg_scope_clause"]
 def pg_scope_clause(budget: Budget) -> tuple[str, list[Any]]:
     """Postgres SQL condition (and its ``%s`` parameters) selecting the rows in ``budget``'s scope.
 
-    As :meth:`tokenward.pricing.budgets.Budget.matches`: a ``model`` scope takes the requested or
-    served name, equal or once a dated snapshot suffix is removed from either side.
+    As :meth:`tokenward.pricing.budgets.Budget.matches` (and DuckDB's ``model_condition``): a
+    ``model`` scope takes the requested, sent (a rerouted request's) or served name, equal or once a
+    dated snapshot suffix is removed from either side.
     """
     clauses: list[str] = []
     params: list[Any] = []
     for dimension, value in budget.scope:
         if dimension == "model":
-            columns = [f"coalesce({c}, '(none)')" for c in ("requested_model", "served_model")]
+            columns = [f"coalesce({c}, '(none)')" for c in ("requested_model", "sent_model", "served_model")]
             stripped = [f"regexp_replace({c}, '{SNAPSHOT_SUFFIX.pattern}', '')" for c in columns]
             clauses.append(
                 f"(ARRAY[{', '.join(columns + stripped)}] && %s::text[] OR ARRAY[{', '.join(columns)}] && %s::text[])"
