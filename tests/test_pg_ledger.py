@@ -489,3 +489,19 @@ def test_readers_of_a_postgres_ledger_see_this_hosts_unflushed_rows_once(tmp_pat
     finally:
         conn.close()
     assert rows == [("in-postgres", D("0.000001234567")), ("logged", D("0.5"))]
+
+
+def test_books_made_while_serving_are_reconciled_by_the_replica_that_has_them():
+    """``book_windows(made=True)``: the run and per-user books this process opened, not the configured ones."""
+    from tokenward.proxy.guard import BudgetGuard
+    from tokenward.proxy.run_budgets import DynamicBudgets
+
+    configured = Budget("all", D(100), period=Period("month"), action="block")
+    template = Budget("per-user", D(5), period=Period("day"), action="block", per="end_user")
+    guard = BudgetGuard([configured], T0)
+    dynamic = DynamicBudgets(guard, [template])
+    assert dynamic.scope({"end_user": "alice"}, T0) == ["per-user[alice]"]
+    day = Period("day").window(T0)
+    assert guard.book_windows(T0, made=True) == [(template.instance("alice"), ("per-user[alice]", day[0]), *day)]
+    month = Period("month").window(T0)
+    assert guard.book_windows(T0) == [(configured, ("all", month[0]), *month)]
