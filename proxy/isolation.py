@@ -42,19 +42,23 @@ from urllib.parse import parse_qsl, urlencode
 from tokenward.proxy.edge import Target
 from tokenward.proxy.errors import ProxyError
 from tokenward.proxy.exchange import Exchange
+from tokenward.proxy.form import FormError, boundary_of, read_form
 from tokenward.proxy.keys import Identity
 from tokenward.proxy.objects import (
     FILE,
     KINDS,
     Access,
     Capture,
+    DuplicateMember,
     Kind,
     Reference,
     access,
     captured,
+    form_documents,
     may_reference,
     references,
     selects_stored,
+    video_sources,
 )
 from tokenward.proxy.sse import SSEDecoder, parse_event
 from tokenward.proxy.upstream import UpstreamError, UpstreamReply
@@ -268,18 +272,52 @@ class Plan:
                     wanted.append(Reference(name, value, what.kind))
         await self._require(wanted)
 
-    async def check_body(self, body: bytes) -> None:
+    def _form_references(self, document: Any) -> list[Reference]:
+        """What a form endpoint's document names: the usual fields, and for a video the video it starts from."""
+        found = references(document)
+        if self._video:
+            found.extend(video_sources(document))
+        return found
+
+    @property
+    def _video(self) -> bool:
+        return self.access.kind is not None and self.access.kind.name == "video"
+
+    async def check_body(self, body: bytes, content_type: str | None = None) -> None:
         """Refuse a body naming an object that is not the caller's (:func:`~tokenward.proxy.objects.references`).
+
+        ``content_type``: the request's; a ``multipart/form-data`` body is read as a form where the
+        request takes forms (:attr:`~tokenward.proxy.objects.Access.reads_form`: video creates,
+        edits and extensions), its text fields checked as the documents they spell
+        (:func:`~tokenward.proxy.objects.form_documents`); any other body as JSON.
 
         Raises:
             ObjectNotFound: 404 for the first such id.
             ProxyError: 400 ``invalid_json`` for a body that is not JSON or names a member twice
-                (the upstream might read the other one); 403 ``isolation_refused`` for an eval run
-                that selects stored objects by filter.
+                (the upstream might read the other one), 400 ``invalid_multipart`` for a form that
+                cannot be read or that sends a file part under a name that takes an id
+                (``video[id]``, ``file_id``: its content is not read); 403 ``isolation_refused`` for an
+                eval run that selects stored objects by filter.
         """
         if not self.reads_body or not body.strip():
             return
+        if self.access.reads_form and content_type and boundary_of(content_type):
+            try:
+                form = await asyncio.to_thread(read_form, body, content_type)
+                documents = form_documents(form.pairs)
+            except (FormError, DuplicateMember) as exc:
+                raise ProxyError(400, str(exc), "invalid_multipart") from None
+            for part in form.files:  # its content is not read: a file where an id goes could name anything
+                (spelled,) = form_documents([(part.name, "?")])
+                if references(spelled) or (self._video and isinstance(spelled.get("video"), dict)):
+                    message = f"the form sends a file as {part.name!r}, which names an object: send the id as text"
+                    raise ProxyError(400, message, "invalid_multipart")
+            await self._require([r for document in documents for r in self._form_references(document)])
+            return
         document = _decode_strict(body)
+        if self.access.reads_form:
+            await self._require(self._form_references(document))
+            return
         if self.access.kind is _EVAL and selects_stored(document):
             raise ProxyError(
                 403,

@@ -467,6 +467,74 @@ def test_anthropic_message_batches_and_files(store, tmp_path):
         assert alice.messages.batches.retrieve(batch.id).id == batch.id
 
 
+def form_post(url: str, key: str, path: str, fields: list[tuple[str, str]]) -> httpx.Response:
+    """A multipart form of text fields, as the SDKs send ``video[id]`` and ``input_reference[file_id]``."""
+    files = [(name, (None, value.encode())) for name, value in fields]
+    return httpx.post(f"{url}/v1/{path}", files=files, headers={"authorization": f"Bearer {key}"})
+
+
+@pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
+def test_video_edits_extensions_and_characters_are_endpoints_held_to_their_key(store, tmp_path):
+    """``videos/edits``, ``videos/extensions`` and ``videos/characters`` are endpoints, not video ids (the openai
+    SDK's own suite through tokenward found all three refused with 404): they create objects the caller owns, and
+    the video or file their multipart form names must be the caller's, however the form spells it."""
+    ledger = tmp_path / "ledger.duckdb"
+    clip = ("clip.mp4", b"\x00\x00\x00\x18ftypmp42")
+    with proxy(store, ledger) as url, gpt(url, ALICE) as alice, gpt(url, BOB) as bob:
+        frame = upload(alice, "frame.png")
+        made = form_post(url, ALICE, "videos", [("prompt", "a cat"), ("input_reference[file_id]", frame)])
+        video = made.json()["id"]
+        edit = form_post(url, ALICE, "videos/edits", [("prompt", "bluer"), ("video[id]", video)]).json()["id"]
+        longer = form_post(url, ALICE, "videos/extensions", [("prompt", "longer"), ("seconds", "4"), ("video[id]", edit)])
+        uploaded = alice.videos.edit(prompt="from a clip", video=clip)
+        character = alice.videos.create_character(name="Tom", video=clip)
+        assert (made.status_code, longer.status_code) == (200, 200)
+        assert alice.videos.retrieve(longer.json()["id"]).remixed_from_video_id == edit
+        assert alice.videos.retrieve(edit).remixed_from_video_id == video
+        assert alice.videos.get_character(character.id).name == "Tom"  # type: ignore[arg-type]
+        assert [v.id for v in alice.videos.list()] == [uploaded.id, longer.json()["id"], edit, video]
+        own = bob.videos.create(prompt="a dog").id
+        sent = len(store.requests)
+        with pytest.raises(openai.NotFoundError) as info:
+            bob.videos.retrieve(edit)
+        assert info.value.body == not_found("Video", edit)
+        with pytest.raises(openai.NotFoundError) as info:
+            bob.videos.get_character(character.id)  # type: ignore[arg-type]
+        assert info.value.body == not_found("Character", character.id)
+        refusals = [  # the form a client sends, and what a form parser may also read as video.id
+            ("videos", [("prompt", "mine"), ("input_reference[file_id]", frame)], "File", frame),
+            ("videos/edits", [("prompt", "mine"), ("video[id]", video)], "Video", video),
+            ("videos/extensions", [("prompt", "mine"), ("seconds", "4"), ("video[id]", edit)], "Video", edit),
+            ("videos/edits", [("prompt", "mine"), ("video.id", video)], "Video", video),
+            ("videos/edits", [("prompt", "mine"), ("video", json.dumps({"id": video}))], "Video", video),
+            ("videos/edits", [("prompt", "mine"), ("video[id]", own), ("video[id]", video)], "Video", video),
+        ]
+        for path, fields, kind, object_id in refusals:
+            reply = form_post(url, BOB, path, fields)
+            assert (reply.status_code, reply.json()["error"]) == (404, not_found(kind, object_id))
+        twice = form_post(url, BOB, "videos/edits", [("prompt", "mine"), ("video", f'{{"id": "{own}", "id": "{video}"}}')])
+        assert (twice.status_code, twice.json()["error"]["code"]) == (400, "invalid_multipart")
+        for name in ("video[id]", "input_reference[file_id]"):  # an id sent as a file part is not read: refused
+            files = [("prompt", (None, b"mine")), (name, ("id.txt", video.encode(), "text/plain"))]
+            hidden = httpx.post(f"{url}/v1/videos/edits", files=files, headers={"authorization": f"Bearer {BOB}"})
+            assert (hidden.status_code, hidden.json()["error"]["code"]) == (400, "invalid_multipart")
+            assert name in hidden.json()["error"]["message"]
+        assert store.requests[sent:] == []
+        mine = form_post(url, BOB, "videos/edits", [("prompt", "mine"), ("video[id]", own)]).json()["id"]
+        assert [v.id for v in bob.videos.list()] == [mine, own]
+    rows = read_rows(ledger)
+    assert [r["path"] for r in rows if r["http_status"] == 404] == [
+        f"/v1/videos/{edit}",
+        f"/v1/videos/characters/{character.id}",
+        "/v1/videos",
+        "/v1/videos/edits",
+        "/v1/videos/extensions",
+        "/v1/videos/edits",
+        "/v1/videos/edits",
+        "/v1/videos/edits",
+    ]
+
+
 def test_passthrough_mode_leaves_isolation_to_the_provider(store, tmp_path):
     """Clients bring their own provider keys: the provider isolates accounts, tokenward forwards as before."""
     ledger = tmp_path / "ledger.duckdb"
