@@ -288,7 +288,7 @@ class Plan:
 
         ``content_type``: the request's; a ``multipart/form-data`` body is read as a form where the
         request takes forms (:attr:`~tokenward.proxy.objects.Access.reads_form`: video creates,
-        edits and extensions), its text fields checked as the documents they spell
+        edits and extensions, container files), its text fields checked as the documents they spell
         (:func:`~tokenward.proxy.objects.form_documents`); any other body as JSON.
 
         Raises:

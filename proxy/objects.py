@@ -114,8 +114,9 @@ evals, video characters; Anthropic: files (the same ``/v1/files`` paths) and mes
 _BY_COLLECTION = {kind.collection: kind for kind in KINDS}
 _BY_NAME = {kind.name: kind for kind in KINDS}
 _REFERENCING = frozenset({"messages/count_tokens"})  # not objects, but bodies that may name some
-_STREAMED_UPLOADS = {("files", ""), ("uploads", "parts"), ("containers", "files"), ("videos/characters", "")}
-"""Multipart uploads (kind, sub-endpoint): streamed through unread; their forms name no object."""
+_STREAMED_UPLOADS = {("files", ""), ("uploads", "parts"), ("videos/characters", "")}
+"""Multipart uploads (kind, sub-endpoint): streamed through unread; their forms name no object.
+(``containers/{id}/files`` is read: it takes a ``file_id`` to copy, as JSON or as a form field.)"""
 _FORMS = frozenset({"", "edits", "extensions"})
 """Video creates whose forms may name objects (``input_reference[file_id]``, ``video[id]``): read and checked."""
 
@@ -196,6 +197,7 @@ def access(method: str, tail: str) -> Access | None:
         ids=(object_id,),
         capture=_sub_capture(kind, method, sub, len(rest)),
         reads_body=writes and (kind.collection, sub) not in _STREAMED_UPLOADS,
+        reads_form=kind is _CONTAINER and writes and sub == "files" and len(rest) == 2,
     )
 
 

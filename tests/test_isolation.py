@@ -535,6 +535,36 @@ def test_video_edits_extensions_and_characters_are_endpoints_held_to_their_key(s
     ]
 
 
+def test_a_container_file_copies_only_the_callers_file(store, tmp_path):
+    """``POST containers/{id}/files`` copies the file its ``file_id`` names into the container (JSON, or a form field
+    a server may read as well): naming another key's file there would hand its bytes to the caller's container."""
+    ledger = tmp_path / "ledger.duckdb"
+    with proxy(store, ledger) as url, gpt(url, ALICE) as alice, gpt(url, BOB) as bob:
+        secret = upload(alice, "secret.jsonl")
+        theirs, own = alice.containers.create(name="a").id, bob.containers.create(name="b").id
+        copy = alice.containers.files.create(theirs, file_id=secret)
+        raw = alice.containers.files.create(theirs, file=("notes.csv", b"a,b\n1,2\n"))
+        assert alice.containers.files.content.retrieve(copy.id, container_id=theirs).read() == b'{"custom_id": "secret.jsonl"}\n'
+        assert alice.containers.files.content.retrieve(raw.id, container_id=theirs).read() == b"a,b\n1,2\n"
+        sent = len(store.requests)
+        with pytest.raises(openai.NotFoundError) as info:
+            bob.containers.files.create(own, file_id=secret)
+        assert info.value.body == not_found("File", secret)
+        for fields in ([("file_id", secret)], [("file_id", upload(bob, "mine.jsonl")), ("file_id", secret)]):
+            reply = form_post(url, BOB, f"containers/{own}/files", fields)
+            assert (reply.status_code, reply.json()["error"]) == (404, not_found("File", secret))
+        with pytest.raises(openai.NotFoundError) as info:
+            bob.containers.files.create(theirs, file=("x.csv", b"x"))
+        assert info.value.body == not_found("Container", theirs)
+        assert store.requests[sent:] == [("POST", "/v1/files")]  # only bob's own upload went through
+        mine = bob.containers.files.create(own, file=("b.csv", b"b\n"))
+        assert bob.containers.files.content.retrieve(mine.id, container_id=own).read() == b"b\n"
+    rows = read_rows(ledger)
+    assert [r["path"] for r in rows if r["http_status"] == 404] == [f"/v1/containers/{own}/files"] * 3 + [
+        f"/v1/containers/{theirs}/files"
+    ]
+
+
 def test_passthrough_mode_leaves_isolation_to_the_provider(store, tmp_path):
     """Clients bring their own provider keys: the provider isolates accounts, tokenward forwards as before."""
     ledger = tmp_path / "ledger.duckdb"

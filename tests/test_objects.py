@@ -76,6 +76,7 @@ def summary(method: str, tail: str) -> tuple[object, ...] | None:
         ),
         ("GET", "fine_tuning/jobs/ftjob-1/events", ("fine_tuning_job", ("ftjob-1",), False, None, False)),
         ("POST", "videos/video_1/remix", ("video", ("video_1",), False, ("video", ("id",), False), True)),
+        ("POST", "containers/cntr_1/files", ("container", ("cntr_1",), False, None, True)),  # may copy a file_id
         ("POST", "videos", ("video", (), False, ("video", ("id",), False), True)),  # a form: read
         ("POST", "videos/edits", ("video", (), False, ("video", ("id",), False), True)),  # endpoints, not ids
         ("POST", "videos/Extensions", ("video", (), False, ("video", ("id",), False), True)),
