@@ -34,10 +34,12 @@ import asyncio
 import datetime as dt
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import replace
 from typing import Any
 from urllib.parse import parse_qsl, urlencode
+
+from multipart import parse_options_header
 
 from tokenward.proxy.edge import Target
 from tokenward.proxy.errors import ProxyError
@@ -283,24 +285,32 @@ class Plan:
     def _video(self) -> bool:
         return self.access.kind is not None and self.access.kind.name == "video"
 
-    async def check_body(self, body: bytes, content_type: str | None = None) -> None:
+    async def check_body(self, body: bytes, headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
         """Refuse a body naming an object that is not the caller's (:func:`~tokenward.proxy.objects.references`).
 
-        ``content_type``: the request's; a ``multipart/form-data`` body is read as a form where the
-        request takes forms (:attr:`~tokenward.proxy.objects.Access.reads_form`: video creates,
-        edits and extensions, container files), its text fields checked as the documents they spell
-        (:func:`~tokenward.proxy.objects.form_documents`); any other body as JSON.
+        ``headers``: the request's raw headers, for its ``content-type``. Where the request takes
+        forms (:attr:`~tokenward.proxy.objects.Access.reads_form`: video creates, edits and
+        extensions, container files), a ``multipart/form-data`` body is read as a form, its text
+        fields checked as the documents they spell (:func:`~tokenward.proxy.objects.form_documents`),
+        and any other type but JSON refused (a JSON body sent as a urlencoded form could name an
+        object the JSON check never sees); every other body is checked as JSON.
 
         Raises:
             ObjectNotFound: 404 for the first such id.
             ProxyError: 400 ``invalid_json`` for a body that is not JSON or names a member twice
                 (the upstream might read the other one), 400 ``invalid_multipart`` for a form that
                 cannot be read or that sends a file part under a name that takes an id
-                (``video[id]``, ``file_id``: its content is not read); 403 ``isolation_refused`` for an
-                eval run that selects stored objects by filter.
+                (``video[id]``, ``file_id``: its content is not read), 400 ``invalid_content_type``
+                for more than one ``content-type`` header (the upstream might read the body by the
+                other) or a form endpoint's body neither a form nor JSON; 403 ``isolation_refused``
+                for an eval run that selects stored objects by filter.
         """
         if not self.reads_body or not body.strip():
             return
+        types = [value.decode("latin-1") for name, value in headers if name == b"content-type"]
+        if len(types) > 1:
+            raise ProxyError(400, "The request carries more than one Content-Type header.", "invalid_content_type")
+        content_type = types[0] if types else None
         if self.access.reads_form and content_type and boundary_of(content_type):
             try:
                 form = await asyncio.to_thread(read_form, body, content_type)
@@ -314,6 +324,9 @@ class Plan:
                     raise ProxyError(400, message, "invalid_multipart")
             await self._require([r for document in documents for r in self._form_references(document)])
             return
+        if self.access.reads_form and not _is_json(content_type):
+            message = f"This endpoint takes multipart/form-data (with a boundary) or JSON, not {content_type!r}."
+            raise ProxyError(400, message, "invalid_content_type")
         document = _decode_strict(body)
         if self.access.reads_form:
             await self._require(self._form_references(document))
@@ -661,6 +674,12 @@ def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
                 raise _DuplicateMember(name)
             seen.add(name)
     return document
+
+
+def _is_json(content_type: str | None) -> bool:
+    """Whether ``content_type`` is JSON (``application/json``, ``+json``; parameters aside)."""
+    kind = parse_options_header(content_type)[0].lower() if content_type else ""
+    return kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json"))
 
 
 def _decode_strict(body: bytes) -> Any:

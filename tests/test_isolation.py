@@ -535,6 +535,51 @@ def test_video_edits_extensions_and_characters_are_endpoints_held_to_their_key(s
     ]
 
 
+@pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
+def test_a_body_is_read_as_the_upstream_would_read_it(store, tmp_path):
+    """The check reads a body by its one ``content-type``: two of them (the upstream might pick the other), or a JSON
+    body sent to a form endpoint as a urlencoded form (``{"prompt": "x&video[id]=..."}`` is both), are refused."""
+    ledger = tmp_path / "ledger.duckdb"
+    with proxy(store, ledger) as url, gpt(url, ALICE) as alice:
+        video, frame = alice.videos.create(prompt="a cat").id, upload(alice, "frame.png")
+        sent = len(store.requests)
+        bob = {"authorization": f"Bearer {BOB}"}
+
+        def post(path: str, body: bytes, *types: str) -> httpx.Response:
+            headers = [*bob.items(), *(("content-type", t) for t in types)]
+            return httpx.post(f"{url}/v1/{path}", content=body, headers=headers)
+
+        form = b'--b\r\ncontent-disposition: form-data; name="prompt"\r\n\r\nmine\r\n--b--\r\n'
+        smuggled = json.dumps({"prompt": f"x&video[id]={video}&z=1"}).encode()
+        refusals = [
+            post("videos/edits", form, "multipart/form-data; boundary=b", "multipart/form-data; boundary=c"),
+            post("batches", b'{"endpoint": "/v1/chat/completions"}', "application/json", "text/plain"),
+            post("videos/edits", smuggled, "application/x-www-form-urlencoded"),
+            post("videos", smuggled, "text/plain"),
+            post("videos/edits", smuggled),
+        ]
+        for reply in refusals:
+            assert (reply.status_code, reply.json()["error"]["code"]) == (400, "invalid_content_type")
+        assert "more than one Content-Type" in refusals[0].json()["error"]["message"]
+        assert "'application/x-www-form-urlencoded'" in refusals[2].json()["error"]["message"]
+        as_json = post("videos/edits", json.dumps({"prompt": "x", "video": {"id": video}}).encode(), "application/json")
+        assert (as_json.status_code, as_json.json()["error"]) == (404, not_found("Video", video))
+        ref = json.dumps({"prompt": "x", "input_reference": {"file_id": frame}}).encode()
+        as_json = post("videos", ref, "application/json; charset=utf-8")
+        assert (as_json.status_code, as_json.json()["error"]) == (404, not_found("File", frame))
+        assert store.requests[sent:] == []
+    rows = read_rows(ledger)
+    assert [(r["path"], r["http_status"]) for r in rows if r["http_status"] >= 400] == [
+        ("/v1/videos/edits", 400),
+        ("/v1/batches", 400),
+        ("/v1/videos/edits", 400),
+        ("/v1/videos", 400),
+        ("/v1/videos/edits", 400),
+        ("/v1/videos/edits", 404),
+        ("/v1/videos", 404),
+    ]
+
+
 def test_a_container_file_copies_only_the_callers_file(store, tmp_path):
     """``POST containers/{id}/files`` copies the file its ``file_id`` names into the container (JSON, or a form field
     a server may read as well): naming another key's file there would hand its bytes to the caller's container."""
