@@ -147,6 +147,9 @@ class Relay:
         extra_headers: headers tokenward adds to the reply (budget standing).
         raw_types: content types of a metered reply that are relayed as they arrive and not
             parsed (binary speech audio: its usage comes from the request).
+        final_headers: for a reply sent whole (not streamed), called once the exchange is
+            recorded; its headers (the request's cost, the budgets after it) replace those of
+            ``extra_headers`` with the same names.
     """
 
     def __init__(
@@ -166,11 +169,13 @@ class Relay:
         extra_headers: list[tuple[bytes, bytes]] | None = None,
         raw_types: tuple[str, ...] = (),
         media: Any = None,
+        final_headers: Callable[[Exchange], list[tuple[bytes, bytes]]] | None = None,
     ) -> None:
         self.complete = complete
         self.raw_types = raw_types
         self.media = media
         self.extra_headers = extra_headers or []
+        self.final_headers = final_headers
         self.watch = watch
         self.drain_timeout_s = drain_timeout_s
         self.ex = ex
@@ -283,6 +288,14 @@ class Relay:
         self.ex.mark_first_byte()
         self._end_ok()
         await self._complete()
+        if self.final_headers is not None:
+            try:
+                final = self.final_headers(self.ex)
+            except Exception:  # headers are a courtesy: never lose the reply over them
+                log.exception("final headers of %s failed", self.ex.request_id)
+                final = []
+            names = {name for name, _ in final}
+            headers = [h for h in headers if h[0] not in names] + final
         await send({"type": "http.response.start", "status": self.ex.http_status, "headers": headers})
         await send({"type": "http.response.body", "body": body, "more_body": False})
 

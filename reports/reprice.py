@@ -76,7 +76,8 @@ def reprice(
     if where:
         condition += f" AND ({where})"
     rows = conn.execute(
-        f"SELECT request_id, served_model, requested_model, provider, service_tier, started_at, usage_source, "
+        f"SELECT request_id, served_model, coalesce(sent_model, requested_model), provider, service_tier, "
+        "started_at, usage_source, "
         f"price_status, cost_usd, price_entry_id, cost_lines, output_cost_usd, cache_savings_usd, price_resolved_by, "
         f"coalesce(image_variant, ''), {columns} "
         f"FROM requests WHERE {condition}",
@@ -102,7 +103,7 @@ def reprice(
             at=started,
             service_tier=tier,
             fallback=fallback,
-            requested=requested,  # a pricing.price_as pin on the requested model still applies
+            requested=requested,  # a pin on the requested model (the one sent, if rerouted) still applies
             price_as=pinned[-1].model if pinned else None,  # and an upstream's pin stays where it was
         )
         result.rows_checked += 1

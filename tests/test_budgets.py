@@ -419,7 +419,9 @@ def test_a_request_that_cannot_be_bounded_runs_alone(start_proxy, simulator):
     # once it has settled at (5000 x 2.50 + 10 x 10.00) / 1M = $0.0126, the next one may run
     again = asyncio.run(send_many(proxy.url, request, "stored-file", 1))[0]
     assert again.status_code == 200
-    assert again.headers["x-tokenward-budget-remaining-usd"] == "0"  # all of it was held while it ran
+    # a whole reply's headers are made once it has settled: $1 - 2 x $0.0126 left, and what it cost
+    assert again.headers["x-tokenward-budget-remaining-usd"] == "0.9748"
+    assert again.headers["x-tokenward-cost-usd"] == "0.0126"
     spent = sum(r["cost_usd"] for r in proxy.rows(3) if r["cost_usd"])
     assert spent == Decimal("0.0252")
 

@@ -290,3 +290,17 @@ def m008_media_units(conn: duckdb.DuckDBPyConnection) -> None:
     for column in ("output_images", "input_audio_seconds", "input_characters"):
         conn.execute(f"ALTER TABLE requests ADD COLUMN {column} BIGINT DEFAULT 0")
     conn.execute("ALTER TABLE requests ADD COLUMN image_variant VARCHAR DEFAULT ''")
+
+
+@migration
+def m009_agent_budgets(conn: duckdb.DuckDBPyConnection) -> None:
+    """Attribution and budget facts for agents: org, pool, run, and what degrading changed.
+
+    ``org`` and ``pool`` come from the key's definition (budgets can be scoped to them);
+    ``run_id`` is the run the request named (``X-Tokenward-Run``), so a run's spend survives a
+    restart; ``sent_model`` is the model tokenward sent upstream when a budget rerouted the
+    request (``requested_model`` stays what the client asked for); ``degraded`` says what a
+    budget changed instead of refusing (``model gpt-4o -> gpt-4o-mini``, ``max_tokens 2000 -> 812``).
+    """
+    for column in ("org", "pool", "run_id", "sent_model", "degraded"):
+        conn.execute(f"ALTER TABLE requests ADD COLUMN {column} VARCHAR")

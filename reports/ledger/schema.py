@@ -62,12 +62,18 @@ ROW_COLUMNS: dict[str, str] = {
     "tags": "VARCHAR[]",
     "session_id": "VARCHAR",
     "reserved_usd": "DECIMAL(38,12)",
+    "org": "VARCHAR",
+    "pool": "VARCHAR",
+    "run_id": "VARCHAR",
+    "sent_model": "VARCHAR",
+    "degraded": "VARCHAR",
 }
 """A spooled row's keys and their types as read from JSON. ``started_at``/``ended_at`` are UTC
 epoch seconds (converted to ``TIMESTAMPTZ`` on insert); costs are decimal strings (exact).
 ``reserved_usd`` is what a blocking budget held for the request (the worst case); a row without
 a cost that the provider may have billed (``usage_unknown``, ``unpriced``, ``usage_invalid``) keeps
-counting it as spend until reconciled."""
+counting it as spend until reconciled. ``org``/``pool`` come from the key, ``run_id`` from
+``X-Tokenward-Run``; ``sent_model`` and ``degraded`` record what a budget changed."""
 
 HELD_STATUSES: tuple[str, ...] = ("usage_unknown", "unpriced", "usage_invalid")
 """Price statuses of rows with no cost that the provider may have billed: they count what their
