@@ -254,9 +254,9 @@ class Forwarder:
             body = None
             if plan is not None:
                 await plan.check()
-                if has_body and plan.reads_body:  # a JSON body that may name objects: read it once, check it
+                if has_body and plan.reads_body:  # a body that may name objects: read it once, check it
                     body = await read_body(request.receive, scope["headers"], self.limits)
-                    await plan.check_body(body)
+                    await plan.check_body(body, scope["headers"])
             route = self.router.pick(None, inbound.upstream, request_dialect(found.tail, inbound.anthropic))
             self._attach(ex, route, inbound)
             if plan is not None:
