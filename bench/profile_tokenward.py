@@ -15,6 +15,10 @@ Same set-up as ``bench/bench_floor.py`` (nginx mock and wrk on CPU 0, the gatewa
         app creation, after the ledger opens, after the tokenizer loads; tracemalloc's top files.
     profile_tokenward.py count
         what a blocking budget's worst-case count costs per KB of request body.
+    profile_tokenward.py ab --tree base=/path/to/checkout --tree new=. [--budget] [--repeat 3]
+        A/B in one run: ``tokenward serve`` from each source tree (a checkout holding proxy/,
+        pricing/, reports/; ``git archive REV proxy pricing reports | tar -x -C DIR`` makes one)
+        next to the bare relay, the loads interleaved; CPU per request, requests/s, p99 and RSS.
     profile_tokenward.py serve --config FILE --port N [--off part,part]
         (used by ``ablate``) tokenward with the named parts switched off.
 """
@@ -197,6 +201,23 @@ class Bench:
             lambda kind: floor.HEADERS | {"x-tokenward-upstream": kind}, proc.pid,
         )  # fmt: skip
 
+    def tree(self, port: int, name: str, source: Path, budget: bool = False) -> floor.Gateway:
+        """``tokenward serve`` with the packages of the source tree ``source`` (put ahead of the installed ones)."""
+        shim = self.tmp / f"shim-{port}" / "tokenward"
+        shim.mkdir(parents=True)
+        for package in ("proxy", "pricing", "reports"):
+            (shim / package).symlink_to(source.resolve() / package)
+        config = floor.tokenward_config(self.tmp, f"tw-{port}", budget)
+        argv = [sys.executable, "-m", "tokenward.proxy", "serve", "--config", str(config), "--port", str(port)]
+        env = os.environ | {"PYTHONPATH": str(shim.parent)}
+        proc = self.procs.start(floor.pinned(1, [*argv, "--log-level", "warning"]), port, env=env)
+        base = f"http://127.0.0.1:{port}"
+        gateway = floor.Gateway(
+            name, lambda kind: f"{base}/v1/chat/completions",
+            lambda kind: floor.HEADERS | {"x-tokenward-upstream": kind}, proc.pid,
+        )  # fmt: skip
+        return gateway
+
     def gateway(self, name: str) -> floor.Gateway:
         if name == "tokenward":
             return self.tokenward(floor.TW_PORT)
@@ -372,6 +393,43 @@ def ablate(args: argparse.Namespace) -> None:
     print("\nparts switched off:")
     for part, what in PARTS.items():
         print(f"  -{part}: {what}")
+
+
+# ---------------------------------------------------------------- A/B of source trees
+
+
+def ab(args: argparse.Namespace) -> None:
+    """CPU per request (and requests/s, p99, RSS) of tokenward from several source trees, in one run."""
+    trees = [(spec.split("=", 1)[0], Path(spec.split("=", 1)[1])) for spec in args.tree]
+    scenarios = args.scenarios.split(",")
+    with Bench() as bench:
+        gateways = [("relay", bench.gateway("relay"))]
+        gateways += [(name, bench.tree(9600 + i, name, path, args.budget)) for i, (name, path) in enumerate(trees)]
+        time.sleep(1.0)
+        idle = {name: floor.memory_mb(g.pid, "VmRSS") for name, g in gateways}
+        for _, gateway in gateways:
+            bench.warm(gateway)
+        results: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
+        for repeat in range(args.repeat):
+            for scenario in scenarios:
+                order = gateways[repeat % len(gateways) :] + gateways[: repeat % len(gateways)]
+                for name, gateway in order:  # a different gateway first in each repeat
+                    load, cpu_ms = bench.load(gateway, scenario, args.seconds)
+                    results.setdefault((name, scenario), []).append((cpu_ms, load.rps, load.p99_ms))
+        peak = {name: floor.memory_mb(g.pid, "VmHWM") for name, g in gateways}
+    print(f"median of {args.repeat} [min..max]; /relay = median of the per-repeat ratios to the relay\n")
+    for scenario in scenarios:
+        print(f"{scenario}: {'CPU ms/request':>28} {'/relay':>7} {'requests/s':>20} {'p99 ms':>22}")
+        floor_cpu = [cpu for cpu, _, _ in results[("relay", scenario)]]
+        for name, _ in gateways:
+            samples = results[(name, scenario)]
+            cpu, rps, p99 = ([s[i] for s in samples] for i in range(3))
+            ratios = statistics.median(c / f for c, f in zip(cpu, floor_cpu, strict=True))
+            print(
+                f"  {name:<12} {floor.spread(cpu, '.3f'):>24} {ratios:6.2f}x {floor.spread(rps, ',.0f'):>20} "
+                f"{floor.spread(p99, '.1f'):>22}"
+            )
+    print("\nRSS (MB): " + ", ".join(f"{name} idle {idle[name]:.0f} peak {peak[name]:.0f}" for name, _ in gateways))
 
 
 # ---------------------------------------------------------------- memory
@@ -736,6 +794,12 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=2)
     sub.add_parser("memory")
     sub.add_parser("count")
+    p = sub.add_parser("ab")
+    p.add_argument("--tree", action="append", required=True, help="NAME=DIR (a checkout with proxy/ pricing/ reports/)")
+    p.add_argument("--scenarios", default="c64,c64_stream", help="of bench_floor.SCENARIOS (default c64,c64_stream)")
+    p.add_argument("--budget", action="store_true", help="with one blocking budget over all traffic")
+    p.add_argument("--seconds", type=float, default=5)
+    p.add_argument("--repeat", type=int, default=3)
     sub.add_parser("micro")
     p = sub.add_parser("serve")
     p.add_argument("--config", required=True)
@@ -745,7 +809,7 @@ def main() -> None:
     if args.command == "serve":
         serve(args.config, args.port, {p for p in args.off.split(",") if p})
         return
-    {"pyspy": pyspy, "ablate": ablate, "memory": memory, "count": count, "micro": micro}[args.command](args)
+    {"pyspy": pyspy, "ablate": ablate, "ab": ab, "memory": memory, "count": count, "micro": micro}[args.command](args)
 
 
 if __name__ == "__main__":
