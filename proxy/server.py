@@ -12,6 +12,7 @@ import uvicorn
 from litestar import Litestar
 
 from tokenward.proxy.config import ServerConfig
+from tokenward.proxy.front import front
 from tokenward.proxy.limits import return_large_buffers, uvicorn_options
 from tokenward.reports.sanitize import escape_log_lines
 
@@ -20,7 +21,7 @@ __all__ = ["run", "running_in_thread"]
 
 def _uvicorn_config(app: Litestar, host: str, port: int, log_level: str, access_log: bool) -> uvicorn.Config:
     return uvicorn.Config(
-        app,
+        front(app),  # /v1 straight to the forwarder, the rest to Litestar (proxy/front.py)
         host=host,
         port=port,
         log_level=log_level,
