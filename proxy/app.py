@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
-import gc
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -151,10 +150,6 @@ def create_app(
             if guard is not None:
                 await asyncio.to_thread(load_books, ledger, guard, recorder.wal)
             scheduler.start()
-            # Start-up objects (modules, the price catalog, the app: ~80,000) leave the collector's
-            # scans: each full collection over them cost ~25 ms, paid by whichever request's
-            # allocation set it off.
-            gc.freeze()
         except BaseException:
             if lock is not None:
                 lock.close()
