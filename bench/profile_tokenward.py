@@ -51,40 +51,39 @@ Decimal_one = Decimal("0.01")
 
 PARTS = {
     "metrics": "Metrics.observe does nothing (no prometheus counters per row)",
-    "ledger": "rows are built and dropped: no spool file, no DuckDB insert",
-    "recorder": "Recorder.finish only marks the exchange: no pricing, no row, no metrics, no ledger",
-    "watch": "no DisconnectWatch (no extra receive future per request)",
-    "litestar": "POST /v1/chat/completions dispatched by a raw ASGI callable ahead of Litestar",
-    "uuid": "request ids from a counter instead of uuid4().hex",
-    "gc": "not switched off, added: gc.freeze() once the app is built (start-up objects leave the GC's scans)",
+    "wal": "the write-ahead log's appends are dropped (no writer thread hand-off; rows still built and encoded)",
+    "flush": "no periodic move of the log into DuckDB (no DuckDB session per flush_interval_s)",
+    "recorder": "the recorder only marks exchanges recorded: no pricing, no row, no metrics, no log, no flush",
+    "watch": "no DisconnectWatch (no receive future per request)",
+    "litestar": "not switched off, put back: /v1 through Litestar's api route (no proxy/front.py)",
+    "gc": "not switched off, put back: the collector as Python sets it (no gc.freeze(), gen0 threshold 700)",
 }
-
-
-class _BareRequest:
-    """What Forwarder.metered reads of a Litestar Request: scope, receive, body()."""
-
-    __slots__ = ("receive", "scope")
-
-    def __init__(self, scope, receive) -> None:
-        self.scope, self.receive = scope, receive
-
-    async def body(self) -> bytes:
-        chunks = []
-        more = True
-        while more:
-            message = await self.receive()
-            chunks.append(message.get("body", b""))
-            more = message.get("more_body", False)
-        return b"".join(chunks)
+# also for `serve --off`: "gcstats" prints the collector's time by generation at exit (stop it with SIGINT)
 
 
 def _switch_off(parts: set[str]) -> None:
-    from tokenward.proxy import exchange, forward, metrics, recorder, relay
+
+    from tokenward.proxy import forward, metrics, recorder, relay, server
+    from tokenward.reports.ledger import wal
 
     if "metrics" in parts:
         metrics.Metrics.observe = lambda self, row: None
-    if "ledger" in parts:
-        recorder.Recorder._write = lambda self, rows: None
+    if "wal" in parts or "recorder" in parts:
+
+        def done(self, *args):
+            future = asyncio.get_running_loop().create_future()
+            future.set_result(None)
+            return future
+
+        wal.WriteAheadLog.admit = lambda self, request_id, row: None
+        wal.WriteAheadLog.forward = done
+        wal.WriteAheadLog.commit = done
+    if "flush" in parts or "recorder" in parts:
+
+        async def no_flush(self, *, quiet=False):
+            return 0
+
+        recorder.Recorder.flush = no_flush
     if "recorder" in parts:
 
         def finish(self, ex, estimate=None):
@@ -92,7 +91,11 @@ def _switch_off(parts: set[str]) -> None:
             if self.guard is not None:
                 self.guard.release(ex.reservation)
 
+        async def commit(self, ex, estimate=None):
+            finish(self, ex)
+
         recorder.Recorder.finish = finish
+        recorder.Recorder.commit = commit
     if "watch" in parts:
 
         class NoWatch:
@@ -118,53 +121,49 @@ def _switch_off(parts: set[str]) -> None:
         NoWatch.pending = _Never()  # type: ignore[assignment]
         relay.DisconnectWatch = NoWatch  # type: ignore[misc]
         forward.DisconnectWatch = NoWatch  # type: ignore[misc]
-    if "uuid" in parts:
-        import itertools
-
-        ids = itertools.count(1)
-        init = exchange.Exchange.__init__  # the dataclass __init__ holds the default factory in a closure cell
-        for name, cell in zip(init.__code__.co_freevars, init.__closure__ or (), strict=True):
-            if name == "__dataclass_dflt_request_id__":
-                cell.cell_contents = lambda: f"{next(ids):032x}"
+    if "litestar" in parts:
+        server.front = lambda app: app
+    if "gc" in parts:
+        server.settle_collector = lambda: None
 
 
-def _front(app, forwarder):
-    """A raw ASGI callable: POST /v1/chat/completions straight to the forwarder, the rest to Litestar."""
-    from tokenward.proxy.forward import METERED_ENDPOINTS
+def _gc_stats() -> None:
+    """At exit, print the time the collector took by generation (stderr)."""
+    import atexit
+    import gc
 
-    endpoint = METERED_ENDPOINTS["chat/completions"]
+    spent = {0: [0, 0.0], 1: [0, 0.0], 2: [0, 0.0]}
+    started = [0.0]
 
-    async def front(scope, receive, send):
-        if scope["type"] == "http" and scope["path"] == "/v1/chat/completions" and scope["method"] == "POST":
-            relay = await forwarder.metered(_BareRequest(scope, receive), endpoint)
-            await relay(scope, receive, send)
-            return
-        await app(scope, receive, send)
+    def callback(phase, info) -> None:
+        if phase == "start":
+            started[0] = time.process_time()
+        else:
+            entry = spent[info["generation"]]
+            entry[0] += 1
+            entry[1] += time.process_time() - started[0]
 
-    return front
+    gc.callbacks.append(callback)
+    atexit.register(
+        lambda: print(
+            "gc: " + ", ".join(f"gen{g} {n} collections {t * 1000:.0f} ms" for g, (n, t) in spent.items()),
+            file=sys.stderr,
+        )
+    )
 
 
 def serve(config_path: str, port: int, parts: set[str]) -> None:
     import logging
 
-    import uvicorn
-
     from tokenward.proxy.app import create_app
     from tokenward.proxy.config import load_config
+    from tokenward.proxy.server import run
 
     logging.basicConfig(level=logging.WARNING)
     _switch_off(parts)
-    config = load_config(config_path)
-    app = create_app(config)
-    asgi = _front(app, app.state.forwarder) if "litestar" in parts else app
-    if "gc" in parts:
-        import gc
-
-        gc.freeze()
-    uvicorn.run(
-        asgi, host="127.0.0.1", port=port, log_level="warning", access_log=False, server_header=False,
-        date_header=False, lifespan="on",
-    )  # fmt: skip
+    if "gcstats" in parts:
+        _gc_stats()
+    run(create_app(load_config(config_path)), "127.0.0.1", port, log_level="warning")
 
 
 # ---------------------------------------------------------------- common set-up
@@ -359,9 +358,8 @@ def _strip_threads(raw: Path) -> Path:
 
 
 def ablate(args: argparse.Namespace) -> None:
-    variants = [("full", set())] + [(f"-{p}", {p}) for p in ("litestar", "watch", "uuid", "metrics", "ledger")]
-    variants += [("+gc.freeze", {"gc"})]
-    variants += [("-recorder", {"recorder"}), ("-litestar -watch -recorder", {"litestar", "watch", "recorder"})]
+    variants = [("full", set())] + [(f"-{p}", {p}) for p in ("watch", "metrics", "wal", "flush", "recorder")]
+    variants += [("+litestar", {"litestar"}), ("+gc defaults", {"gc"})]
     results: dict[str, dict[str, list[float]]] = {name: {"c64": [], "c64_stream": []} for name, _ in variants}
     with Bench() as bench:
         relay = bench.gateway("relay")
