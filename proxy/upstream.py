@@ -97,6 +97,10 @@ class UpstreamReply(Protocol):
         """Raw body bytes as they arrive (no content decoding). Raises :class:`UpstreamError`."""
         ...
 
+    async def read(self) -> bytes:
+        """The whole raw body (no content decoding), for a reply relayed whole. Raises :class:`UpstreamError`."""
+        ...
+
     async def aclose(self) -> None:
         """Release the connection (closing it if the body was not read to the end)."""
         ...
@@ -149,6 +153,12 @@ class _AiohttpReply:
         try:
             async for chunk in self._response.content.iter_any():
                 yield chunk
+        except _ERRORS as exc:
+            raise UpstreamError(classify(exc)) from exc
+
+    async def read(self) -> bytes:
+        try:
+            return await self._response.content.read()  # no generator per chunk: one await for a small body
         except _ERRORS as exc:
             raise UpstreamError(classify(exc)) from exc
 
@@ -224,6 +234,9 @@ class _HttpxReply:
                 yield chunk
         except _ERRORS as exc:
             raise UpstreamError(classify(exc)) from exc
+
+    async def read(self) -> bytes:
+        return b"".join([chunk async for chunk in self.chunks()])
 
     async def aclose(self) -> None:
         await self._response.aclose()
