@@ -141,6 +141,31 @@ def classify(exc: BaseException) -> Failure:
 _ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, httpx.TransportError, OSError)
 
 
+class _Chunks:
+    """Iterates an aiohttp body as it arrives, one ``readany()`` per chunk.
+
+    A class, not an async generator over ``iter_any()``: a stream of SSE events crosses this once
+    per event, and the generator and aiohttp's own iterator were two more frames each time.
+    """
+
+    __slots__ = ("_content",)
+
+    def __init__(self, content: aiohttp.StreamReader) -> None:
+        self._content = content
+
+    def __aiter__(self) -> _Chunks:
+        return self
+
+    async def __anext__(self) -> bytes:
+        try:
+            chunk = await self._content.readany()
+        except _ERRORS as exc:
+            raise UpstreamError(classify(exc)) from exc
+        if not chunk:
+            raise StopAsyncIteration
+        return chunk
+
+
 class _AiohttpReply:
     __slots__ = ("_response", "headers", "status")
 
@@ -149,12 +174,8 @@ class _AiohttpReply:
         self.status = response.status
         self.headers = [(name.lower(), value) for name, value in response.raw_headers]
 
-    async def chunks(self) -> AsyncIterator[bytes]:
-        try:
-            async for chunk in self._response.content.iter_any():
-                yield chunk
-        except _ERRORS as exc:
-            raise UpstreamError(classify(exc)) from exc
+    def chunks(self) -> AsyncIterator[bytes]:
+        return _Chunks(self._response.content)
 
     async def read(self) -> bytes:
         try:
