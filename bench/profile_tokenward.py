@@ -58,7 +58,8 @@ PARTS = {
     "litestar": "not switched off, put back: /v1 through Litestar's api route (no proxy/front.py)",
     "gc": "not switched off, put back: the collector as Python sets it (no gc.freeze(), gen0 threshold 700)",
 }
-# also for `serve --off`: "gcstats" prints the collector's time by generation at exit (stop it with SIGINT)
+# also for `serve --off`, printed at exit (stop it with SIGINT): "gcstats" the collector's time by generation,
+# "flushstats" the moves of the log into the ledger
 
 
 def _switch_off(parts: set[str]) -> None:
@@ -152,6 +153,36 @@ def _gc_stats() -> None:
     )
 
 
+def _flush_stats() -> None:
+    """At exit, print the moves of the log into the ledger: count, rows, wall and CPU time (stderr)."""
+    import atexit
+
+    from tokenward.reports.ledger import DuckLedger
+
+    moves = []  # (rows, wall s, CPU s of the process during the move)
+    real = DuckLedger.flush
+
+    def timed(self, wal=None):
+        wall, cpu = time.perf_counter(), time.process_time()
+        rows = real(self, wal)
+        if rows:
+            moves.append((rows, time.perf_counter() - wall, time.process_time() - cpu))
+        return rows
+
+    DuckLedger.flush = timed
+
+    def report() -> None:
+        rows, wall, cpu = (sum(m[i] for m in moves) for i in range(3))
+        print(
+            f"ledger moves: {len(moves)}, {rows} rows, {wall * 1000:.0f} ms wall, {cpu * 1000:.0f} ms CPU of the "
+            f"process meanwhile ({cpu * 1000 / max(len(moves), 1):.1f} ms per move, {cpu * 1e6 / max(rows, 1):.1f} us "
+            "per row)",
+            file=sys.stderr,
+        )
+
+    atexit.register(report)
+
+
 def serve(config_path: str, port: int, parts: set[str]) -> None:
     import logging
 
@@ -163,6 +194,8 @@ def serve(config_path: str, port: int, parts: set[str]) -> None:
     _switch_off(parts)
     if "gcstats" in parts:
         _gc_stats()
+    if "flushstats" in parts:
+        _flush_stats()
     run(create_app(load_config(config_path)), "127.0.0.1", port, log_level="warning")
 
 
