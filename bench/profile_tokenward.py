@@ -274,7 +274,8 @@ class Bench:
 
 GROUPS = [  # (group, pattern on "function (file:line)"), first match wins; matched on the leaf frame for self time
     ("tokenizer/tiktoken", r"tiktoken|proxy/tokenizer\.py|count_input|_count_for_bound|bounds\.py"),
-    ("ledger writer thread (spool + DuckDB)", r"reports/ledger\.py|duckdb|Recorder\._write|Recorder\._ingest"),
+    ("ledger moves (DuckDB sessions)", r"reports/ledger/(__init__|duck|migrations)\.py|duckdb"),
+    ("write-ahead log (appends, writer thread)", r"reports/ledger/wal\.py"),
     ("prometheus metrics", r"prometheus_client|proxy/metrics\.py"),
     ("pricing (quote, cost)", r"pricing/(quote|cost|catalog|rates|usage)\.py"),
     ("row building + recorder queue", r"proxy/recorder\.py"),
@@ -323,10 +324,12 @@ def summarise(raw: Path, cpu_ms: float, top: int) -> str:
     for frames, n in stacks:
         python = [f for f in frames if re.search(r"\.py:\d+\)$|<string>|<frozen", f)]
         leaf = python[-1] if python else frames[-1]
-        if frames[0].startswith("Thread._bootstrap") and group_of(leaf) not in ("tokenizer/tiktoken",):
-            leaf_group = "ledger writer thread (spool + DuckDB)" if "Recorder._write" in ";".join(frames) else None
-        else:
-            leaf_group = None
+        stack = ";".join(frames)
+        leaf_group = None
+        if "DuckLedger.flush" in stack:
+            leaf_group = "ledger moves (DuckDB sessions)"
+        elif "threading.py" in leaf and "reports/ledger/wal.py" in stack:  # the hand-offs: notify, wait, locks
+            leaf_group = "write-ahead log (appends, writer thread)"
         by_group[leaf_group or group_of(leaf)] += n
         for group in {group_of(f) for f in frames[1:]}:
             group_cum[group] += n
@@ -603,7 +606,8 @@ def micro(args: argparse.Namespace) -> None:
     from tokenward.proxy.exchange import Exchange, Outcome
     from tokenward.proxy.metering import Meter
     from tokenward.proxy.recorder import build_rows
-    from tokenward.reports.ledger import Spool
+    from tokenward.reports.ledger import encode_row, open_ledger
+    from tokenward.reports.ledger.duck import insert_lines
 
     tmp = Path(tempfile.mkdtemp(prefix="tokenward-micro-"))
     try:
@@ -684,10 +688,7 @@ def micro(args: argparse.Namespace) -> None:
         )
         step("build_rows(ex) (quote + row dict)", lambda: build_rows(ex, rec.catalog))
         step("Metrics.observe(row) (prometheus counters)", lambda: rec.metrics.observe(rows[0]))
-        spool = Spool(tmp / "s.duckdb")
-        from tokenward.reports import ledger as ledger_module
-
-        step("Spool row encoding (msgspec NDJSON), per row", lambda: ledger_module._encoder.encode_lines(rows), 500)
+        step("row encoding for the write-ahead log (msgspec JSON line)", lambda: encode_row(rows[0]))
 
         def meter_stream() -> None:
             m = Meter("openai", None)
@@ -750,13 +751,18 @@ def micro(args: argparse.Namespace) -> None:
         import uvloop
 
         uvloop.run(in_loop())
-        for n in (1, 100, 1000):
-            spool.write(rows * n)
+        path = tmp / "micro.duckdb"
+        open_ledger(path).close()
+        for n in (1, 100, 1000, 5000):  # what DuckLedger.flush does with one closed segment of n rows
+            segment = tmp / f"segment-{n}.rows.jsonl"
+            segment.write_bytes(b"".join(encode_row(dict(rows[0], request_id=f"r{n}-{i}")) for i in range(n)))
             t0 = time.process_time()
-            spool.ingest()
+            conn = open_ledger(path)
+            insert_lines(conn, [segment], dedupe=False, quarantine=tmp / "q.jsonl", scratch=tmp)
+            conn.close()
             steps.append(
                 (
-                    f"ledger flush: Spool.ingest of {n} rows (open DuckDB, migrate check, insert), per flush",
+                    f"ledger move of {n} rows (DuckDB connect, migration check, insert, close), per move",
                     (time.process_time() - t0) * 1e6,
                 )
             )
