@@ -160,6 +160,7 @@ def _flush_stats() -> None:
     from tokenward.reports.ledger import DuckLedger
 
     moves = []  # (rows, wall s, CPU s of the process during the move)
+    peaks = []  # rows:VmHWM MB after each move
     real = DuckLedger.flush
 
     def timed(self, wal=None):
@@ -167,6 +168,7 @@ def _flush_stats() -> None:
         rows = real(self, wal)
         if rows:
             moves.append((rows, time.perf_counter() - wall, time.process_time() - cpu))
+            peaks.append(f"{rows}:{floor.memory_mb(os.getpid(), 'VmHWM'):.0f}")
         return rows
 
     DuckLedger.flush = timed
@@ -176,7 +178,7 @@ def _flush_stats() -> None:
         print(
             f"ledger moves: {len(moves)}, {rows} rows, {wall * 1000:.0f} ms wall, {cpu * 1000:.0f} ms CPU of the "
             f"process meanwhile ({cpu * 1000 / max(len(moves), 1):.1f} ms per move, {cpu * 1e6 / max(rows, 1):.1f} us "
-            "per row)",
+            "per row); rows:peak RSS MB after each: " + " ".join(peaks),
             file=sys.stderr,
         )
 

@@ -274,6 +274,7 @@ class Recorder:
         self.stale_after_s = max(5 * flush_interval_s, 10.0)
         self._write_problem: str | None = None
         self._logged_rows = 0  # rows appended to the log since the last move that left nothing behind
+        self._moving = 0  # of those, the rows a move under way takes
         self.live = LiveFeed(guard.budgets if guard is not None else ())  # what live views read
 
     # -- the three moments ---------------------------------------------------------------------
@@ -359,7 +360,8 @@ class Recorder:
             self._observe(row)
         self.rows_recorded += len(rows)
         self._logged_rows += len(rows)
-        if self._logged_rows >= FLUSH_ROWS and self._write_problem is None:  # not while a reader holds it
+        # rows a move under way takes do not count; and no early move while a reader holds the file
+        if self._logged_rows - self._moving >= FLUSH_ROWS and self._write_problem is None:
             self._wake.set()
         access_log.record(rows)
         self.live.add(rows)
@@ -442,22 +444,25 @@ class Recorder:
         Raises:
             LedgerError: the ledger cannot be written (not with ``quiet``).
         """
-        pending = self._logged_rows
+        pending = self._moving = self._logged_rows
         try:
             moved = await asyncio.to_thread(self.ledger.flush, self.wal)
         except LedgerBusy as exc:
+            self._moving = 0
             self.flush_error, self._write_problem = str(exc), "ledger_busy"
             log.debug("ledger busy (a reader holds it); rows wait in the log until the next flush")
             if not quiet:
                 raise
             return 0
         except (LedgerError, OSError) as exc:
+            self._moving = 0
             if self.flush_error is None:
                 log.exception("cannot write the ledger; rows wait in %s", self.ledger.spool_dir)
             self.flush_error, self._write_problem = str(exc), "ledger_error"
             if not quiet:
                 raise
             return 0
+        self._moving = 0
         if self.flush_error is not None:
             log.warning("ledger rows are being written again")
         self.flush_error = None
