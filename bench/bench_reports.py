@@ -1,19 +1,27 @@
-"""Report speed over a large ledger: generate N rows (10 million by default), time the main reports.
+"""Report speed over large ledgers: generate 1, 10 or 30 million rows, time what ``tokenward report`` runs.
 
-    python bench/bench_reports.py [--rows 10000000] [--threads 1] [--keep PATH]
+    python bench/bench_reports.py [--rows 10M] [--rows 1M,10M,30M] [--threads N] [--runs 5] [--keep DIR]
 
 The ledger is synthetic but shaped like real traffic: 30 days, 200 keys in 12 teams, 12 models,
 5000 end users, tags on 40 % of requests, sessions of 50 requests, cached input on a third of
 them, 1 % unpriced and 1 % retried attempts. Each report runs the queries ``tokenward report``
-runs (grouped rows and the total), on ``--threads`` DuckDB threads (one core by default), and
-prints its wall time: the best of three runs, after one warm-up.
+runs (the grouped rows and their total), on ``--threads`` DuckDB threads (default: every core),
+and its figure is the median wall time of ``--runs`` runs after one warm-up. Every size is
+generated and measured in a fresh process, whose peak RSS is printed. The ledgers go to a
+temporary directory under /tmp (about 40 MB per million rows) and are deleted afterwards
+unless ``--keep DIR`` names a directory to keep (and reuse) them in.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
+import json
+import os
+import resource
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -39,6 +47,7 @@ MODELS = [
     ("gemini-2.5-flash", "google", 0.30, 0.075, 2.50),
     ("mistral-large-latest", "mistral", 2.00, 2.00, 6.00),
 ]
+MB = 1024 * 1024
 
 
 def generate(path: Path, rows: int) -> float:
@@ -103,78 +112,130 @@ def generate(path: Path, rows: int) -> float:
     return time.perf_counter() - started
 
 
-def timed(fn, runs: int = 3) -> float:
-    fn()  # warm-up (file pages cached)
-    return min(_once(fn) for _ in range(runs))
+def reports(conn, tz: str = "Europe/Paris") -> list[tuple[str, object]]:
+    """The reports timed, each a function running what ``tokenward report`` runs for it."""
+    everything = queries.Selection(None, None, {}, tz)
+    now = dt.datetime(2026, 10, 31, 12, tzinfo=dt.UTC)
+    calendar = views.calendar_range("this-month", tz, now)
+    half = queries.Selection(calendar.since, calendar.until, {}, tz)
+    catalog = load_catalog([], builtin=True)
+
+    def grouped(by: list[str], selection: queries.Selection = everything, top: int | None = None):
+        return lambda: queries.spend_report(conn, by, selection, top=top)
+
+    def compare():  # --period this-month --compare --by key
+        rows, _ = queries.spend_report(conn, ["key"], half)
+        before = views.previous_range(half.since, half.until, calendar, tz)
+        views.add_change(rows, queries.spend(conn, ["key"], since=before[0], until=before[1], tz=tz), ["key"])
+
+    team = queries.Selection(None, None, {"team": ["team-3"]}, tz)
+    return [
+        ("by model", grouped(["model"])),
+        ("by day (Europe/Paris)", grouped(["day"])),
+        ("by day, model", grouped(["day", "model"])),
+        ("by hour", grouped(["hour"])),
+        ("by key, top 10", grouped(["key"], top=10)),
+        ("by team, project", grouped(["team", "project"])),
+        ("by end user (5000 groups)", grouped(["end_user"])),
+        ("by session, top 20", grouped(["session"], top=20)),
+        ("by session, all groups", grouped(["session"])),
+        ("by tag", grouped(["tag"])),
+        ("by model, team=team-3", grouped(["model"], team)),
+        ("this month vs last, by key", compare),
+        ("what-if gpt-5-mini, by model", lambda: whatif.what_if(conn, catalog, "gpt-5-mini", ["model"], everything)),
+    ]
 
 
-def _once(fn) -> float:
-    started = time.perf_counter()
-    fn()
-    return time.perf_counter() - started
+def measure(path: Path, threads: int | None, runs: int) -> dict:
+    """Time every report on the ledger at ``path`` (in this process); figures as a JSON-ready dict."""
+    conn = open_ledger(path, read_only=True)
+    if threads:
+        conn.execute(f"SET threads = {threads}")
+    rows = conn.execute("SELECT count(*) FROM requests").fetchone()[0]
+    figures = {}
+    for name, fn in reports(conn):
+        fn()  # warm-up: file pages read, caches filled
+        times = []
+        for _ in range(runs):
+            started = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - started)
+        figures[name] = {"times": times, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    threads_used = conn.execute("SELECT current_setting('threads')").fetchone()[0]
+    conn.close()
+    return {"rows": rows, "threads": threads_used, "reports": figures}
+
+
+def rows_given(text: str) -> int:
+    """``1M``, ``30m``, ``500k`` or a plain number of rows."""
+    text = text.strip().lower().replace("_", "").replace(",", "")
+    scale = {"k": 1_000, "m": 1_000_000}.get(text[-1:], 1)
+    return int(float(text[:-1] if scale > 1 else text) * scale)
+
+
+def _child(*args: str) -> dict:
+    out = subprocess.run([sys.executable, __file__, *args], check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, default=10_000_000)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--keep", type=Path, help="Keep (or reuse) the generated ledger at this path.")
+    parser.add_argument("--rows", default="10M", help="Ledger sizes, comma-separated: 1M, 10M, 30M or a number.")
+    parser.add_argument("--threads", type=int, help="DuckDB threads (default: DuckDB's, every core).")
+    parser.add_argument("--runs", type=int, default=5, help="Timed runs of each report (after one warm-up).")
+    parser.add_argument("--keep", type=Path, help="Keep (and reuse) the generated ledgers in this directory.")
+    parser.add_argument("--generate", type=Path, help=argparse.SUPPRESS)  # child: make this ledger
+    parser.add_argument("--measure", type=Path, help=argparse.SUPPRESS)  # child: time the reports on it
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as scratch:
-        path = args.keep or Path(scratch) / "bench.duckdb"
-        if not path.exists():
-            seconds = generate(path, args.rows)
-            print(f"generated {args.rows:,} rows in {seconds:.1f} s ({path.stat().st_size / 1e6:,.0f} MB)")
-        conn = open_ledger(path, read_only=True)
-        conn.execute(f"SET threads = {args.threads}")
-        total = conn.execute("SELECT count(*) FROM requests").fetchone()[0]
-        print(f"{total:,} rows, DuckDB threads = {args.threads}\n")
-        tz = "Europe/Paris"
-        month = queries.Selection(None, None, {}, tz)
-        now = dt.datetime(2026, 10, 31, 12, tzinfo=dt.UTC)
-        calendar = views.calendar_range("this-month", tz, now)
-        half = queries.Selection(calendar.since, calendar.until, {}, tz)
-        catalog = load_catalog([], builtin=True)
+    if args.generate:
+        seconds = generate(args.generate, rows_given(args.rows))
+        print(json.dumps({"seconds": seconds}))
+        return
+    if args.measure:
+        print(json.dumps(measure(args.measure, args.threads, args.runs)))
+        return
+    sizes = [rows_given(r) for r in args.rows.split(",") if r.strip()]
+    scratch = Path(tempfile.mkdtemp(prefix="tokenward-bench-", dir="/tmp"))
+    folder = args.keep or scratch
+    folder.mkdir(parents=True, exist_ok=True)
+    results = []
+    load_before = os.getloadavg()
+    try:
+        for rows in sizes:
+            path = folder / f"ledger-{rows}.duckdb"
+            if not path.exists():
+                made = _child("--generate", str(path), "--rows", str(rows))
+                print(f"generated {rows:,} rows in {made['seconds']:.1f} s ({path.stat().st_size / MB:,.0f} MB)")
+            extra = ["--threads", str(args.threads)] if args.threads else []
+            results.append(_child("--measure", str(path), "--runs", str(args.runs), *extra))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    _print(results, load_before, os.getloadavg())
 
-        def grouped(by: list[str], selection: queries.Selection = month, **kw):
-            def run():  # what `tokenward report` runs: the groups, then the total
-                rows = queries.spend(
-                    conn, by, since=selection.since, until=selection.until, tz=tz, filters=selection.filters, **kw
-                )
-                partition = None if kw.get("top") or "tag" in by else rows
-                queries.spend_totals(conn, selection, groups=partition)
 
-            return run
-
-        def compare():
-            rows = queries.spend(conn, ["key"], since=half.since, until=half.until, tz=tz)
-            queries.spend_totals(conn, half, groups=rows)
-            before = views.previous_range(half.since, half.until, calendar, tz)
-            views.add_change(rows, queries.spend(conn, ["key"], since=before[0], until=before[1], tz=tz), ["key"])
-
-        reports = [
-            ("by model", grouped(["model"])),
-            ("by day (Europe/Paris)", grouped(["day"])),
-            ("by day, model", grouped(["day", "model"])),
-            ("by hour", grouped(["hour"])),
-            ("by key, top 10", grouped(["key"], top=10)),
-            ("by team, project", grouped(["team", "project"])),
-            ("by end user (5000 groups)", grouped(["end_user"])),
-            ("by session, top 20", grouped(["session"], top=20)),
-            ("by session, all 200K groups", grouped(["session"])),
-            ("by tag", grouped(["tag"])),
-            ("by model, team=team-3", grouped(["model"], queries.Selection(None, None, {"team": ["team-3"]}, tz))),
-            ("this month vs last, by key", compare),
-            ("what-if gpt-5-mini, by model", lambda: whatif.what_if(conn, catalog, "gpt-5-mini", ["model"], month)),
-        ]
-        figures = []
-        print(f"{'report':<32} {'seconds':>8}")
-        for name, fn in reports:
-            seconds = timed(fn)
-            figures.append(seconds)
-            print(f"{name:<32} {seconds:>8.3f}")
-        print(f"\nmedian {statistics.median(figures):.3f} s, slowest {max(figures):.3f} s (target: each under 2 s)")
-        conn.close()
+def _print(results: list[dict], load_before: tuple[float, ...], load_after: tuple[float, ...]) -> None:
+    width = 30
+    runs = len(next(iter(results[0]["reports"].values()))["times"])
+    print(f"\nDuckDB threads: {results[0]['threads']}; seconds, median of {runs} runs")
+    print(f"{'report':<{width}}" + "".join(f"{r['rows'] / 1e6:>9,.0f}M" for r in results))
+    spreads = []
+    for name in results[0]["reports"]:
+        cells = []
+        for result in results:
+            times = result["reports"][name]["times"]
+            median = statistics.median(times)
+            spreads.append((max(times) - min(times)) / median if median else 0)
+            cells.append(f"{median:>10.3f}")
+        print(f"{name:<{width}}" + "".join(cells))
+    medians = [[statistics.median(f["times"]) for f in r["reports"].values()] for r in results]
+    print(f"{'median of the reports':<{width}}" + "".join(f"{statistics.median(m):>10.3f}" for m in medians))
+    print(f"{'slowest':<{width}}" + "".join(f"{max(m):>10.3f}" for m in medians))
+    peaks = [max(f["peak_rss_mb"] for f in r["reports"].values()) for r in results]
+    print(f"{'peak RSS (MB)':<{width}}" + "".join(f"{p:>10,.0f}" for p in peaks))
+    print(
+        f"\nnoise: a report's runs spread by {statistics.median(spreads):.0%} of its median (median), "
+        f"{max(spreads):.0%} at most; load average {load_before[0]:.1f} before, {load_after[0]:.1f} after"
+    )
 
 
 if __name__ == "__main__":

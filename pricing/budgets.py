@@ -1,15 +1,21 @@
 """Budgets: limits in USD on a scope of traffic over a period, and what they say at an instant.
 
 Pure: no clock reads (every function takes ``now``), no I/O. A budget's **period** is a window
-of time aligned to the calendar in a named time zone (a day from local midnight to local
-midnight, DST included: a 23- or 25-hour day; an ISO week from Monday; a calendar month), a
-rolling window of the last N hours, or ``total`` (no reset). Windows are returned as aware UTC
-instants, so comparisons never mix local and UTC time (field case B34).
+of time aligned to the calendar in a named time zone (an hour from the local hour's start; a
+day from local midnight to local midnight, DST included: a 23- or 25-hour day; an ISO week from
+Monday; a calendar month), a rolling window of the last N hours, or ``total`` (no reset).
+Windows are returned as aware UTC instants, so comparisons never mix local and UTC time (field
+case B34).
 
 A budget's **scope** is a set of attribution conditions a ledger row must all meet: ``key``
 (the virtual key's name, or a passthrough key's ``fp-`` fingerprint), ``team``, ``project``,
 ``end_user``, ``model`` (the requested or the served name), ``upstream``, ``tag`` (one of the
-row's tags). No condition: all traffic.
+row's tags), ``org`` and ``pool`` (from the key's definition: a pool is a budget several keys
+draw from), ``run`` (an agent run's id, ``X-Tokenward-Run``). No condition: all traffic.
+
+A budget with ``per`` set is a template: it stands for one budget per value of that dimension
+(one per end user, say), made on first sight with :meth:`Budget.instance`. One definition with
+several windows becomes one budget per window, sharing ``group``.
 """
 
 from __future__ import annotations
@@ -17,17 +23,36 @@ from __future__ import annotations
 import datetime as dt
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from decimal import Decimal
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-__all__ = ["SCOPE_DIMENSIONS", "SNAPSHOT_SUFFIX", "Budget", "BudgetStatus", "Period", "evaluate", "same_model"]
+if TYPE_CHECKING:
+    from tokenward.pricing.velocity import Velocity
 
-SCOPE_DIMENSIONS = ("key", "team", "project", "end_user", "model", "upstream", "tag")
+__all__ = [
+    "CALENDAR_PERIODS",
+    "PER_DIMENSIONS",
+    "SCOPE_DIMENSIONS",
+    "SNAPSHOT_SUFFIX",
+    "Budget",
+    "BudgetStatus",
+    "Degrade",
+    "Period",
+    "evaluate",
+    "same_model",
+]
+
+SCOPE_DIMENSIONS = ("key", "team", "project", "end_user", "model", "upstream", "tag", "org", "pool", "run")
 """Attribution dimensions a budget scope can constrain."""
 
-PeriodKind = Literal["day", "week", "month", "total", "rolling"]
+PER_DIMENSIONS = ("key", "team", "project", "end_user", "org", "pool")
+"""Dimensions a template budget (``per``) can make one budget per value of (one value per request)."""
+
+PeriodKind = Literal["hour", "day", "week", "month", "total", "rolling"]
+CALENDAR_PERIODS = ("hour", "day", "week", "month")
+"""Periods aligned to the calendar (they reset at a known instant)."""
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 _FOREVER = dt.datetime(9999, 1, 1, tzinfo=dt.UTC)
 
@@ -37,7 +62,7 @@ class Period:
     """When a budget's spend resets.
 
     Args:
-        kind: ``day``, ``week`` (ISO, from Monday), ``month``, ``total`` or ``rolling``.
+        kind: ``hour``, ``day``, ``week`` (ISO, from Monday), ``month``, ``total`` or ``rolling``.
         timezone: IANA zone the calendar periods follow.
         rolling_hours: the window length of a ``rolling`` period.
 
@@ -50,7 +75,7 @@ class Period:
     rolling_hours: float | None = None
 
     def __post_init__(self) -> None:
-        if self.kind not in ("day", "week", "month", "total", "rolling"):
+        if self.kind not in ("hour", "day", "week", "month", "total", "rolling"):
             raise ValueError(f"unknown period {self.kind!r}")
         try:
             ZoneInfo(self.timezone)
@@ -76,6 +101,9 @@ class Period:
             assert self.rolling_hours is not None
             return (now - dt.timedelta(hours=self.rolling_hours)).astimezone(dt.UTC), now.astimezone(dt.UTC)
         zone = ZoneInfo(self.timezone)
+        if self.kind == "hour":  # the local hour (a zone 30 minutes off UTC has its own hours)
+            start = now.astimezone(zone).replace(minute=0, second=0, microsecond=0).astimezone(dt.UTC)
+            return start, start + dt.timedelta(hours=1)
         local = now.astimezone(zone).date()
         if self.kind == "day":
             first, following = local, local + dt.timedelta(days=1)
@@ -105,6 +133,11 @@ class Budget:
         thresholds: percentages of the limit that trigger an alert when crossed.
         action: ``alert`` only, or ``block`` (requests that could exceed the limit are refused).
         notify: email addresses and webhook names to alert.
+        group: the definition's name when it has several windows (each window is a budget).
+        per: a template: one budget per value of this dimension (:meth:`instance`).
+        degrade: what to do instead of refusing when a request's worst case does not fit.
+        velocity: spend-rate alerts on this budget's scope
+            (:class:`~tokenward.pricing.velocity.Velocity`).
 
     Raises:
         ValueError: a non-positive limit, an unknown scope dimension, a threshold outside 1-1000.
@@ -117,6 +150,10 @@ class Budget:
     thresholds: tuple[int, ...] = (50, 80, 100)
     action: Literal["alert", "block"] = "alert"
     notify: tuple[str, ...] = ()
+    group: str | None = None
+    per: str | None = None
+    degrade: Degrade | None = None
+    velocity: Velocity | None = None
 
     def __post_init__(self) -> None:
         if not self.name.strip():
@@ -130,6 +167,22 @@ class Budget:
                 )
         if any(not 0 < t <= 1000 for t in self.thresholds):
             raise ValueError(f"budget {self.name!r}: thresholds are percentages between 1 and 1000")
+        if self.per is not None and self.per not in PER_DIMENSIONS:
+            raise ValueError(f"budget {self.name!r}: per must be one of {', '.join(PER_DIMENSIONS)}")
+        if self.per is not None and self.period.kind == "rolling":
+            raise ValueError(f"budget {self.name!r}: a per-{self.per} budget needs a calendar or total period")
+
+    def instance(self, value: str) -> Budget:
+        """The budget a template (``per``) stands for at one value: ``name[value]``, scope narrowed to it."""
+        assert self.per is not None
+        return replace(
+            self,
+            name=f"{self.name}[{value}]",
+            scope=tuple(sorted((*self.scope, (self.per, value)))),
+            per=None,
+            group=self.name,
+            velocity=None,
+        )
 
     @property
     def blocking(self) -> bool:
@@ -155,6 +208,28 @@ class Budget:
             elif wanted not in values:
                 return False
         return True
+
+
+@dataclass(frozen=True, slots=True)
+class Degrade:
+    """Instead of refusing a request whose worst case does not fit, make it fit (never past the limit).
+
+    Args:
+        reroute: requested model -> a cheaper model served by the same upstream, tried first.
+        clamp: lower the request's output limit (``max_tokens``, ``max_completion_tokens``,
+            ``max_output_tokens``) to the most that fits.
+        min_output_tokens: below this many output tokens a clamped request is refused instead.
+    """
+
+    reroute: tuple[tuple[str, str], ...] = ()
+    clamp: bool = False
+    min_output_tokens: int = 1
+
+    def cheaper(self, model: str | None) -> str | None:
+        """The model ``model`` is rerouted to (the name or its dated snapshots), or ``None``."""
+        if model is None:
+            return None
+        return next((to for source, to in self.reroute if same_model(source, model)), None)
 
 
 SNAPSHOT_SUFFIX = re.compile(r"-(?:\d{4}-\d{2}-\d{2}|\d{8})$")
@@ -215,7 +290,7 @@ def evaluate(budget: Budget, spent: Decimal, now: dt.datetime) -> BudgetStatus:
     percent = (spent / budget.limit_usd * 100).quantize(Decimal("0.01"))
     crossed = tuple(t for t in sorted(budget.thresholds) if spent * 100 >= budget.limit_usd * t)
     forecast = None
-    if budget.period.kind in ("day", "week", "month"):
+    if budget.period.kind in CALENDAR_PERIODS:
         elapsed = (now - start).total_seconds()
         if elapsed >= 60:
             total = (end - start).total_seconds()

@@ -13,6 +13,13 @@ File format (the built-in catalog is ``pricing/catalog/default.yaml``)::
         output: 15.00                   #   reasoning, audio_input, audio_output, image_input
         web_search: 0.01                # USD per web search call
         per_request: 0                  # USD per request
+        image_tokens_max: 1445          # input tokens one image in a request can cost at most (bounds only)
+        # media units (images, audio endpoints):
+        image: {1024x1024/standard: 0.04, 1024x1792/hd: 0.12}   # USD per image by "<size>/<quality>"
+                                        #   (a part may be *, or one number for every variant)
+        image_output_tokens: {1024x1536/high: 6240}   # output tokens per image (bounds only)
+        audio_minute: 0.006             # USD per minute of input audio, billed per second
+        characters: 15.00               # USD per 1M input characters
         context_tiers:                  # cliffs: the whole request moves to the highest tier passed
           - {above: 272000, inclusive: false, counts: [input], multiplier: 2}
         service_tiers:                  # by the tier the response says was served
@@ -79,6 +86,11 @@ _TOP_FIELDS = frozenset(
         "context_tiers",
         "service_tiers",
         "windows",
+        "image_tokens_max",
+        "image",
+        "image_output_tokens",
+        "audio_minute",
+        "characters",
         *RATE_NAMES,
     }
 )
@@ -100,6 +112,13 @@ class PriceEntry:
     ``effective`` is when this version came into force (``None``: always); ``web_search`` and
     ``per_request`` are USD per call and per request (``None``: no such fee is known, so web
     searches are listed unpriced rather than as $0).
+
+    Media units: ``image`` is USD per generated image by variant (``"<size>/<quality>"``, either
+    part ``*``; see :meth:`image_price`); ``audio_minute`` USD per minute of input audio (billed per
+    second); ``characters`` USD per 1M input characters. Facts used only to bound a request before
+    it is sent: ``image_tokens_max``, the most input tokens one image in a request can be billed
+    (``None``: not known, ``guard.image_tokens`` is assumed), and ``image_output_tokens``, output
+    tokens per generated image by variant.
     """
 
     id: str
@@ -116,6 +135,11 @@ class PriceEntry:
     service_tiers: tuple[tuple[str, Adjustment], ...] = ()
     windows: tuple[Window, ...] = ()
     note: str = ""
+    image_tokens_max: int | None = None
+    image: tuple[tuple[str, Decimal], ...] = ()
+    image_output_tokens: tuple[tuple[str, int], ...] = ()
+    audio_minute: Decimal | None = None
+    characters: Decimal | None = None
 
     @property
     def version_id(self) -> str:
@@ -129,6 +153,45 @@ class PriceEntry:
     def service_tier(self, name: str) -> Adjustment | None:
         """The adjustment for served tier ``name``, if the entry prices it."""
         return dict(self.service_tiers).get(name)
+
+    def image_price(self, variant: str) -> Decimal | None:
+        """USD per image made at ``variant`` (``"1024x1792/hd"``; ``""``: unknown), if the entry prices images.
+
+        The most specific key wins: ``size/quality``, then ``size/*``, ``*/quality``, ``*``. An
+        unknown variant, or one no key covers, is priced at the dearest variant listed.
+        """
+        if not self.image:
+            return None
+        prices = dict(self.image)
+        size, _, quality = variant.lower().partition("/")
+        for key in (f"{size}/{quality}", f"{size}/*", f"*/{quality}", "*"):
+            if key in prices:
+                return prices[key]
+        return max(prices.values())
+
+    def dearest_image(self, size: str | None, quality: str | None) -> Decimal | None:
+        """The most one image can cost at ``size`` and ``quality`` (``None``: any), if the entry prices images."""
+        found = [price for key, price in self.image if _variant_matches(key, size, quality)]
+        return max(found) if found else (max(p for _, p in self.image) if self.image else None)
+
+    def image_tokens_out(self, size: str | None, quality: str | None) -> int | None:
+        """The most output tokens one image can be billed at ``size`` and ``quality`` (``None``: any).
+
+        ``None`` when the entry lists no ``image_output_tokens``; a size or quality it does not list
+        gets the most it lists for any variant.
+        """
+        found = [tokens for key, tokens in self.image_output_tokens if _variant_matches(key, size, quality)]
+        if found:
+            return max(found)
+        return max((t for _, t in self.image_output_tokens), default=None)
+
+
+def _variant_matches(key: str, size: str | None, quality: str | None) -> bool:
+    """Whether variant ``key`` (``size/quality``, parts may be ``*``) can be the one made for a request."""
+    key_size, _, key_quality = key.partition("/")
+    return (size is None or key_size in ("*", size.lower())) and (
+        quality is None or key_quality in ("*", "", quality.lower())
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -314,6 +377,15 @@ def entry_to_dict(entry: PriceEntry) -> dict[str, Any]:
             }
             for w in entry.windows
         ]
+    if entry.image_tokens_max is not None:
+        raw["image_tokens_max"] = entry.image_tokens_max
+    if entry.image:
+        raw["image"] = dict(entry.image)
+    if entry.image_output_tokens:
+        raw["image_output_tokens"] = dict(entry.image_output_tokens)
+    for unit in ("audio_minute", "characters"):
+        if getattr(entry, unit) is not None:
+            raw[unit] = getattr(entry, unit)
     raw.update(source=entry.source, checked=entry.checked)
     if entry.note:
         raw["note"] = entry.note
@@ -549,7 +621,44 @@ def parse_entry(path: Path, index: int, raw: Any) -> PriceEntry:
         service_tiers=_service_tiers(fail, raw.get("service_tiers") or {}),
         windows=_windows(fail, raw.get("windows") or []),
         note=str(raw.get("note", "")),
+        image_tokens_max=_count(fail, "image_tokens_max", raw.get("image_tokens_max")),
+        image=_variants(fail, "image", raw.get("image"), lambda name, v: _decimal(fail, name, v, _MAX_RATE_DECIMALS)),
+        image_output_tokens=_variants(
+            fail, "image_output_tokens", raw.get("image_output_tokens"), lambda name, v: _count(fail, name, v) or 0
+        ),
+        audio_minute=_decimal(fail, "audio_minute", raw["audio_minute"], _MAX_RATE_DECIMALS)
+        if raw.get("audio_minute") is not None
+        else None,
+        characters=_decimal(fail, "characters", raw["characters"], _MAX_RATE_DECIMALS)
+        if raw.get("characters") is not None
+        else None,
     )
+
+
+def _count(fail: _Fail, name: str, value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise fail(name, f"must be a whole number of tokens >= 0, got {value!r}")
+    return value
+
+
+_VARIANT = re.compile(r"(?:\*|\d+x\d+|auto)(?:/(?:\*|[a-z]+))?")
+
+
+def _variants(fail: _Fail, name: str, raw: Any, read: Any) -> tuple[tuple[str, Any], ...]:
+    """A ``"<size>/<quality>" -> value`` mapping (a plain value stands for every variant, ``*``)."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, Mapping):
+        return (("*", read(name, raw)),)
+    found = []
+    for key, value in raw.items():
+        text = str(key).lower()
+        if _VARIANT.fullmatch(text) is None:
+            raise fail(f"{name}.{key}", "a variant is '<width>x<height>/<quality>' (either part may be *)")
+        found.append((text if "/" in text else f"{text}/*", read(f"{name}.{key}", value)))
+    return tuple(found)
 
 
 def _context_tiers(fail: _Fail, raw: Any) -> tuple[ContextTier, ...]:

@@ -13,8 +13,12 @@ the WHOLE request (never only to the tokens past a threshold, field case B20):
 
 Each token class is then priced exactly once (field cases B09, B10): uncached input, cache hits,
 default-TTL and one-hour cache writes, output (reasoning apart only where it has its own rate),
-audio and image subsets at their rates, web searches and request fees per call. Amounts are
-exact decimals, rounded half-even only below 1e-12 USD (a multiplier can add decimal places).
+audio and image subsets at their rates, web searches and request fees per call. The media units
+are priced at the entry's own rates, which no tier or window changes: generated images per
+image (by the variant they were made at), input audio per minute (billed per second) and input
+characters per 1M. A unit counted with no rate for it, and no tokens that could have priced it,
+is noted (the row is then ``partially_priced``, never a silent $0). Amounts are exact decimals,
+rounded half-even only below 1e-12 USD (a multiplier can add decimal places).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ __all__ = ["OUTPUT_COMPONENTS", "STANDARD_TIERS", "Cost", "CostLine", "price"]
 
 _PER_MILLION = Decimal(1_000_000)
 _PICO = Decimal("1e-12")
+_SECONDS = Decimal(60)
 
 OUTPUT_COMPONENTS = frozenset({"output", "reasoning", "audio_output"})
 """Cost line components that are output tokens."""
@@ -45,7 +50,8 @@ class CostLine:
     """One priced component of a cost.
 
     ``quantity`` tokens (or calls) at ``rate`` (USD per 1M tokens, or per call for ``web_search``
-    and ``request``), the ``amount`` in USD, and the ``rule`` that set the rate.
+    and ``request``; per image for ``image``, per minute for ``audio_seconds`` whose quantity is
+    seconds, per 1M for ``characters``), the ``amount`` in USD, and the ``rule`` that set the rate.
     """
 
     component: str
@@ -154,12 +160,38 @@ def price(
             lines.append(CostLine("web_search", usage.web_search_requests, entry.web_search, amount))
     if entry.per_request:
         lines.append(CostLine("request", 1, entry.per_request, entry.per_request))
+    lines += _unit_lines(usage, resolution, notes)
     total = sum((line.amount for line in lines), Decimal(0))
     cached = max(usage.cached_input_tokens, 0)
     savings = _exact(cached * (rates.input - rates.cached_input) / _PER_MILLION) if cached else Decimal(0)
     return Cost(
         total, tuple(lines), entry.version_id, resolution.how, tuple(rules), unpriced_calls, tuple(notes), savings
     )
+
+
+def _unit_lines(usage: Usage, resolution: Resolution, notes: list[str]) -> list[CostLine]:
+    """Lines for the media units (images, audio seconds, characters) at the entry's base rates."""
+    entry = resolution.entry
+    lines = []
+    if usage.output_images > 0:
+        rate = entry.image_price(usage.image_variant)
+        if rate is not None:
+            lines.append(CostLine("image", usage.output_images, rate, rate * usage.output_images, "base"))
+        elif usage.output_tokens == 0:
+            notes.append(f"{usage.output_images} images and no per-image price in {entry.version_id}")
+    if usage.input_audio_seconds > 0:
+        if entry.audio_minute is not None:
+            amount = _exact(usage.input_audio_seconds * entry.audio_minute / _SECONDS)
+            lines.append(CostLine("audio_seconds", usage.input_audio_seconds, entry.audio_minute, amount, "base"))
+        elif usage.audio_input_tokens == 0:
+            notes.append(f"{usage.input_audio_seconds} s of audio and no per-minute price in {entry.version_id}")
+    if usage.input_characters > 0:
+        if entry.characters is not None:
+            amount = _exact(usage.input_characters * entry.characters / _PER_MILLION)
+            lines.append(CostLine("characters", usage.input_characters, entry.characters, amount, "base"))
+        elif usage.input_tokens == 0:
+            notes.append(f"{usage.input_characters} characters and no per-character price in {entry.version_id}")
+    return lines
 
 
 def _exact(amount: Decimal) -> Decimal:

@@ -13,6 +13,10 @@ Every dialect module (``tokenward.proxy.dialects``) maps a provider's usage payl
   ``audio_output_tokens`` are subsets of it.
 * ``audio_input_tokens`` and ``image_input_tokens`` are subsets of ``input_tokens``.
 * ``web_search_requests`` counts server-side tool calls priced per call, not per token.
+* Units the media endpoints bill by besides tokens: ``output_images`` (images generated, priced per
+  image by ``image_variant``, ``"<size>/<quality>"`` such as ``"1024x1792/hd"``),
+  ``input_audio_seconds`` (seconds of audio transcribed, priced per minute) and
+  ``input_characters`` (characters of text spoken, priced per 1M characters).
 
 All counts are integer tokens (or calls); an explicit 0 from a provider is stored as 0.
 
@@ -60,7 +64,8 @@ class Usage:
 
     Never raises: a count that is not an ``int`` in ``[0, 2**53)`` (``bool`` excluded) is stored
     as 0 and described in ``invalid``. ``invalid`` and ``repairs`` are notes (``"field: why"``),
-    not counts (they are not in :data:`TOKEN_FIELDS`).
+    not counts (they are not in :data:`TOKEN_FIELDS`); nor is ``image_variant``, the size and
+    quality the ``output_images`` were made at (``""``: not known).
     """
 
     input_tokens: int = 0
@@ -73,6 +78,10 @@ class Usage:
     audio_output_tokens: int = 0
     image_input_tokens: int = 0
     web_search_requests: int = 0
+    output_images: int = 0
+    input_audio_seconds: int = 0
+    input_characters: int = 0
+    image_variant: str = ""
     source: UsageSource = UsageSource.REPORTED
     invalid: tuple[str, ...] = ()
     repairs: tuple[str, ...] = ()
@@ -84,6 +93,10 @@ class Usage:
             if type(value) is not int or not 0 <= value < MAX_COUNT:
                 refused.append(f"{name}: {_shown(value)} is not a count (an integer 0 <= n < 2^53)")
                 object.__setattr__(self, name, 0)
+        variant = self.image_variant
+        if type(variant) is not str or len(variant) > 64:
+            refused.append(f"image_variant: {_shown(variant)} is not a size/quality name")
+            object.__setattr__(self, "image_variant", "")
         if refused:
             object.__setattr__(self, "invalid", (*self.invalid, *refused))
 
@@ -117,7 +130,9 @@ class Usage:
         return not self.invalid and not self.violations()
 
 
-TOKEN_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Usage) if f.name not in ("source", "invalid", "repairs"))
+TOKEN_FIELDS: tuple[str, ...] = tuple(
+    f.name for f in fields(Usage) if f.name not in ("source", "invalid", "repairs", "image_variant")
+)
 """Names of the integer count fields of :class:`Usage`, in ledger column order."""
 
 

@@ -21,16 +21,19 @@ from litestar.logging.config import LoggingConfig
 from tokenward.pricing.catalog import PriceCatalog
 from tokenward.pricing.settings import build_catalog
 from tokenward.proxy.admin_auth import AdminAuth
+from tokenward.proxy.budget_api import budget_routes
 from tokenward.proxy.config import Config
 from tokenward.proxy.dashboard import Dashboard, dashboard_routes
 from tokenward.proxy.errors import EXCEPTION_HANDLERS
 from tokenward.proxy.forward import Forwarder
 from tokenward.proxy.guard import BooksSpend, BudgetGuard
+from tokenward.proxy.isolation import Isolation, OwnerCache
 from tokenward.proxy.keys import Authenticator
 from tokenward.proxy.limits import BodyLimits
 from tokenward.proxy.recorder import Recorder
 from tokenward.proxy.routes import MetricsAccess, build_routes
 from tokenward.proxy.routing import Router
+from tokenward.proxy.run_budgets import DynamicBudgets
 from tokenward.proxy.scheduler import (
     add_alert_jobs,
     create_scheduler,
@@ -38,8 +41,16 @@ from tokenward.proxy.scheduler import (
     reload_keys,
     run_budget_check_soon,
 )
-from tokenward.proxy.startup import import_legacy_state, load_books, needs_single_proxy, single_proxy_lock
+from tokenward.proxy.startup import (
+    StartupError,
+    import_legacy_state,
+    load_books,
+    needs_single_proxy,
+    runs_allowed,
+    single_proxy_lock,
+)
 from tokenward.proxy.upstream import AiohttpUpstream, HttpxUpstream, UpstreamClient
+from tokenward.proxy.velocity_books import VelocityBooks
 from tokenward.reports.alerts import Notifier
 from tokenward.reports.ledger import DuckLedger
 
@@ -80,11 +91,19 @@ def create_app(
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per upstream call costs CPU
     catalog = catalog if catalog is not None else build_catalog(config.pricing, refresh_file=config.refresh_file())
     budgets = config.budget_list()
+    templates = config.budget_templates()
+    policies = [config.auth.runs, *(k.runs for k in config.virtual_keys if k.runs is not None)]
+    runs_on = runs_allowed(config)
     scheduler = create_scheduler()
-    guard = None
-    if budgets:
+    guard = dynamic = velocity = None
+    if budgets or templates or runs_on:
         delay = config.ledger.flush_interval_s + 0.5  # after the row that crossed is in the ledger
         guard = BudgetGuard(budgets, dt.datetime.now(dt.UTC), lambda _: run_budget_check_soon(scheduler, delay))
+        horizon = max(p.policy("").max_ttl_s for p in policies)
+        dynamic = DynamicBudgets(guard, templates, horizon_s=horizon)
+        velocity = VelocityBooks(budgets)
+        if velocity:
+            guard.listeners.append(velocity.observe)
     ledger = DuckLedger(config.ledger.path)
     recorder = Recorder(catalog, ledger, config.ledger.flush_interval_s, guard=guard, fsync=config.ledger.fsync)
     if upstream is not None:
@@ -96,6 +115,9 @@ def create_app(
     auth = Authenticator(config.auth, config.virtual_keys)
     if config.auth.mode == "virtual_keys" and not config.virtual_keys:
         log.warning("auth mode virtual_keys, no keys in the config: only keys from `tokenward keys create` work")
+    isolation = None
+    if config.auth.mode == "virtual_keys":  # in passthrough mode each client's own provider key isolates it
+        isolation = Isolation(OwnerCache(ledger.state, fsync=config.ledger.fsync))
     forwarder = Forwarder(
         client,
         Router(config.upstreams, sends_own_keys=config.auth.mode == "virtual_keys"),
@@ -106,6 +128,8 @@ def create_app(
         guard=guard,
         guard_settings=config.guard,
         limits=BodyLimits.from_config(config.server),
+        isolation=isolation,
+        dynamic=dynamic,
     )
     known = {entry.provider for entry in catalog.entries.values()}
     for upstream_config in config.upstreams:
@@ -121,7 +145,8 @@ def create_app(
         return BooksSpend(guard, dt.datetime.now(dt.UTC), recorder.unpriced_seen)
 
     sender = recorder.metrics.counting(notifier or Notifier(config.alerts))  # failed deliveries feed /metrics
-    add_alert_jobs(scheduler, ledger, spend, budgets, config.alerts, sender, auth)  # type: ignore[arg-type]
+    rates = (lambda: velocity.snapshot(dt.datetime.now(dt.UTC))) if velocity else None
+    add_alert_jobs(scheduler, ledger, spend, budgets, config.alerts, sender, auth, rates)  # type: ignore[arg-type]
     dashboard = Dashboard(recorder.live, guard, ledger, AdminAuth(config))
     refresh = config.pricing.refresh
     if refresh is not None:
@@ -145,12 +170,21 @@ def create_app(
         lock = proxy_lock
         if lock is None and needs_single_proxy(config):
             lock = await asyncio.to_thread(single_proxy_lock, ledger)
+        elif lock is None and dynamic is not None and runs_on:  # a run is a hard limit too
+            try:
+                lock = await asyncio.to_thread(single_proxy_lock, ledger)
+            except (StartupError, OSError):
+                dynamic.runs_off = "another tokenward proxy serves this ledger, and its runs"
+                log.warning("another proxy holds %s: this one refuses X-Tokenward-Run (503)", ledger.path)
         try:
             await recorder.start()
             await asyncio.to_thread(import_legacy_state, ledger)
             await reload_keys(ledger.state, auth)
+            if isolation is not None:
+                await isolation.owners.load()
             if guard is not None:
-                await asyncio.to_thread(load_books, ledger, guard, recorder.wal)
+                loaders = [loader.load for loader in (dynamic, velocity) if loader]
+                await asyncio.to_thread(load_books, ledger, guard, recorder.wal, loaders=loaders)
             scheduler.start()
         except BaseException:
             if lock is not None:
@@ -164,12 +198,15 @@ def create_app(
             try:
                 await recorder.stop()
             finally:
+                if isolation is not None:
+                    isolation.owners.close()
                 await client.aclose()
                 if lock is not None:
                     lock.close()
 
     app = Litestar(
-        route_handlers=build_routes(forwarder, metrics_access=MetricsAccess.from_config(config))
+        route_handlers=budget_routes(forwarder)
+        + build_routes(forwarder, metrics_access=MetricsAccess.from_config(config))
         + dashboard_routes(dashboard),
         exception_handlers=EXCEPTION_HANDLERS,  # type: ignore[arg-type]
         lifespan=[lifespan],
@@ -182,6 +219,8 @@ def create_app(
     app.state.config = config
     app.state.scheduler = scheduler
     app.state.guard = guard
+    app.state.dynamic = dynamic
+    app.state.velocity = velocity
     app.state.ledger = ledger
     app.state.dashboard = dashboard
     return app

@@ -111,6 +111,8 @@ def serve(
             lock = single_proxy_lock(DuckLedger(config.ledger.path))  # held until the process ends
         except StartupError as exc:
             raise click.ClickException(str(exc)) from exc
+        except OSError as exc:  # the lock lives beside the ledger: a path that cannot hold one cannot hold it
+            raise click.ClickException(f"cannot open the ledger {config.ledger.path}: {exc}") from exc
     try:
         app = create_app(config, proxy_lock=lock)
     except CatalogError as exc:

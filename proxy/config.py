@@ -9,6 +9,7 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import os
+from decimal import Decimal
 from pathlib import Path
 from typing import Annotated, Literal
 from urllib.parse import urlsplit
@@ -18,6 +19,7 @@ import yaml
 
 from tokenward.pricing.budgets import Budget
 from tokenward.pricing.catalog import load_exact_yaml
+from tokenward.pricing.runs import RunPolicy, parse_duration
 from tokenward.pricing.settings import BudgetSettings, GuardSettings, PricingSettings, UnpricedPolicy
 from tokenward.proxy.edge import FREE_ENDPOINTS, UnmeteredPolicy, parse_base
 from tokenward.reports.alerts import AlertSettings
@@ -29,6 +31,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "LedgerConfig",
+    "RunSettings",
     "ServerConfig",
     "UpstreamConfig",
     "VirtualKeyConfig",
@@ -106,19 +109,26 @@ class AttributionRule(_Section):
     whatever the client sends (for ``tags``, a list). ``allow``: the client's value must be one of
     these (for ``tags``: every tag). ``prefix``: the client's value (every tag) must start with
     it. A value that breaks ``allow`` or ``prefix`` is refused with 403 ``attribution_refused``;
-    ``required``: a request without a value is refused too.
+    ``required``: a request without a value is refused too. ``header``: take the value from this
+    request header only (a chat frontend's ``X-OpenWebUI-User-Email``), not from the request's
+    other sources; the header is not sent upstream. ``allow``/``prefix``/``required`` apply to it.
     """
 
     pinned: str | list[str] | None = None
     allow: list[str] | None = None
     prefix: Annotated[str, msgspec.Meta(min_length=1)] | None = None
     required: bool = False
+    header: Annotated[str, msgspec.Meta(pattern="^[A-Za-z0-9!#$%&'*+.^_`|~-]+$")] | None = None
 
     def __post_init__(self) -> None:
         if sum(x is not None for x in (self.pinned, self.allow, self.prefix)) > 1:
             raise ValueError("give at most one of pinned, allow and prefix")
         if self.required and self.pinned is not None:
             raise ValueError("required means nothing with pinned (the pinned value is always there)")
+        if self.header is not None and self.pinned is not None:
+            raise ValueError("header means nothing with pinned (the pinned value is always used)")
+        if self.header is not None and self.header.lower() in _RESERVED_HEADERS:
+            raise ValueError(f"header {self.header!r} cannot carry attribution (tokenward or HTTP uses it)")
 
 
 class AttributionSettings(_Section):
@@ -133,6 +143,66 @@ class AttributionSettings(_Section):
             rule = getattr(self, name)
             if rule is not None and isinstance(rule.pinned, list):
                 raise ValueError(f"{name}.pinned is one value, not a list")
+
+
+_RESERVED_HEADERS = frozenset(
+    {"authorization", "x-api-key", "api-key", "host", "content-length", "content-type", "transfer-encoding",
+     "connection", "accept-encoding", "x-tokenward-upstream", "x-tokenward-run", "x-request-id"}
+)  # fmt: skip
+
+
+class RunSettings(_Section):
+    """Run budgets (header ``X-Tokenward-Run: id=...; limit_usd=...; ttl=...``) a caller may set.
+
+    ``mode``: ``allowed`` (a request may name a run), ``required`` (every metered request must:
+    403 ``run_required`` otherwise) or ``forbidden`` (403 ``run_not_allowed``). A run's
+    ``limit_usd`` may be at most ``max_limit_usd`` (403 ``run_limit_too_high``); without one in the
+    header, ``default_limit_usd`` applies (none: 400). ``ttl``: ``default_ttl`` unless the header
+    says, at most ``max_ttl`` (durations: ``90s``, ``15m``, ``1h``, ``2d``). At most
+    ``max_active`` runs live at once per key (429 ``too_many_runs``).
+    """
+
+    mode: Literal["allowed", "required", "forbidden"] = "allowed"
+    max_limit_usd: Decimal | None = None
+    default_limit_usd: Decimal | None = None
+    default_ttl: str | float = "1h"
+    max_ttl: str | float = "24h"
+    max_active: Annotated[int, msgspec.Meta(ge=1)] = 1000
+
+    def __post_init__(self) -> None:
+        for name in ("default_ttl", "max_ttl"):
+            try:
+                parse_duration(getattr(self, name))
+            except ValueError as exc:
+                raise ValueError(f"{name}: {exc}") from None
+        for name in ("max_limit_usd", "default_limit_usd"):
+            amount = getattr(self, name)
+            if amount is None:
+                continue
+            try:  # a Decimal from the config file; from Python, also an int or a decimal string
+                amount = amount if isinstance(amount, Decimal) else Decimal(str(amount))
+            except ArithmeticError:
+                amount = Decimal("NaN")
+            if not (amount.is_finite() and amount > 0):
+                raise ValueError(f"{name} must be a positive amount of USD")
+            setattr(self, name, amount)
+        if parse_duration(self.default_ttl) > parse_duration(self.max_ttl):
+            raise ValueError("default_ttl is longer than max_ttl")
+        if self.max_limit_usd is not None and self.default_limit_usd is not None:
+            if self.default_limit_usd > self.max_limit_usd:
+                raise ValueError("default_limit_usd is above max_limit_usd")
+
+    def policy(self, where: str) -> RunPolicy:
+        """The :class:`~tokenward.pricing.runs.RunPolicy` these settings describe."""
+        return RunPolicy(
+            self.mode,
+            self.max_limit_usd,
+            self.default_limit_usd,
+            parse_duration(self.default_ttl),
+            parse_duration(self.max_ttl),
+            self.max_active,
+            where,
+        )
 
 
 def _check_unmetered(entries: list[str] | None) -> None:
@@ -150,11 +220,13 @@ class AuthConfig(_Section):
     :class:`~tokenward.proxy.edge.UnmeteredPolicy`); everything else unmetered is refused with 403.
     Default: the free endpoints, :data:`~tokenward.proxy.edge.FREE_ENDPOINTS`. ``attribution``:
     the default rules for ``end_user``, ``tags`` and ``session`` (:class:`AttributionRule`).
+    ``runs``: what callers may do with run budgets (:class:`RunSettings`; per key: ``runs``).
     """
 
     mode: Literal["passthrough", "virtual_keys"] = "passthrough"
     allow_unmetered: list[str] = msgspec.field(default_factory=lambda: list(FREE_ENDPOINTS))
     attribution: AttributionSettings = msgspec.field(default_factory=AttributionSettings)
+    runs: RunSettings = msgspec.field(default_factory=RunSettings)
 
     def __post_init__(self) -> None:
         _check_unmetered(self.allow_unmetered)
@@ -167,7 +239,10 @@ class VirtualKeyConfig(_Section):
     also be created with ``tokenward keys create`` (stored hashed in the ledger; they follow the
     global ``auth`` settings). ``allow_unmetered`` replaces ``auth.allow_unmetered`` for this key;
     each field of ``attribution`` set here replaces the global rule for that field.
-    ``role: admin`` also opens the dashboard and ``/metrics``.
+    ``role: admin`` also opens the dashboard and ``/metrics``, and reaches every key's provider
+    objects (files, batches, stored completions, ...); other keys reach only their own. ``org``
+    and ``pool`` attribute it further (budgets scoped to ``org``, or to a ``pool`` several keys
+    draw from); ``runs`` replaces ``auth.runs`` for this key.
     """
 
     name: Annotated[str, msgspec.Meta(min_length=1)]
@@ -175,8 +250,11 @@ class VirtualKeyConfig(_Section):
     key_sha256: Annotated[str, msgspec.Meta(pattern="^[0-9a-fA-F]{64}$")] | None = None
     team: str | None = None
     project: str | None = None
+    org: str | None = None
+    pool: str | None = None
     allow_unmetered: list[str] | None = None
     attribution: AttributionSettings | None = None
+    runs: RunSettings | None = None
     role: Literal["user", "admin"] = "user"
 
     def __post_init__(self) -> None:
@@ -310,13 +388,18 @@ class Config(_Section):
                 raise ValueError(f"virtual keys {names} have the same key - at `$.virtual_keys[{i}]`")
             key_digests[digest] = key.name
         names = [b.name for b in self.budgets]
+        seen: set[str] = set()
         for i, settings in enumerate(self.budgets):
             if names.count(settings.name) > 1:
                 raise ValueError(f"duplicate budget name {settings.name!r} - at `$.budgets[{i}].name`")
             try:
-                settings.to_budget()
+                expanded = settings.to_budgets()
             except ValueError as exc:
                 raise ValueError(f"{exc} - at `$.budgets[{i}]`") from exc
+            for budget in expanded:
+                if budget.name in seen:
+                    raise ValueError(f"duplicate budget name {budget.name!r} - at `$.budgets[{i}]`")
+                seen.add(budget.name)
             self._check_targets(settings.notify, f"$.budgets[{i}].notify")
         self._check_targets(self.alerts.admins, "$.alerts.admins")
         if self.alerts.digest is not None:
@@ -337,8 +420,12 @@ class Config(_Section):
                 )
 
     def budget_list(self) -> list[Budget]:
-        """The configured budgets."""
-        return [b.to_budget() for b in self.budgets]
+        """The configured budgets, one per window; templates (``per``) are :meth:`budget_templates`."""
+        return [b for settings in self.budgets for b in settings.to_budgets() if b.per is None]
+
+    def budget_templates(self) -> list[Budget]:
+        """The configured templates: budgets made per value of a dimension (``per: end_user``)."""
+        return [b for settings in self.budgets for b in settings.to_budgets() if b.per is not None]
 
     def unpriced_policy(self, upstream: UpstreamConfig) -> UnpricedPolicy:
         """The unpriced-model policy that applies to requests routed to ``upstream``."""

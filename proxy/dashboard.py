@@ -41,6 +41,7 @@ from litestar import Request, Response, get, post
 from litestar.datastructures import Cookie
 from litestar.handlers import BaseRouteHandler
 
+from tokenward.pricing.budgets import CALENDAR_PERIODS
 from tokenward.proxy.admin_auth import SESSION_COOKIE, SESSION_TTL_S, AdminAuth
 from tokenward.proxy.errors import ProxyError
 from tokenward.proxy.guard import BudgetGuard
@@ -87,8 +88,10 @@ def _assets() -> dict[str, tuple[bytes, str]]:
 def budget_views(guard: BudgetGuard | None, feed: LiveFeed, now: dt.datetime) -> list[dict[str, Any]]:
     """Every budget now, as live views show it (the dashboard, ``tokenward top``).
 
-    One entry per budget, in configuration order: ``budget``, ``scope`` (``team=a`` or ``all
-    traffic``), ``period`` (``day``/``week``/``month``/``total``/``rolling``), ``timezone``,
+    One entry per budget (each window of a budget with several), in configuration order:
+    ``budget``, ``group`` (the definition's name when it has several windows, else ``None``),
+    ``scope`` (``team=a`` or ``all traffic``), ``period``
+    (``hour``/``day``/``week``/``month``/``total``/``rolling``), ``timezone``,
     ``rolling_hours``, ``action``, ``thresholds`` (percent), ``limit_usd``, ``spent_usd``,
     ``reserved_usd`` (held by requests in flight), ``remaining_usd`` (limit - spent, never
     negative), ``percent`` (of the limit spent), ``forecast_usd`` (spend at the period's end at its
@@ -109,7 +112,7 @@ def budget_views(guard: BudgetGuard | None, feed: LiveFeed, now: dt.datetime) ->
         limit, spent = entry["limit_usd"], entry["spent_usd"]
         remaining = max(limit - spent, Decimal(0))
         burn = feed.budget_burn(budget.name, now=now.timestamp()) or Decimal(0)
-        resets = entry["period_end"] if period.kind in ("day", "week", "month") else None
+        resets = entry["period_end"] if period.kind in CALENDAR_PERIODS else None
         runs_out = None
         if remaining > 0 and burn > 0 and remaining / burn < _TEN_YEARS_H:
             at = now + dt.timedelta(hours=float(remaining / burn))
@@ -119,6 +122,7 @@ def budget_views(guard: BudgetGuard | None, feed: LiveFeed, now: dt.datetime) ->
         views.append(
             {
                 "budget": budget.name,
+                "group": budget.group,
                 "scope": budget.describe_scope(),
                 "period": period.kind,
                 "timezone": period.timezone,

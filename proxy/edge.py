@@ -70,8 +70,17 @@ METERED_ENDPOINTS: dict[str, Endpoint] = {
     "embeddings": Endpoint("embeddings", "openai", False),
     "responses": Endpoint("responses", "openai", False),
     "messages": Endpoint("anthropic_messages", "anthropic", False),
+    "images/generations": Endpoint("images", "media", False),
+    "images/edits": Endpoint("images", "media", False),
+    "images/variations": Endpoint("images", "media", False),
+    "audio/speech": Endpoint("audio_speech", "media", False),
+    "audio/transcriptions": Endpoint("audio_transcriptions", "media", False),
+    "audio/translations": Endpoint("audio_translations", "media", False),
 }
-"""Metered endpoints (``POST`` only) by lower-case path below ``/v1``. Add a row to meter one more."""
+"""Metered endpoints (``POST`` only) by lower-case path below ``/v1``. Add a row to meter one more.
+
+The ``media`` dialect's endpoints take JSON or ``multipart/form-data`` bodies
+(:mod:`tokenward.proxy.media`)."""
 
 FREE_ENDPOINTS: tuple[str, ...] = (
     "GET models",

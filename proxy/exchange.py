@@ -67,7 +67,10 @@ class Exchange:
     retried request (``attempt``, linked by ``parent_request_id``). ``price_fallback`` lets the
     configured fallback rates price a model with no price (the upstream's ``unpriced: fallback``);
     ``price_as`` is the catalog model the upstream pins its prices to (its ``price_as``).
-    ``reserved_usd`` is the worst case a blocking budget held for the request.
+    ``reserved_usd`` is the worst case a blocking budget held for the request. ``org``/``pool``
+    come from the key, ``run_id`` from ``X-Tokenward-Run``; ``sent_model`` is the model sent
+    upstream when a budget rerouted the request, ``degraded`` what a budget changed; ``cost_usd``
+    the request's cost once recorded (``None`` while unknown).
     """
 
     endpoint: str
@@ -103,6 +106,12 @@ class Exchange:
     reservation: Any = None
     reserved_usd: Decimal | None = None
     parts: list[tuple[str, Usage]] = field(default_factory=list)
+    org: str | None = None
+    pool: str | None = None
+    run_id: str | None = None
+    sent_model: str | None = None
+    degraded: str | None = None
+    cost_usd: Decimal | None = None
     row_kind: str = "request"
     parent_request_id: str | None = None
     first_byte_perf: float | None = None
@@ -122,6 +131,11 @@ class Exchange:
             key_id=self.key_id,
             team=self.team,
             project=self.project,
+            org=self.org,
+            pool=self.pool,
+            run_id=self.run_id,
+            sent_model=self.sent_model,
+            degraded=self.degraded,
             end_user=self.end_user,
             tags=self.tags,
             session_id=self.session_id,

@@ -22,7 +22,7 @@ import logging
 import math
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from decimal import Decimal
 from functools import partial
 from typing import Any
@@ -32,24 +32,31 @@ from litestar import Request
 from litestar.exceptions import ClientException, InternalServerException
 from litestar.types import Scope
 
-from tokenward.pricing.budgets import Budget
+from tokenward.pricing.budgets import CALENDAR_PERIODS, Budget
 from tokenward.pricing.quote import worst_case
+from tokenward.pricing.runs import RunRefused, parse_run_header
 from tokenward.pricing.settings import GuardSettings
 from tokenward.pricing.usage import UsageSource
 from tokenward.proxy import tokenizer
 from tokenward.proxy.bounds import Unmetered, scan
+from tokenward.proxy.budget_api import header_name, reply_headers, usd_text
 from tokenward.proxy.config import UpstreamConfig
+from tokenward.proxy.degrade import Plan, degrade
 from tokenward.proxy.dialects.claude_code import parse_user_id
 from tokenward.proxy.edge import METERED_ENDPOINTS, EdgeError, Endpoint, Target, request_dialect, target
 from tokenward.proxy.errors import ProxyError
 from tokenward.proxy.exchange import Exchange, Outcome
 from tokenward.proxy.guard import BudgetGuard, BudgetRefusal
+from tokenward.proxy.isolation import Isolation, ObjectNotFound
 from tokenward.proxy.keys import AUTH_HEADERS, Authenticator, Identity, presented_key, upstream_credential
 from tokenward.proxy.limits import BodyLimits, body_stream, read_body
+from tokenward.proxy.media import MediaRequest, MediaRequestError, read_request
+from tokenward.proxy.media import estimate as media_estimate
 from tokenward.proxy.metering import Meter, count_input, estimate
 from tokenward.proxy.recorder import Recorder
 from tokenward.proxy.relay import HOP_BY_HOP, DisconnectWatch, Relay, header
 from tokenward.proxy.routing import Route, Router
+from tokenward.proxy.run_budgets import DynamicBudgets
 from tokenward.proxy.splice import find_member, set_member
 from tokenward.proxy.upstream import UpstreamClient, UpstreamError, UpstreamReply
 
@@ -62,14 +69,34 @@ _UPSTREAM_HEADER = b"x-tokenward-upstream"
 _TAGS_HEADER = b"x-tokenward-tags"
 _SESSION_HEADER = b"x-tokenward-session"
 _USER_HEADER = b"x-tokenward-user"
+_RUN_HEADER = b"x-tokenward-run"
+_OUTPUT_LIMITS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
 _ANTHROPIC_HEADERS = frozenset({b"anthropic-version", b"anthropic-beta"})
 _INCLUDE_USAGE = b'"stream_options":{"include_usage":true}'
 _JSON_SPACE = re.compile(rb"[ \t\r\n]*")
+_RAW_MEDIA = ("audio/", "application/octet-stream")  # binary speech replies: relayed as they arrive
 _OUTCOME_BY_CODE = {
     "model_not_priced": Outcome.REJECTED,
+    "invalid_request": Outcome.CLIENT_ERROR,
     "budget_exceeded": Outcome.REJECTED,
     "endpoint_not_allowed": Outcome.REJECTED,
     "attribution_refused": Outcome.REJECTED,
+    "isolation_refused": Outcome.REJECTED,
+    "list_not_filtered": Outcome.UPSTREAM_ERROR,
+    **dict.fromkeys(
+        (
+            "run_required",
+            "run_not_allowed",
+            "run_limit_too_high",
+            "run_ttl_too_long",
+            "run_ended",
+            "run_limit_raised",
+            "too_many_runs",
+            "runs_unavailable",
+            "budget_capacity",
+        ),
+        Outcome.REJECTED,
+    ),
     "client_disconnected": Outcome.CLIENT_DISCONNECTED,
 }
 _OUTCOME_BY_STATUS = {
@@ -97,6 +124,8 @@ class _RequestHead(msgspec.Struct):
     max_completion_tokens: Any = None
     max_output_tokens: Any = None
     service_tier: Any = None
+    speed: Any = None
+    store: Any = None
 
 
 _decode_head = msgspec.json.Decoder(_RequestHead).decode
@@ -113,6 +142,10 @@ class _Inbound:
     identity: Identity | None = None
     anthropic: bool = False
     """The request carries Anthropic's headers (``anthropic-version``/``-beta``, or ``x-api-key``)."""
+    run: str | None = None
+    """The ``X-Tokenward-Run`` header's value."""
+    claimed: dict[bytes, str] | None = None
+    """Values of the headers attribution rules read (``header:``), by lower-case name."""
 
 
 class Forwarder:
@@ -130,6 +163,8 @@ class Forwarder:
         guard: budgets and their reservations (``None``: no budgets).
         guard_settings: how a request's worst-case cost is bounded for blocking budgets.
         limits: request body size and time limits (:mod:`tokenward.proxy.limits`).
+        isolation: keeps each virtual key to its own provider objects (``None``: passthrough mode).
+        dynamic: run budgets and per-value budgets (:mod:`tokenward.proxy.run_budgets`).
     """
 
     def __init__(
@@ -144,6 +179,8 @@ class Forwarder:
         guard: BudgetGuard | None = None,
         guard_settings: GuardSettings | None = None,
         limits: BodyLimits | None = None,
+        isolation: Isolation | None = None,
+        dynamic: DynamicBudgets | None = None,
     ) -> None:
         self.client = client
         self.router = router
@@ -154,6 +191,8 @@ class Forwarder:
         self.guard = guard
         self.guard_settings = guard_settings or GuardSettings()
         self.limits = limits or BodyLimits()
+        self.isolation = isolation
+        self.dynamic = dynamic
 
     async def handle(self, request: Request[Any, Any, Any]) -> Relay:
         """Route one request on its checked raw path (every method, every path but tokenward's own).
@@ -191,7 +230,8 @@ class Forwarder:
 
         In ``virtual_keys`` mode it must be allowed by the caller's ``allow_unmetered`` (else 403
         ``endpoint_not_allowed``). It goes to an upstream of the request's dialect
-        (:func:`~tokenward.proxy.edge.request_dialect`).
+        (:func:`~tokenward.proxy.edge.request_dialect`). Provider objects it names, lists or
+        creates are held to the caller's own (:mod:`tokenward.proxy.isolation`).
         """
         scope = request.scope
         ex = Exchange(endpoint="passthrough", method=scope["method"], path=found.path)
@@ -202,13 +242,30 @@ class Forwarder:
             if not self.auth.passthrough and not inbound.identity.unmetered.allows(found.method, found.tail):
                 raise _not_allowed(found, inbound.identity)
             self.recorder.admit(ex)
-            _settle_attribution(ex, inbound.identity)
+            _settle_attribution(ex, inbound.identity, inbound.claimed)
+            has_body = any(name in (b"content-length", b"transfer-encoding") for name, _ in scope["headers"])
+            plan = self.isolation.plan(found, inbound.identity, inbound.anthropic) if self.isolation else None
+            body = None
+            if plan is not None:
+                await plan.check()
+                if has_body and plan.reads_body:  # a JSON body that may name objects: read it once, check it
+                    body = await read_body(request.receive, scope["headers"], self.limits)
+                    await plan.check_body(body)
             route = self.router.pick(None, inbound.upstream, request_dialect(found.tail, inbound.anthropic))
             self._attach(ex, route, inbound)
-            has_body = any(name in (b"content-length", b"transfer-encoding") for name, _ in scope["headers"])
-            content = body_stream(request.receive, scope["headers"], self.limits) if has_body else None
+            if plan is not None:
+                found = plan.prepare(found, inbound.headers)
+            if has_body and body is None:
+                content = body_stream(request.receive, scope["headers"], self.limits)
             await self.recorder.forwarding(ex)
-            reply = await self._send(route, found, inbound.headers, content, ex)
+            reply = await self._send(route, found, inbound.headers, content if body is None else body, ex)
+            if plan is not None:
+                listed = found
+
+                def resend(query: str) -> Any:
+                    return self._send(route, replace(listed, query=query), inbound.headers, None, ex)
+
+                reply = await plan.reply(ex, reply, resend)
             return Relay(ex, reply, self.complete, drain_timeout_s=self.drain_timeout_s)
         except BaseException as exc:
             # an upload that broke off over a limit: the client hears why, not what the upstream made of it
@@ -235,16 +292,11 @@ class Forwarder:
         inbound = self._inbound(scope, ex, keep_length=False)
         self.recorder.admit(ex)  # from here on, a crash leaves this request a row
         body = await read_body(request.receive, scope["headers"], self.limits)  # one copy; not request.body()
-        if not body.strip():
-            raise ProxyError(400, "The request body is empty: send a JSON object.", "invalid_json")
-        try:
-            head = _decode_head(body)
-        except msgspec.ValidationError as exc:
-            raise ProxyError(400, f"The request body must be a JSON object: {exc}", "invalid_json") from exc
-        except msgspec.DecodeError as exc:
-            raise ProxyError(400, f"We could not parse the JSON body of your request: {exc}", "invalid_json") from exc
-        except RecursionError:
-            raise ProxyError(400, "The JSON body of your request is nested too deeply.", "invalid_json") from None
+        media = None
+        if endpoint.dialect == "media":
+            media, head = await self._read_media(found, body, scope)
+        else:
+            head = _read_head(body)
         ex.requested_model = head.model if isinstance(head.model, str) else None
         ex.stream = head.stream is True
         # Anthropic: metadata.user_id (Claude Code's holds account, device and session ids)
@@ -254,7 +306,12 @@ class Forwarder:
             user = head.user if isinstance(head.user, str) else None
             ex.end_user = user if user is not None else identity and identity.end_user
         assert inbound.identity is not None
-        _settle_attribution(ex, inbound.identity)
+        _settle_attribution(ex, inbound.identity, inbound.claimed)
+        self._join_run(ex, inbound)
+        isolation = self.isolation
+        plan = isolation.plan_metered(endpoint.name, found, inbound.identity, body, head.store) if isolation else None
+        if plan is not None:
+            await plan.check_body(body)
         route = self.router.pick(ex.requested_model, inbound.upstream, endpoint.dialect)
         self._attach(ex, route, inbound)
         strip_usage = False
@@ -269,10 +326,14 @@ class Forwarder:
             # tokenward edits this stream: ask for it uncompressed (the relay decodes it if not)
             inbound.headers = [h for h in inbound.headers if h[0] != b"accept-encoding"]
             inbound.headers.append((b"accept-encoding", b"identity"))
-        budget_headers = await self._admit(ex, head, body, endpoint)
+        if plan is not None:
+            plan.prepare(found, inbound.headers)
+        budget_headers, body = await self._admit(ex, head, body, endpoint, media, route, inbound.upstream)
         watch.append(DisconnectWatch(request.receive))  # the body is read: receive now only reports a disconnect
         await self.recorder.forwarding(ex)
         reply = await self._send_while_connected(route, found, inbound.headers, body, ex, watch[0])
+        if plan is not None:
+            reply = await plan.reply(ex, reply, None)  # a stored completion or response: its owner first
         meter = Meter(endpoint.dialect, header(reply.headers, b"content-encoding"))
         return Relay(
             ex,
@@ -286,62 +347,219 @@ class Forwarder:
             watch=watch[0],
             drain_timeout_s=self.drain_timeout_s,
             extra_headers=budget_headers,
+            raw_types=_RAW_MEDIA if media is not None else (),
+            media=media,
+            final_headers=self._final_headers,
         )
 
-    async def _admit(
-        self, ex: Exchange, head: _RequestHead, body: bytes, endpoint: Endpoint
-    ) -> list[tuple[bytes, bytes]]:
-        """Reserve the request's worst-case cost against the blocking budgets in its scope.
-
-        Returns the budget headers for the reply (the tightest budget in scope and what is left).
+    def _join_run(self, ex: Exchange, inbound: _Inbound) -> None:
+        """Hold the request's ``X-Tokenward-Run`` to the caller's run policy; open the run's books.
 
         Raises:
-            ProxyError: 429 ``budget_exceeded`` when a blocking budget would go over its limit.
+            ProxyError: 400 ``invalid_run``; 403 ``run_required``, ``run_not_allowed``,
+                ``run_limit_too_high``, ``run_ttl_too_long``; 409 ``run_ended``,
+                ``run_limit_raised``; 429 ``too_many_runs``; 503 ``runs_unavailable`` (all with
+                ``x-should-retry: false``).
+        """
+        identity = inbound.identity
+        assert identity is not None
+        if inbound.run is None and identity.runs.mode != "required":
+            return
+        now = dt.datetime.fromtimestamp(ex.started_at, dt.UTC)
+        try:
+            header = parse_run_header(inbound.run) if inbound.run is not None else None
+            if self.dynamic is None:  # no books for runs: only "no run" can pass
+                identity.runs.settle(header)
+                if header is not None:
+                    raise RunRefused(403, "Run budgets are off on this proxy: drop X-Tokenward-Run.", "run_not_allowed")
+                return
+            ex.run_id = self.dynamic.join(ex.key_id, ex.principal, identity.runs, header, now)
+        except RunRefused as exc:
+            raise ProxyError(exc.status, exc.message, exc.code, headers=[(b"x-should-retry", b"false")]) from None
+
+    def _final_headers(self, ex: Exchange) -> list[tuple[bytes, bytes]]:
+        """Headers of a whole (not streamed) reply, once it is recorded: its cost, the budgets after it."""
+        headers = [(b"x-tokenward-cost-usd", usd_text(ex.cost_usd).encode())] if ex.cost_usd is not None else []
+        if self.guard is not None:
+            headers += reply_headers(self.guard, _attributes(ex), dt.datetime.now(dt.UTC))
+        return headers
+
+    async def _read_media(self, found: Target, body: bytes, scope: Scope) -> tuple[MediaRequest, _RequestHead]:
+        """Read an images or audio request (JSON or multipart, off the event loop) and its head.
+
+        Raises:
+            ProxyError: 400 ``invalid_request`` for a body that cannot be read.
+        """
+        content_type = header(scope["headers"], b"content-type")
+        try:
+            media = await asyncio.to_thread(read_request, found.tail, body, content_type)
+        except MediaRequestError as exc:
+            raise ProxyError(400, str(exc), "invalid_request") from None
+        return media, _RequestHead(model=media.model, stream=media.stream, user=media.user, n=media.n)
+
+    async def _admit(
+        self,
+        ex: Exchange,
+        head: _RequestHead,
+        body: bytes,
+        endpoint: Endpoint,
+        media: MediaRequest | None = None,
+        route: Route | None = None,
+        explicit: str | None = None,
+    ) -> tuple[list[tuple[bytes, bytes]], bytes]:
+        """Reserve the request's worst-case cost against the blocking budgets in its scope.
+
+        When it does not fit and the budgets allow it (``degrade``), a chat, completions,
+        responses or messages request is rerouted to a cheaper model or its output limit lowered
+        instead (:mod:`tokenward.proxy.degrade`); the body is edited byte for byte.
+
+        Returns the budget headers for the reply (for a stream: the tightest budget in scope and
+        what is left, every budget in scope; a whole reply gets those once recorded), what was
+        degraded, and the body to send.
+
+        Raises:
+            ProxyError: 429 ``budget_exceeded`` when a blocking budget would go over its limit; 400
+                ``model_not_priced`` for a model with no price (unless ``guard.unpriced_hold_usd``);
+                429 ``budget_capacity`` when a per-value budget cannot be made.
         """
         guard = self.guard
         if guard is None:
-            return []
+            return [], body
         attributes = _attributes(ex)
         now = dt.datetime.fromtimestamp(ex.started_at, dt.UTC)
+        extra: list[tuple[bytes, bytes]] = []
+        if self.dynamic is not None and self.dynamic.templates:
+            try:
+                self.dynamic.check_capacity(attributes)
+            except RunRefused as exc:
+                raise ProxyError(exc.status, exc.message, exc.code, "insufficient_quota") from None
         if guard.in_scope(attributes, blocking_only=True):
-            worst, unbounded = await self._worst_case(ex, head, body, endpoint, now)
+            counts: dict[Any, Any] = {}
+            if media is not None:
+                worst, unbounded = await self._media_worst_case(ex, media, now), False
+            else:
+                worst, unbounded = await self._worst_case(ex, head, body, endpoint, now, counts=counts)
             if worst is not None:
                 try:
                     ex.reservation = guard.admit(attributes, worst, now, unbounded=unbounded)
                     ex.reserved_usd = ex.reservation.amount
                 except BudgetRefusal as refusal:
-                    headers = _budget_headers(refusal.budget, refusal.remaining) + _no_retry(refusal, now)
-                    raise ProxyError(429, str(refusal), "budget_exceeded", "insufficient_quota", headers) from refusal
+                    plan = None
+                    if not unbounded and media is None:
+                        plan = await self._degrade(
+                            ex, head, body, endpoint, route, explicit, now, attributes, worst, counts
+                        )
+                    if plan is None:
+                        headers = _budget_headers(refusal.budget, refusal.remaining) + _no_retry(refusal, now)
+                        raise ProxyError(
+                            429, str(refusal), "budget_exceeded", "insufficient_quota", headers
+                        ) from refusal
+                    body, extra = self._apply(ex, head, body, endpoint, route, plan)
+                    attributes = _attributes(ex)
             else:
-                log.warning(
-                    "request %s: model %r has no price, so blocking budgets cannot bound it",
-                    ex.request_id,
-                    ex.requested_model,
-                )
-        tightest = guard.tightest(attributes, now)
-        return _budget_headers(*tightest) if tightest else []
+                self._hold_unpriced(ex, attributes, now)
+        if not ex.stream:  # a whole reply gets them once it is recorded (Relay's final_headers)
+            return extra, body
+        return reply_headers(guard, attributes, now) + extra, body
+    async def _degrade(
+        self,
+        ex: Exchange,
+        head: _RequestHead,
+        body: bytes,
+        endpoint: Endpoint,
+        route: Route | None,
+        explicit: str | None,
+        now: dt.datetime,
+        attributes: dict[str, Any],
+        worst: Decimal,
+        counts: dict[Any, Any],
+    ) -> Plan | None:
+        """A cheaper model or a smaller answer that fits (:func:`tokenward.proxy.degrade.degrade`)."""
+        assert self.guard is not None
+
+        async def bound(model: str | None, max_output: int) -> Decimal | None:
+            if model != ex.requested_model and (
+                route is None
+                or model is None
+                or self.router.pick(model, explicit, endpoint.dialect).name != route.name
+            ):
+                return None  # a cheaper model must be served by the same upstream
+            priced, _ = await self._worst_case(
+                ex, head, body, endpoint, now, model=model, max_output=max_output, counts=counts
+            )
+            return priced
+
+        return await degrade(
+            self.guard,
+            attributes,
+            worst,
+            now,
+            model=ex.requested_model,
+            max_output_tokens=_output_limit(head, self.guard_settings.default_max_output_tokens),
+            bound=bound,
+        )
+
+    def _apply(
+        self, ex: Exchange, head: _RequestHead, body: bytes, endpoint: Endpoint, route: Route | None, plan: Plan
+    ) -> tuple[bytes, list[tuple[bytes, bytes]]]:
+        """Edit the body as ``plan`` says (byte for byte), note it on ``ex``; the body and the reply header."""
+        ex.reservation = plan.reservation
+        ex.reserved_usd = plan.reservation.amount
+        notes, parts = [], []
+        if plan.model is not None:
+            body = set_member(body, "model", msgspec.json.encode(plan.model)) or body
+            notes.append(f"model {ex.requested_model} -> {plan.model}")
+            parts.append(f"model={plan.model};was={ex.requested_model}")
+            ex.sent_model = plan.model
+        if plan.max_output_tokens is not None:
+            was = _output_limit(head, self.guard_settings.default_max_output_tokens)
+            present = [name for name in _OUTPUT_LIMITS if getattr(head, name) is not None]
+            if not present:  # none was sent: the field the endpoint (and upstream) reads
+                present = [_limit_field(endpoint, route)]
+            value = str(plan.max_output_tokens).encode()
+            for name in present:
+                body = set_member(body, name, value) or body
+            notes.append(f"{'/'.join(present)} {was} -> {plan.max_output_tokens}")
+            parts.append(f"max_tokens={plan.max_output_tokens};was={was}")
+        ex.degraded = f"{'; '.join(notes)} (budget {plan.budget.name})"
+        header = ", ".join(parts).encode("ascii", "backslashreplace") + b";budget=" + header_name(plan.budget.name)
+        return body, [(b"x-tokenward-degraded", header)]
+
 
     async def _worst_case(
-        self, ex: Exchange, head: _RequestHead, body: bytes, endpoint: Endpoint, now: dt.datetime
+        self,
+        ex: Exchange,
+        head: _RequestHead,
+        body: bytes,
+        endpoint: Endpoint,
+        now: dt.datetime,
+        *,
+        model: str | None = None,
+        max_output: int | None = None,
+        counts: dict[Any, Any] | None = None,
     ) -> tuple[Decimal | None, bool]:
-        """The request's cost bound (USD; ``None``: no price) and whether its input is unbounded."""
+        """The request's cost bound (USD; ``None``: no price) and whether its input is unbounded.
+
+        ``model`` and ``max_output`` price it as if sent for another model or with another output
+        limit per choice (degrading); ``counts`` caches the token count across such calls.
+        """
         settings = self.guard_settings
-        counted, extra = await asyncio.to_thread(_count_for_bound, endpoint.dialect, body, ex.requested_model)
-        exact = tokenizer.encoding_name_known(ex.requested_model)
-        input_tokens = counted if exact else math.ceil(counted * settings.foreign_tokenizer_margin)
-        input_tokens += extra.images * settings.image_tokens + extra.audio_tokens
-        limit = next(
-            (
-                v
-                for v in (head.max_completion_tokens, head.max_tokens, head.max_output_tokens)
-                if isinstance(v, int) and not isinstance(v, bool) and v > 0
-            ),
-            settings.default_max_output_tokens,
-        )
+        model = model or ex.requested_model
+        cached = counts.get(model) if counts is not None else None
+        if cached is None:
+            cached = await asyncio.to_thread(_count_for_bound, endpoint.dialect, body, model)
+            if counts is not None:
+                counts[model] = cached
+        counted, extra = cached
+        margin = settings.input_margin
+        if not tokenizer.encoding_name_known(model):
+            margin *= settings.foreign_tokenizer_margin
+        input_tokens = math.ceil(counted * margin) + settings.input_margin_tokens + extra.audio_tokens
+        limit = max_output if max_output is not None else _output_limit(head, settings.default_max_output_tokens)
         choices = head.n if isinstance(head.n, int) and not isinstance(head.n, bool) and head.n > 1 else 1
         bound = worst_case(
             self.recorder.catalog,
-            model=ex.requested_model,
+            model=model,
             provider=ex.provider,
             at=now,
             input_tokens=input_tokens,
@@ -349,10 +567,54 @@ class Forwarder:
             audio_input_tokens=extra.audio_tokens,
             audio_output=extra.audio_output,
             service_tier=head.service_tier if isinstance(head.service_tier, str) else None,
+            speed=head.speed if isinstance(head.speed, str) else None,
             fallback=ex.price_fallback,
             price_as=ex.price_as,
+            images=extra.images,
+            image_tokens=settings.image_tokens,
         )
         return bound, extra.unbounded
+
+    async def _media_worst_case(self, ex: Exchange, media: MediaRequest, now: dt.datetime) -> Decimal | None:
+        """The cost bound (USD; ``None``: no price) of an images or audio request (:mod:`~tokenward.proxy.media`)."""
+        settings = self.guard_settings
+        counted = await asyncio.to_thread(media.text_tokens)
+        text = math.ceil(counted * settings.input_margin) + settings.input_margin_tokens
+        return worst_case(
+            self.recorder.catalog,
+            model=ex.requested_model,
+            provider=ex.provider,
+            at=now,
+            fallback=ex.price_fallback,
+            price_as=ex.price_as,
+            image_tokens=settings.image_tokens,
+            **media.bound_args(text, settings.default_max_output_tokens),
+        )
+
+    def _hold_unpriced(self, ex: Exchange, attributes: dict[str, Any], now: dt.datetime) -> None:
+        """Refuse a request no price bounds under a blocking budget, or hold ``guard.unpriced_hold_usd`` for it.
+
+        Raises:
+            ProxyError: 400 ``model_not_priced`` naming the budgets; 429 ``budget_exceeded`` when
+                the hold does not fit.
+        """
+        assert self.guard is not None
+        hold = self.guard_settings.unpriced_hold_usd
+        if hold is None:
+            names = ", ".join(repr(b.name) for b in self.guard.in_scope(attributes, blocking_only=True))
+            raise ProxyError(
+                400,
+                f"tokenward has no price for model {ex.requested_model!r}, so it cannot bound what this request "
+                f"may cost, and budget {names} refuses requests it cannot bound: ask your admin to add a price "
+                "(or set guard.unpriced_hold_usd).",
+                "model_not_priced",
+            )
+        try:
+            ex.reservation = self.guard.admit(attributes, hold, now)
+            ex.reserved_usd = ex.reservation.amount
+        except BudgetRefusal as refusal:
+            headers = _budget_headers(refusal.budget, refusal.remaining) + _no_retry(refusal, now)
+            raise ProxyError(429, str(refusal), "budget_exceeded", "insufficient_quota", headers) from refusal
 
     def _inbound(self, scope: Scope, ex: Exchange, *, keep_length: bool) -> _Inbound:
         """One pass over the client's headers: what to forward, who is calling, what it asked.
@@ -365,6 +627,7 @@ class Forwarder:
         dropped = HOP_BY_HOP | {b"host"} if keep_length else _NOT_FORWARDED
         inbound = _Inbound(headers=[])
         has_encoding = False
+        claimed_names = self.auth.attribution_headers
         credential: tuple[bytes, bytes] | None = None
         credentials = 0
         for name, value in scope["headers"]:
@@ -381,6 +644,14 @@ class Forwarder:
                 inbound.client_request_id = value.decode("latin-1")
             elif name == _UPSTREAM_HEADER:
                 inbound.upstream = value.decode("latin-1")
+                continue
+            elif name == _RUN_HEADER:
+                inbound.run = value.decode("latin-1")
+                continue
+            elif name in claimed_names:
+                if inbound.claimed is None:
+                    inbound.claimed = {}
+                inbound.claimed[name] = value.decode("utf-8", "replace")
                 continue
             elif name == _TAGS_HEADER:
                 ex.tags = tuple(sorted({t.strip() for t in value.decode("utf-8", "replace").split(",") if t.strip()}))
@@ -410,6 +681,7 @@ class Forwarder:
         identity = inbound.identity = self.auth.identify(inbound.key)
         ex.principal, ex.key_id = identity.principal, identity.key_id
         ex.team, ex.project = identity.team, identity.project
+        ex.org, ex.pool = identity.org, identity.pool
         return inbound
 
     def _attach(self, ex: Exchange, route: Route, inbound: _Inbound) -> None:
@@ -565,6 +837,8 @@ class Forwarder:
             self.recorder.finish(ex)
         else:
             ex.end(outcome, error.status, error.message)
+            if isinstance(exc, ObjectNotFound):  # the client hears "no such object"; the ledger says why
+                ex.outcome, ex.error = Outcome.REJECTED, exc.note
         return Relay.refusal(ex, error, self._record_refusal)
 
     async def _record_refusal(self, relay: Relay) -> None:
@@ -609,6 +883,8 @@ class Forwarder:
             ex.error = f"{ex.error}; {result.unmetered}" if ex.error else result.unmetered
         if result.usage is not None:
             ex.usage = result.usage
+            if relay.media is not None and result.usage.output_images and not result.usage.image_variant:
+                ex.usage = replace(result.usage, image_variant=relay.media.variant)  # the reply named no size
             ex.parts = result.parts
             ex.raw_usage = result.raw_usage
             await self.recorder.commit(ex)
@@ -626,6 +902,10 @@ class Forwarder:
             await self.recorder.commit(ex)
             return
         source = UsageSource.ESTIMATED if ex.outcome is Outcome.OK else UsageSource.PARTIAL
+        if relay.media is not None:
+            kept = list(meter.kept_reply)
+            await self.recorder.commit(ex, estimate=partial(media_estimate, relay.media, kept, source=source))
+            return
         job = partial(
             estimate,
             relay.dialect,
@@ -638,6 +918,24 @@ class Forwarder:
             only_if_output=result.error is not None,
         )
         await self.recorder.commit(ex, estimate=job)
+
+
+def _read_head(body: bytes) -> _RequestHead:
+    """The members of a JSON request body tokenward acts on.
+
+    Raises:
+        ProxyError: 400 ``invalid_json`` for an empty body, or one that is not a JSON object.
+    """
+    if not body.strip():
+        raise ProxyError(400, "The request body is empty: send a JSON object.", "invalid_json")
+    try:
+        return _decode_head(body)
+    except msgspec.ValidationError as exc:
+        raise ProxyError(400, f"The request body must be a JSON object: {exc}", "invalid_json") from exc
+    except msgspec.DecodeError as exc:
+        raise ProxyError(400, f"We could not parse the JSON body of your request: {exc}", "invalid_json") from exc
+    except RecursionError:
+        raise ProxyError(400, "The JSON body of your request is nested too deeply.", "invalid_json") from None
 
 
 def _not_allowed(found: Target, identity: Identity) -> ProxyError:
@@ -654,24 +952,57 @@ def _not_allowed(found: Target, identity: Identity) -> ProxyError:
     )
 
 
-def _settle_attribution(ex: Exchange, identity: Identity) -> None:
-    """Hold the client's ``end_user``, ``tags`` and ``session`` claims to the caller's rules (403 if broken)."""
+def _settle_attribution(ex: Exchange, identity: Identity, claimed: dict[bytes, str] | None = None) -> None:
+    """Hold the client's ``end_user``, ``tags`` and ``session`` claims to the caller's rules (403 if broken).
+
+    ``claimed``: the values of the headers the rules read (``header:``).
+    """
     attribution = identity.attribution
     if not attribution.open:
-        ex.end_user, ex.tags, ex.session_id = attribution.settle(ex.end_user, ex.tags, ex.session_id)
+        ex.end_user, ex.tags, ex.session_id = attribution.settle(ex.end_user, ex.tags, ex.session_id, claimed)
 
 
 def _attributes(ex: Exchange) -> dict[str, Any]:
-    """A request's budget-scope attributes before the reply (the model is the requested one)."""
+    """A request's budget-scope attributes before the reply (the requested model, and the one sent)."""
     return {
         "key": ex.principal,
+        "key_id": ex.key_id,
         "team": ex.team,
         "project": ex.project,
+        "org": ex.org,
+        "pool": ex.pool,
+        "run": ex.run_id,
         "end_user": ex.end_user,
-        "model": (ex.requested_model,),
+        "model": (ex.requested_model,) if ex.sent_model is None else (ex.requested_model, ex.sent_model),
         "upstream": ex.upstream,
         "tag": ex.tags,
     }
+
+
+def _output_limit(head: _RequestHead, default: int) -> int:
+    """The request's output limit per choice (the first valid of its output-limit fields, else ``default``)."""
+    return next(
+        (
+            v
+            for v in (head.max_completion_tokens, head.max_tokens, head.max_output_tokens)
+            if isinstance(v, int) and not isinstance(v, bool) and v > 0
+        ),
+        default,
+    )
+
+
+def _limit_field(endpoint: Endpoint, route: Route | None) -> str:
+    """The output-limit field to add to a request that sent none.
+
+    Responses: ``max_output_tokens``; chat at OpenAI and Azure: ``max_completion_tokens`` (their
+    reasoning models refuse ``max_tokens``); anything else: ``max_tokens``.
+    """
+    if endpoint.name == "responses":
+        return "max_output_tokens"
+    provider = route.config.catalog_provider if route is not None else ""
+    if endpoint.name == "chat_completions" and provider in ("openai", "azure", "azure-openai"):
+        return "max_completion_tokens"
+    return "max_tokens"
 
 
 def _count_for_bound(dialect: str, body: bytes, model: str | None) -> tuple[int, Unmetered]:
@@ -690,7 +1021,7 @@ def _no_retry(refusal: BudgetRefusal, now: dt.datetime) -> list[tuple[bytes, byt
     until a calendar period resets.
     """
     headers = [(b"x-should-retry", b"false")]
-    if refusal.budget.period.kind in ("day", "week", "month"):
+    if refusal.budget.period.kind in CALENDAR_PERIODS:
         seconds = math.ceil((refusal.resets - now).total_seconds())
         headers.append((b"retry-after", str(max(seconds, 1)).encode()))
     return headers
@@ -698,8 +1029,8 @@ def _no_retry(refusal: BudgetRefusal, now: dt.datetime) -> list[tuple[bytes, byt
 
 def _budget_headers(budget: Budget, remaining: Decimal) -> list[tuple[bytes, bytes]]:
     return [
-        (b"x-tokenward-budget", budget.name.encode()),
-        (b"x-tokenward-budget-remaining-usd", format(remaining.normalize(), "f").encode()),
+        (b"x-tokenward-budget", header_name(budget.name)),
+        (b"x-tokenward-budget-remaining-usd", usd_text(remaining).encode()),
     ]
 
 

@@ -9,6 +9,11 @@ worst-case cost is reserved against every blocking budget in scope in one synchr
 pass on the same stale figure (field case B32). When the exchange ends the reservation is
 released and the real cost counted, whatever the outcome.
 
+Budgets made while serving (a run's cap, a per-user budget made on first sight) get books of
+their own under their budget's name (:meth:`BudgetGuard.open_book`); the callables in
+:attr:`BudgetGuard.scopes` name those in scope of a request or row, so that admission, settling
+and headers treat them as any other budget.
+
 One process: replicas sharing a ledger each see only their own in-flight reservations.
 """
 
@@ -24,6 +29,7 @@ from typing import Any
 from zoneinfo import ZoneInfo
 
 from tokenward.pricing.budgets import Budget, evaluate
+from tokenward.reports.ledger.schema import HELD_STATUSES
 
 __all__ = ["BooksSpend", "BudgetGuard", "BudgetRefusal", "Reservation", "attributes_of_row", "spend_amount"]
 
@@ -78,10 +84,11 @@ def _add(totals: dict[str, Decimal], name: str, amount: Decimal) -> None:
 def spend_amount(row: Mapping[str, Any]) -> Decimal | None:
     """What a ledger row counts against its budgets (USD; ``SPEND_EXPRESSION`` in SQL).
 
-    Its cost, or the reservation a ``usage_unknown`` row still holds.
+    Its cost, or the reservation a row with no cost still holds when the provider may have billed
+    it (``HELD_STATUSES``: ``usage_unknown``, ``unpriced``, ``usage_invalid``).
     """
     cost = row.get("cost_usd")
-    if cost is None and row.get("price_status") == "usage_unknown":
+    if cost is None and row.get("price_status") in HELD_STATUSES:
         return row.get("reserved_usd")
     return cost
 
@@ -132,10 +139,14 @@ def attributes_of_row(row: Mapping[str, Any]) -> dict[str, Any]:
     """A ledger row's scope attributes (``model`` as the pair of requested and served names)."""
     return {
         "key": row.get("principal"),
+        "key_id": row.get("key_id"),
         "team": row.get("team"),
         "project": row.get("project"),
+        "org": row.get("org"),
+        "pool": row.get("pool"),
+        "run": row.get("run_id"),
         "end_user": row.get("end_user"),
-        "model": (row.get("requested_model"), row.get("served_model")),
+        "model": (row.get("requested_model"), row.get("served_model"), row.get("sent_model")),
         "upstream": row.get("upstream"),
         "tag": tuple(row.get("tags") or ()),
     }
@@ -157,6 +168,39 @@ class BudgetGuard:
         self._books = [_Book(b, *b.period.window(now)) for b in budgets]
         self.on_crossing = on_crossing
         self._ids = itertools.count(1)
+        self._by_name = {book.budget.name: book for book in self._books}
+        self._dynamic: dict[str, _Book] = {}
+        self.scopes: list[Callable[[Mapping[str, Any], dt.datetime], Iterable[str]]] = []
+        """Each names the budgets with books of their own (:meth:`open_book`) in scope of a request
+        or row's attributes, at an instant."""
+        self.listeners: list[Callable[[Mapping[str, Any]], None]] = []
+        """Each is called with every row :meth:`observe` counts (velocity books hook in here)."""
+
+    def open_book(self, budget: Budget, now: dt.datetime, spent: Decimal = Decimal(0)) -> None:
+        """Give ``budget`` books of its own, with ``spent`` USD already in its current period.
+
+        For budgets made while serving (a run, a per-user budget), found through :attr:`scopes`.
+        Books already open keep their spend and reservations and take ``budget`` as their new
+        definition (a run's limit lowered).
+        """
+        book = self._dynamic.get(budget.name)
+        if book is not None:
+            book.budget = budget
+            return
+        book = self._dynamic[budget.name] = _Book(budget, *budget.period.window(now), spent=spent)
+        book.crossed = {t for t in budget.thresholds if spent * 100 >= budget.limit_usd * t}
+
+    def close_book(self, name: str) -> bool:
+        """Drop the books :meth:`open_book` gave ``name``; false while requests still hold money there."""
+        book = self._dynamic.get(name)
+        if book is None or book.reserved:
+            return False
+        del self._dynamic[name]
+        return True
+
+    def has_book(self, name: str) -> bool:
+        """Whether a budget made while serving has books under ``name``."""
+        return name in self._dynamic
 
     @property
     def budgets(self) -> list[Budget]:
@@ -194,8 +238,14 @@ class BudgetGuard:
         """Budgets whose scope covers a request or row with these attributes."""
         return [b.budget for b in self._matching(attributes) if b.budget.blocking or not blocking_only]
 
-    def _matching(self, attributes: Mapping[str, Any]) -> list[_Book]:
-        return [book for book in self._books if book.budget.matches(attributes)]
+    def _matching(self, attributes: Mapping[str, Any], now: dt.datetime | None = None) -> list[_Book]:
+        books = [book for book in self._books if book.budget.matches(attributes)]
+        if self.scopes:
+            at = now or dt.datetime.now(dt.UTC)
+            dynamic = self._dynamic
+            for scope in self.scopes:
+                books += [dynamic[name] for name in scope(attributes, at) if name in dynamic]
+        return books
 
     def admit(
         self, attributes: Mapping[str, Any], worst_case: Decimal, now: dt.datetime, *, unbounded: bool = False
@@ -209,7 +259,7 @@ class BudgetGuard:
         Raises:
             BudgetRefusal: a blocking budget in scope would go over its limit (the tightest one).
         """
-        books = [book for book in self._matching(attributes) if book.budget.blocking]
+        books = [book for book in self._matching(attributes, now) if book.budget.blocking]
         for book in books:
             book.roll(now)
         holds = []
@@ -244,7 +294,7 @@ class BudgetGuard:
         attributes = attributes_of_row(row)
         model = str(row.get("served_model") or row.get("requested_model") or "(none)")
         key = str(row.get("principal") or "anonymous")
-        for book in self._matching(attributes):
+        for book in self._matching(attributes, started):
             book.roll(max(started, book.start))
             if not book.start <= started < book.end and book.budget.period.kind != "rolling":
                 continue
@@ -254,16 +304,49 @@ class BudgetGuard:
                 book.crossed |= newly
                 if self.on_crossing is not None:
                     self.on_crossing(book.budget)
+        for listener in self.listeners:
+            listener(row)
 
     def tightest(self, attributes: Mapping[str, Any], now: dt.datetime) -> tuple[Budget, Decimal] | None:
         """The budget in scope with the least USD left (counting open reservations), and that amount."""
         best: tuple[Budget, Decimal] | None = None
-        for book in self._matching(attributes):
+        for book in self._matching(attributes, now):
             book.roll(now)
             left = max(book.budget.limit_usd - book.spent - book.reserved, Decimal(0))
             if best is None or left < best[1]:
                 best = (book.budget, left)
         return best
+
+    def standing(
+        self, attributes: Mapping[str, Any] | None, now: dt.datetime, names: Iterable[str] = ()
+    ) -> list[dict[str, Any]]:
+        """Budgets in scope of ``attributes`` (and those named in ``names``) now, tightest first.
+
+        Each: ``budget``, ``spent_usd``, ``reserved_usd`` (held by requests in flight),
+        ``remaining_usd`` (limit - spent - reserved, never negative), ``period_start``,
+        ``period_end`` (UTC). For reply headers and the caller's budget endpoint.
+        """
+        books = self._matching(attributes, now) if attributes is not None else []
+        for name in names:
+            book = self._by_name.get(name) or self._dynamic.get(name)
+            if book is not None and book not in books:
+                books.append(book)
+        result = []
+        for book in books:
+            book.roll(now)
+            left = max(book.budget.limit_usd - book.spent - book.reserved, Decimal(0))
+            result.append(
+                {
+                    "budget": book.budget,
+                    "spent_usd": book.spent,
+                    "reserved_usd": book.reserved,
+                    "remaining_usd": left,
+                    "period_start": book.start,
+                    "period_end": book.end,
+                }
+            )
+        result.sort(key=lambda entry: entry["remaining_usd"])
+        return result
 
     def snapshot(self, now: dt.datetime) -> list[dict[str, Any]]:
         """Every budget's status now (spend, reserved, percent, forecast), for ``/budgets``-style views."""

@@ -16,9 +16,10 @@ or held to an allowlist or a prefix).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from tokenward.pricing.runs import RunPolicy
 from tokenward.proxy.config import AttributionRule, AttributionSettings, AuthConfig, VirtualKeyConfig
 from tokenward.proxy.edge import FREE_ENDPOINTS, UnmeteredPolicy
 from tokenward.proxy.errors import ProxyError
@@ -77,7 +78,8 @@ class Rule:
     """One field's attribution rule (see :class:`~tokenward.proxy.config.AttributionRule`).
 
     ``pinned`` replaces the client's value; ``allow``/``prefix`` bound it; ``required`` refuses a
-    request without one. ``where`` names the config setting, for refusal messages.
+    request without one; ``header`` (lower-case) is the only request header the value is read
+    from. ``where`` names the config setting, for refusal messages.
     """
 
     field: str
@@ -86,6 +88,7 @@ class Rule:
     allow: frozenset[str] | None = None
     prefix: str | None = None
     required: bool = False
+    header: bytes | None = None
 
     @classmethod
     def from_config(cls, field: str, where: str, rule: AttributionRule) -> Rule:
@@ -98,6 +101,7 @@ class Rule:
             allow=None if rule.allow is None else frozenset(rule.allow),
             prefix=rule.prefix,
             required=rule.required,
+            header=rule.header.lower().encode("latin-1") if rule.header else None,
         )
 
     def check(self, values: tuple[str, ...]) -> tuple[str, ...]:
@@ -166,14 +170,35 @@ class Attribution:
         """Whether every field is the client's word (nothing to check)."""
         return self.end_user is None and self.tags is None and self.session is None
 
+    @property
+    def headers(self) -> frozenset[bytes]:
+        """The request headers (lower-case) these rules read values from."""
+        return frozenset(r.header for r in (self.end_user, self.tags, self.session) if r is not None and r.header)
+
     def settle(
-        self, end_user: str | None, tags: tuple[str, ...], session: str | None
+        self,
+        end_user: str | None,
+        tags: tuple[str, ...],
+        session: str | None,
+        headers: Mapping[bytes, str] | None = None,
     ) -> tuple[str | None, tuple[str, ...], str | None]:
         """The ``(end_user, tags, session)`` to record for what the client claimed.
+
+        ``headers``: the values of the request headers named by rules' ``header`` (lower-case
+        names); a rule with a ``header`` takes its value from there only (tags: comma-separated).
 
         Raises:
             ProxyError: 403 ``attribution_refused`` (see :meth:`Rule.check`).
         """
+        if headers is not None or any(r is not None and r.header for r in (self.end_user, self.tags, self.session)):
+            given = headers or {}
+            if self.end_user is not None and self.end_user.header is not None:
+                end_user = given.get(self.end_user.header) or None
+            if self.session is not None and self.session.header is not None:
+                session = given.get(self.session.header) or None
+            if self.tags is not None and self.tags.header is not None:
+                text = given.get(self.tags.header) or ""
+                tags = tuple(sorted({t.strip() for t in text.split(",") if t.strip()}))
         if self.end_user is not None:
             end_user = next(iter(self.end_user.check((end_user,) if end_user else ())), None)
         if self.tags is not None:
@@ -185,6 +210,7 @@ class Attribution:
 
 _OPEN = Attribution()
 _FREE = UnmeteredPolicy(FREE_ENDPOINTS)
+_RUNS = RunPolicy()
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,7 +220,9 @@ class Identity:
     ``principal`` is a virtual key's name or ``fp-...``; ``key_id`` the key's stable id
     (``vk-...`` or ``fp-...``; ``None`` without a key). ``unmetered`` says which unmetered
     endpoints the caller may use (``virtual_keys`` mode), ``unmetered_setting`` where that list is
-    configured; ``attribution`` what the caller may claim.
+    configured; ``attribution`` what the caller may claim; ``admin`` whether the key has
+    ``role: admin`` (it reaches every key's provider objects); ``org`` and ``pool`` further
+    attribution from the key; ``runs`` what it may do with run budgets.
     """
 
     principal: str
@@ -204,6 +232,10 @@ class Identity:
     unmetered: UnmeteredPolicy = _FREE
     unmetered_setting: str = "auth.allow_unmetered"
     attribution: Attribution = _OPEN
+    admin: bool = False
+    org: str | None = None
+    pool: str | None = None
+    runs: RunPolicy = _RUNS
 
 
 _ANONYMOUS = Identity("anonymous")
@@ -224,7 +256,8 @@ class Authenticator:
         self.mode = settings.mode
         unmetered = UnmeteredPolicy(settings.allow_unmetered)
         attribution = Attribution.from_settings(("auth.attribution", settings.attribution))
-        self._default = Identity("anonymous", unmetered=unmetered, attribution=attribution)
+        runs = settings.runs.policy("auth.runs")
+        self._default = Identity("anonymous", unmetered=unmetered, attribution=attribution, runs=runs)
         self._anonymous = self._default if self.mode == "passthrough" else _ANONYMOUS
         configured: dict[str, Identity] = {}
         for i, k in enumerate(keys):
@@ -240,9 +273,17 @@ class Authenticator:
                 attribution=Attribution.from_settings(
                     ("auth.attribution", settings.attribution), (f"virtual_keys[{i}].attribution", k.attribution)
                 ),
+                admin=k.role == "admin",
+                org=k.org,
+                pool=k.pool,
+                runs=k.runs.policy(f"virtual_keys[{i}].runs") if k.runs is not None else runs,
             )
         self._configured = configured
         self._by_hash = dict(self._configured)
+        self.attribution_headers: frozenset[bytes] = frozenset().union(
+            attribution.headers, *(identity.attribution.headers for identity in configured.values())
+        )
+        """Every request header an attribution rule reads (lower-case); none of them goes upstream."""
 
     def use_stored(
         self, stored: Iterable[tuple[str, str, str | None, str | None]], revoked: Iterable[str] = ()
@@ -262,6 +303,7 @@ class Authenticator:
                 project,
                 unmetered=default.unmetered,
                 attribution=default.attribution,
+                runs=default.runs,
             )
             for name, digest, team, project in stored
         }
@@ -285,7 +327,7 @@ class Authenticator:
             if not key:
                 return self._anonymous
             fp = fingerprint(key)
-            return Identity(fp, fp, attribution=self._default.attribution)
+            return Identity(fp, fp, attribution=self._default.attribution, runs=self._default.runs)
         if key is None:
             raise ProxyError(
                 401,

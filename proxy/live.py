@@ -59,7 +59,18 @@ _MICRO = Decimal("0.000001")
 _CENTI = Decimal("0.01")
 
 _recent_values = itemgetter(*RECENT_COLUMNS)
-_SCOPE_COLUMNS = ("principal", "team", "project", "end_user", "requested_model", "served_model", "upstream")
+_SCOPE_COLUMNS = (
+    "principal",
+    "team",
+    "project",
+    "end_user",
+    "requested_model",
+    "served_model",
+    "upstream",
+    "org",
+    "pool",
+    "sent_model",
+)
 
 
 _scope_values = itemgetter(*_SCOPE_COLUMNS)  # with the tags: what a budget scope looks at (attributes_of_row)

@@ -47,11 +47,26 @@ _INTERESTING = re.compile(rb'"(?:usage|error)"\s*:\s*\{|^event:\s*error', re.MUL
 # the event after which a stream says nothing more: OpenAI's [DONE], Anthropic's message_stop,
 # the Responses API's terminal response.* events
 _TERMINAL = re.compile(
-    rb"^data:\s*\[DONE\]|^event:\s*(?:message_stop|response\.(?:completed|failed|incomplete))\s*$"
-    rb'|"type"\s*:\s*"(?:message_stop|response\.(?:completed|failed|incomplete))"',
+    rb"^data:\s*\[DONE\]|^event:\s*(?:message_stop|response\.(?:completed|failed|incomplete)"
+    rb"|transcript\.text\.done|speech\.audio\.done)\s*$"
+    rb'|"type"\s*:\s*"(?:message_stop|response\.(?:completed|failed|incomplete)|transcript\.text\.done'
+    rb'|speech\.audio\.done)"',
     re.MULTILINE,
 )
-_ENDINGS = frozenset({"message_stop", "response.completed", "response.incomplete", "response.failed", "error"})
+# streams that ended well (an image stream sends one completed event per image, so none is terminal)
+_ENDINGS = frozenset(
+    {
+        "message_stop",
+        "response.completed",
+        "response.incomplete",
+        "response.failed",
+        "error",
+        "transcript.text.done",
+        "speech.audio.done",
+        "image_generation.completed",
+        "image_edit.completed",
+    }
+)
 _DONE = re.compile(rb"^data:[ ]?\[DONE\]\s*$", re.MULTILINE)
 _EVENT_ERROR = re.compile(rb"^event:[ ]?error\s*$", re.MULTILINE)
 _KEEP_FOR_ESTIMATE = 16 * 1024 * 1024  # bytes of reply kept in case the upstream reports no usage
@@ -148,6 +163,10 @@ class Meter:
         for block in blocks:
             self._inspect(block)
         return blocks
+
+    def end_raw(self) -> None:
+        """A reply relayed as is ended well: its usage comes from the request (``complete`` is true)."""
+        self._complete = True
 
     def end_stream(self) -> list[bytes]:
         """Close the stream: meter a final event left without its blank line; returns it if any."""
@@ -279,6 +298,10 @@ def _is_terminal(block: bytes) -> bool:
         or b"response.incomplete" in block
         or b"response.failed" in block
         or b"error" in block
+        or b"transcript.text.done" in block
+        or b"speech.audio.done" in block
+        or b"image_generation.completed" in block
+        or b"image_edit.completed" in block
     ):
         event, data = parse_event(block)
         kind = event

@@ -191,7 +191,7 @@ class _ScrapeTime(Collector):
 
     def collect(self) -> Iterator[Metric]:
         guard, health = self.metrics._guard, self.metrics._health
-        if guard is not None:
+        if guard is not None and guard.budgets:
             families = {
                 name: GaugeMetricFamily(f"tokenward_budget_{name}_usd", text, labels=["budget"])
                 for name, text in (

@@ -109,15 +109,16 @@ def build_row(
         status = PriceStatus.NOT_BILLED
     else:
         own = model is None
+        sent = ex.sent_model or ex.requested_model  # a rerouted request is priced as the model sent
         q = quote(
             catalog,
             usage,
-            model=served or ex.requested_model,
+            model=served or sent,
             provider=ex.provider,
             at=dt.datetime.fromtimestamp(ex.started_at, dt.UTC),
             service_tier=ex.service_tier,
             fallback=ex.price_fallback,
-            requested=ex.requested_model if own else None,
+            requested=sent if own else None,
             price_as=ex.price_as if own else None,
         )
         status = q.status
@@ -166,9 +167,15 @@ def build_row(
         "tags": list(ex.tags) or None,
         "session_id": ex.session_id,
         "reserved_usd": ex.reserved_usd,
+        "org": ex.org,
+        "pool": ex.pool,
+        "run_id": ex.run_id,
+        "sent_model": ex.sent_model,
+        "degraded": ex.degraded,
     }
     for name in TOKEN_FIELDS:
         row[name] = getattr(usage, name)
+    row["image_variant"] = usage.image_variant
     return row
 
 
@@ -186,6 +193,8 @@ def fallback_row(ex: Exchange, *, forwarded: bool) -> dict[str, Any]:
         "key_id": ex.key_id,
         "team": ex.team,
         "project": ex.project,
+        "org": ex.org,
+        "pool": ex.pool,
         "method": ex.method,
         "path": ex.path,
         "endpoint": ex.endpoint,
@@ -203,6 +212,9 @@ def fallback_row(ex: Exchange, *, forwarded: bool) -> dict[str, Any]:
         end_user=ex.end_user,
         tags=list(ex.tags) or None,
         session_id=ex.session_id,
+        run_id=ex.run_id,
+        sent_model=ex.sent_model,
+        degraded=ex.degraded,
         reserved_usd=ex.reserved_usd,
         price_status=(
             PriceStatus.NOT_METERED if ex.endpoint == "passthrough" else PriceStatus.USAGE_UNKNOWN
@@ -348,6 +360,8 @@ class Recorder:
         if self.guard is not None:
             self.guard.release(ex.reservation)
             ex.reservation = None
+        costs = [row["cost_usd"] for row in rows]
+        ex.cost_usd = sum(costs, Decimal(0)) if None not in costs else None  # the request and its parts
         lines = []
         for row in rows:
             try:

@@ -145,6 +145,11 @@ class Relay:
         watch: a disconnect watch already running (the relay starts one otherwise).
         drain_timeout_s: after the client leaves mid-stream, how long to read on for usage.
         extra_headers: headers tokenward adds to the reply (budget standing).
+        raw_types: content types of a metered reply that are relayed as they arrive and not
+            parsed (binary speech audio: its usage comes from the request).
+        final_headers: for a reply sent whole (not streamed), called once the exchange is
+            recorded; its headers (the request's cost, the budgets after it) replace those of
+            ``extra_headers`` with the same names.
     """
 
     def __init__(
@@ -162,9 +167,15 @@ class Relay:
         watch: DisconnectWatch | None = None,
         drain_timeout_s: float = 60.0,
         extra_headers: list[tuple[bytes, bytes]] | None = None,
+        raw_types: tuple[str, ...] = (),
+        media: Any = None,
+        final_headers: Callable[[Exchange], list[tuple[bytes, bytes]]] | None = None,
     ) -> None:
         self.complete = complete
+        self.raw_types = raw_types
+        self.media = media
         self.extra_headers = extra_headers or []
+        self.final_headers = final_headers
         self.watch = watch
         self.drain_timeout_s = drain_timeout_s
         self.ex = ex
@@ -213,7 +224,7 @@ class Relay:
         self.streaming = self.meter is not None and content_type.startswith("text/event-stream")
         listener = self.watch or DisconnectWatch(receive)
         try:
-            if self.meter is None:
+            if self.meter is None or (self.raw_types and content_type.startswith(self.raw_types)):
                 await self._relay_raw(send, headers, listener)
             elif self.streaming:
                 await self._relay_stream(send, headers, listener)
@@ -276,6 +287,14 @@ class Relay:
         self.ex.mark_first_byte()
         self._end_ok()
         await self._complete()
+        if self.final_headers is not None:
+            try:
+                final = self.final_headers(self.ex)
+            except Exception:  # headers are a courtesy: never lose the reply over them
+                log.exception("final headers of %s failed", self.ex.request_id)
+                final = []
+            names = {name for name, _ in final}
+            headers = [h for h in headers if h[0] not in names] + final
         await send({"type": "http.response.start", "status": self.ex.http_status, "headers": headers})
         await send({"type": "http.response.body", "body": body, "more_body": False})
 
@@ -292,6 +311,8 @@ class Relay:
             async for chunk in self.reply.chunks():
                 if expected is not None and sent + len(chunk) >= expected:  # this chunk ends the body
                     self.ex.mark_first_byte()
+                    if self.meter is not None:
+                        self.meter.end_raw()
                     self._end_ok()
                     await self._complete()
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
@@ -303,6 +324,8 @@ class Relay:
         except UpstreamError as exc:
             self._broke_off(exc)
             return
+        if self.meter is not None:
+            self.meter.end_raw()
         self._end_ok()
         await self._complete()
         await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -129,14 +129,19 @@ async def check_budgets(
     notifier: Notifier,
     *,
     now: dt.datetime | None = None,
+    rates: SpendFactory | None = None,
 ) -> int:
     """Evaluate budgets and send the alerts now due (the scheduled job); returns how many were sent.
 
     Spend comes from the proxy's books and claims go to the state store, so a reader holding
-    the ledger file delays nothing.
+    the ledger file delays nothing. ``rates`` makes the source velocity rules read (the proxy's
+    per-minute books).
     """
     try:
-        sent = await evaluate_and_notify(spend(), state, budgets, settings, notifier, now or dt.datetime.now(dt.UTC))
+        at = now or dt.datetime.now(dt.UTC)
+        sent = await evaluate_and_notify(
+            spend(), state, budgets, settings, notifier, at, rates=rates() if rates is not None else None
+        )
     except Exception:
         log.exception("budget check failed")
         return 0
@@ -196,6 +201,7 @@ def add_alert_jobs(
     settings: AlertSettings,
     notifier: Notifier,
     auth: Authenticator,
+    rates: SpendFactory | None = None,
 ) -> None:
     """Register the budget check, the digest and the stored-key reload on ``scheduler``."""
     if budgets or settings.admins:
@@ -205,6 +211,7 @@ def add_alert_jobs(
             seconds=settings.evaluate_every_s,
             id="budgets",
             args=[spend, ledger.state, budgets, settings, notifier],
+            kwargs={"rates": rates},
         )
     if settings.digest is not None:
         hour, minute = (int(part) for part in settings.digest.at.split(":"))

@@ -17,6 +17,7 @@ import fcntl
 import logging
 import os
 import time
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import IO, Any
 
@@ -36,8 +37,18 @@ class StartupError(RuntimeError):
 
 
 def needs_single_proxy(config: Config) -> bool:
-    """Whether ``config`` keeps hard-limit books in this process (blocking budgets on a DuckDB ledger)."""
-    return any(budget.blocking for budget in config.budget_list())
+    """Whether ``config`` keeps hard-limit books in this process (blocking budgets on a DuckDB ledger).
+
+    Per-value budgets (``per``) count. Run budgets do not make a second proxy refuse to start:
+    a proxy that cannot hold the lock serves no runs instead (:func:`runs_allowed`).
+    """
+    return any(budget.blocking for budget in [*config.budget_list(), *config.budget_templates()])
+
+
+def runs_allowed(config: Config) -> bool:
+    """Whether some caller may set run budgets (``auth.runs`` or a key's ``runs`` not ``forbidden``)."""
+    policies = [config.auth.runs, *(key.runs for key in config.virtual_keys if key.runs is not None)]
+    return any(policy.mode != "forbidden" for policy in policies)
 
 
 def single_proxy_lock(ledger: DuckLedger) -> IO[str]:
@@ -77,8 +88,17 @@ def import_legacy_state(ledger: DuckLedger) -> None:
         log.info("moved %d keys, alert claims and deliveries into %s", copied, ledger.state.path)
 
 
-def load_books(ledger: DuckLedger, guard: BudgetGuard, wal: WriteAheadLog, wait_s: float = 30.0) -> None:
+Loader = Callable[[Any, dt.datetime, list[dict[str, Any]]], None]
+"""``loader(spend, now, unflushed)``: more books to open from the ledger (``DuckSpend``) at start."""
+
+
+def load_books(
+    ledger: DuckLedger, guard: BudgetGuard, wal: WriteAheadLog, wait_s: float = 30.0, loaders: Sequence[Loader] = ()
+) -> None:
     """Open the budget books from the ledger (read-only) plus the rows not yet moved into it.
+
+    ``loaders`` open more books in the same session, before the guard's (runs, per-user budgets,
+    velocity books).
 
     Raises:
         LedgerError: the ledger could not be read within ``wait_s`` seconds (another process kept
@@ -89,7 +109,7 @@ def load_books(ledger: DuckLedger, guard: BudgetGuard, wal: WriteAheadLog, wait_
         try:
             unflushed = ledger.unflushed_rows(wal)
             now = dt.datetime.now(dt.UTC)
-            ledger.session(partial(_load, guard, now, unflushed), read_only=True)
+            ledger.session(partial(_load, guard, now, unflushed, loaders), read_only=True)
             if unflushed:
                 log.info("budget books count %d rows not yet in the ledger", len(unflushed))
             return
@@ -99,5 +119,10 @@ def load_books(ledger: DuckLedger, guard: BudgetGuard, wal: WriteAheadLog, wait_
             time.sleep(0.1)
 
 
-def _load(guard: BudgetGuard, now: dt.datetime, unflushed: list[dict[str, Any]], conn: Any) -> None:
-    guard.load(DuckSpend(conn), now, unflushed)
+def _load(
+    guard: BudgetGuard, now: dt.datetime, unflushed: list[dict[str, Any]], loaders: Sequence[Loader], conn: Any
+) -> None:
+    spend = DuckSpend(conn)
+    for loader in loaders:
+        loader(spend, now, unflushed)
+    guard.load(spend, now, unflushed)

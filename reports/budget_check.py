@@ -30,6 +30,7 @@ from typing import Any
 from zoneinfo import ZoneInfo
 
 from tokenward.pricing.budgets import Budget, BudgetStatus, evaluate
+from tokenward.pricing.velocity import VelocityStatus, velocity_status, velocity_windows
 from tokenward.reports.alerts import Alert, AlertSettings, Delivery, Notifier, html_document, html_text
 from tokenward.reports.ledger.spend import SpendSource
 from tokenward.reports.ledger.state import AlertKey, DeliveryRecord, StateStore
@@ -43,6 +44,7 @@ __all__ = [
     "record_deliveries",
     "status_of",
     "usd",
+    "velocity_of",
 ]
 
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
@@ -68,6 +70,15 @@ def status_of(spend: SpendSource, budget: Budget, now: dt.datetime) -> BudgetSta
     return evaluate(budget, spend.spend_in(budget, start, min(end, now + dt.timedelta(microseconds=1))), now)
 
 
+def velocity_of(spend: SpendSource, budget: Budget, now: dt.datetime) -> VelocityStatus:
+    """``budget``'s velocity rule at ``now`` (it must have one), reading the windows from ``spend``."""
+    rule = budget.velocity
+    assert rule is not None
+    window_start, baseline_start = velocity_windows(rule, now)
+    recent = spend.spend_in(budget, window_start, now + dt.timedelta(microseconds=1))
+    return velocity_status(rule, recent, spend.spend_in(budget, baseline_start, window_start))
+
+
 def _keys(budget: str, start: dt.datetime, kind: str, thresholds: Sequence[int]) -> list[AlertKey]:
     return [AlertKey(budget, start, kind, t) for t in thresholds]
 
@@ -80,6 +91,7 @@ def claim_alerts(
     now: dt.datetime,
     *,
     dry_run: bool = False,
+    rates: SpendSource | None = None,
 ) -> list[Alert]:
     """Evaluate every budget and claim the alerts now due; return those to send (blocking).
 
@@ -94,6 +106,11 @@ def claim_alerts(
     A rolling window never ends, so its alerts are claimed once and re-armed instead: a
     threshold alerts again after spend has fallen back below it, ``refusing`` after a window
     with no refusal.
+
+    ``velocity`` (budgets with a velocity rule): the spend rate of the last minutes is above the
+    rule's rate, or the trailing baseline's times its factor; read from ``rates`` (default
+    ``spend``: any window; the proxy passes its per-minute books). One alert per episode
+    (:func:`_velocity_alerts`).
     """
     alerts = []
     for budget in budgets:
@@ -120,6 +137,7 @@ def claim_alerts(
                 won_thresholds = tuple(k.threshold for k in won)
                 alert = replace(alert, thresholds=won_thresholds, threshold=max(won_thresholds))
             alerts.append(alert)
+    alerts += _velocity_alerts(rates or spend, state, budgets, now, dry_run)
     if settings.admins:
         alerts += _unpriced_alerts(spend, state, settings, now, dry_run)
     if not dry_run:
@@ -212,6 +230,74 @@ def _budget_alert(
     )
 
 
+def _velocity_alerts(
+    rates: SpendSource, state: StateStore, budgets: Sequence[Budget], now: dt.datetime, dry_run: bool
+) -> list[Alert]:
+    """Claim a ``velocity`` alert once per episode of each budget's rule.
+
+    Episode ``n`` of a budget is the claim ``(budget, epoch + n seconds, velocity, 0)``; when the
+    rate is back under the rule, the claim ``(budget, epoch + n seconds, velocity_end, 0)`` closes
+    it (recorded as sent, never mailed) and the next firing is episode ``n + 1``. Both claims are
+    atomic in the state store, so whichever process or restart evaluates, each episode alerts
+    exactly once and re-arms exactly once.
+    """
+    ruled = [b for b in budgets if b.velocity is not None]
+    if not ruled:
+        return []
+    closed: dict[str, int] = {}
+    for claim in state.claims(kind="velocity_end"):
+        closed[claim.key.budget] = closed.get(claim.key.budget, 0) + 1
+    alerts = []
+    for budget in ruled:
+        status = velocity_of(rates, budget, now)
+        episode = _EPOCH + dt.timedelta(seconds=closed.get(budget.name, 0))
+        claimed = state.claimed(budget.name, episode)
+        if status.firing and ("velocity", 0) not in claimed:
+            alert = _velocity_alert(budget, status, episode, now)
+            if dry_run or state.claim(_keys(budget.name, episode, "velocity", (0,)), _detail(alert), now):
+                alerts.append(alert)
+        elif not status.firing and ("velocity", 0) in claimed and not dry_run:
+            ended = _keys(budget.name, episode, "velocity_end", (0,))
+            for key in state.claim(ended, {"text": f"back to {status.describe()}"}, now):
+                state.set_status(key, "sent")
+    return alerts
+
+
+def _velocity_alert(budget: Budget, status: VelocityStatus, episode: dt.datetime, now: dt.datetime) -> Alert:
+    rule = status.rule
+    window_start, _ = velocity_windows(rule, now)
+    subject = f"[tokenward] budget {_shown(budget.name)}: spending {status.describe()}"
+    facts = [
+        ("Budget", _shown(budget.name)),
+        ("Scope", budget.describe_scope()),
+        ("Rate", f"{usd(status.rate)}/h ({usd(status.recent_usd)} since {window_start.isoformat()})"),
+        ("Baseline", f"{usd(status.baseline_rate)}/h over the {rule.baseline_hours.normalize():f} h before"),
+        ("Rule: at most", f"{usd(rule.max_usd_per_hour)}/h" if rule.max_usd_per_hour is not None else "n/a"),
+        (
+            "Rule: at most the baseline times",
+            f"{rule.baseline_factor.normalize():f} (from {usd(rule.min_usd_per_hour)}/h)"
+            if rule.baseline_factor is not None
+            else "n/a",
+        ),
+        ("At the limit", "requests are refused (429)" if budget.blocking else "alerts only"),
+        ("Next alert", "once the rate has been back under the rule"),
+    ]
+    text = "\n".join([f"{subject}\n", *(f"{k}: {v}" for k, v in facts)])
+    payload = {
+        "budget": budget.name,
+        "kind": "velocity",
+        "rate_usd_per_hour": str(status.rate),
+        "baseline_usd_per_hour": str(status.baseline_rate),
+        "window_minutes": rule.window_minutes,
+        "window_spend_usd": str(status.recent_usd),
+        "window_start": window_start.isoformat(),
+        "at": now.isoformat(),
+    }
+    return Alert(
+        budget.name, episode, "velocity", 0, subject, text, html_document(subject, facts, []), budget.notify, payload
+    )
+
+
 _WITHOUT_PRICE = {
     # price status -> (alert kind, claim name prefix, what the subject says, what to do)
     "unpriced": (
@@ -279,6 +365,9 @@ def _pending(
     for claim in state.claims(status="pending"):
         key = claim.key
         if (key.budget, key.period_start, key.kind, key.threshold) in exclude:
+            continue
+        if key.kind == "velocity_end":  # an episode's end: nothing to send
+            state.set_status(key, "sent")
             continue
         groups.setdefault((key.budget, key.period_start, key.kind, claim.detail.get("subject")), []).append(claim)
     alerts = []
@@ -380,14 +469,17 @@ async def evaluate_and_notify(
     now: dt.datetime,
     *,
     dry_run: bool = False,
+    rates: SpendSource | None = None,
 ) -> list[tuple[Alert, list[Delivery]]]:
     """Claim the alerts due at ``now``, send them, record the deliveries; returns what was sent.
 
     A target not reached leaves its claims pending (retried, there only, at the next
     evaluation) and sends the admins a ``delivery_failed`` alert once. With ``dry_run`` nothing
-    is claimed or sent.
+    is claimed or sent. ``rates``: where velocity rules read spend rates (default ``spend``).
     """
-    alerts: list[Alert] = await asyncio.to_thread(claim_alerts, spend, state, budgets, settings, now, dry_run=dry_run)
+    alerts: list[Alert] = await asyncio.to_thread(
+        claim_alerts, spend, state, budgets, settings, now, dry_run=dry_run, rates=rates
+    )
     if dry_run:
         return [(alert, []) for alert in alerts]
     sent = []

@@ -17,10 +17,11 @@ from zoneinfo import ZoneInfo
 import click
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from tokenward.pricing.budgets import Budget
 from tokenward.reports.alerts import Alert, AlertSettings, Notifier, html_text
-from tokenward.reports.budget_check import evaluate_and_notify, status_of, usd
+from tokenward.reports.budget_check import evaluate_and_notify, status_of, usd, velocity_of
 from tokenward.reports.cli_common import ledger_path, open_named, parse_when
 from tokenward.reports.keys import create_key, list_keys, revoke_key
 from tokenward.reports.ledger import DuckLedger
@@ -76,22 +77,44 @@ def budgets() -> None:
     """Budgets: where each stands, and the alerts they owe."""
 
 
+def _templates(config: str | None) -> list[Budget]:
+    """The budgets of ``config`` made per value of a dimension (``per: end_user``)."""
+    if not config:
+        return []
+    from tokenward.proxy.config import load_config
+
+    return load_config(config).budget_templates()
+
+
 @budgets.command()
 @_options
 @click.option("--at", "at_text", help="Evaluate at this instant (ISO datetime; default now).")
-def status(config: str | None, db: str | None, wait: float, at_text: str | None) -> None:
-    """Spend of every budget in its current period, with the limit and the forecast."""
+@click.option("--top", default=10, show_default=True, help="Per-user (per-value) budgets shown per template.")
+def status(config: str | None, db: str | None, wait: float, at_text: str | None, top: int) -> None:
+    """Spend of every budget in its current period, with the limit and the forecast.
+
+    A budget with several windows shows one row per window, together; velocity rules show the
+    current rate; templates (``per``) show their largest per-value budgets.
+    """
     configured, _ = load_sections(config)
-    if not configured:
+    templates = _templates(config)
+    if not configured and not templates:
         raise click.ClickException("no budgets configured (add a budgets: section to --config)")
     now = _instant(at_text)
     conn = open_named(db, config, wait, read_only=True)
     try:
-        statuses = [status_of(DuckSpend(conn), budget, now) for budget in configured]
+        spend = DuckSpend(conn)
+        statuses = [status_of(spend, budget, now) for budget in configured]
+        rates = [(b, velocity_of(spend, b, now)) for b in configured if b.velocity is not None]
+        for template in templates:
+            start, end = template.period.window(now)
+            assert template.per is not None
+            for value, _ in spend.spend_by(template, start, end, template.per)[:top]:
+                statuses.append(status_of(spend, template.instance(value), now))
     finally:
         conn.close()
     table = Table("budget", "scope", "period", "spent", "limit", "%", "left", "forecast", "at limit", title="budgets")
-    for s in statuses:
+    for i, s in enumerate(statuses):
         zone = ZoneInfo(s.budget.period.timezone)
         period = (
             "total"
@@ -99,8 +122,8 @@ def status(config: str | None, db: str | None, wait: float, at_text: str | None)
             else (f"{s.start.astimezone(zone):%Y-%m-%d %H:%M} to {s.end.astimezone(zone):%Y-%m-%d %H:%M} {zone.key}")
         )
         table.add_row(
-            s.budget.name,
-            s.budget.describe_scope(),
+            Text(s.budget.name),  # a per-user budget's name holds a client's value: never rich markup
+            Text(s.budget.describe_scope()),
             period,
             f"${s.spent:,.4f}",
             usd(s.budget.limit_usd),
@@ -108,8 +131,12 @@ def status(config: str | None, db: str | None, wait: float, at_text: str | None)
             f"${s.remaining:,.4f}",
             "-" if s.forecast is None else usd(s.forecast),
             s.budget.action,
+            end_section=i + 1 < len(statuses) and (s.budget.group or s.budget.name) != statuses[i + 1].budget.group,
         )
     _console().print(table)
+    for budget, rate in rates:
+        click.echo(f"{budget.name}: {'ALERTING ' if rate.firing else ''}{rate.describe()}")
+
 
 
 @budgets.command()
@@ -158,7 +185,7 @@ def history(config: str | None, db: str | None, wait: float, limit: int) -> None
         )
         table.add_row(
             claim.created_at.isoformat(timespec="seconds"),
-            claim.key.budget,
+            Text(claim.key.budget),
             claim.key.kind,
             str(claim.key.threshold or ""),
             claim.status,

@@ -13,6 +13,7 @@ import click
 import yaml
 
 from tokenward.reports.ledger import LedgerError, open_ledger
+from tokenward.reports.ledger.duck import include_unflushed
 
 __all__ = [
     "DEFAULT_LEDGER",
@@ -102,13 +103,21 @@ def range_options(fn: F) -> F:
 def open_named(db: str | None, config: str | None, wait: float, *, read_only: bool) -> Any:
     """The ledger named by ``--db``/``--config``, open (waiting up to ``wait`` s for the proxy's flush).
 
+    Read-only, ``requests`` also shows the rows still in the write-ahead log
+    (:func:`~tokenward.reports.ledger.duck.include_unflushed`), so a report is current to the
+    last finished request.
+
     Raises:
         click.ClickException: no ledger there (when ``read_only``), or it stayed locked.
     """
+    path = ledger_path(db, config)
     try:
-        return open_ledger(ledger_path(db, config), read_only=read_only, wait_s=wait)
+        conn = open_ledger(path, read_only=read_only, wait_s=wait)
     except LedgerError as exc:
         raise click.ClickException(str(exc)) from exc
+    if read_only:  # what the proxy has logged but not moved into the file yet counts too
+        include_unflushed(conn, Path(path + ".spool"))
+    return conn
 
 
 def open_read_only(db: str | None, config: str | None, wait: float) -> Any:

@@ -149,11 +149,7 @@ def report(
     notes: list[str] = []
     try:
         with progress.shown(conn):
-            rows = queries.spend(
-                conn, dims, since=start, until=end, tz=tz, filters=selection.filters, top=top, drift=drift
-            )
-            partition = rows if not top and "tag" not in dims else None
-            totals = queries.spend_totals(conn, selection, groups=partition, drift=drift)
+            rows, totals = queries.spend_report(conn, dims, selection, top=top, drift=drift)
             if compare and start is not None:
                 before, after = views.previous_range(start, end or now, calendar, tz)
                 previous = queries.spend(conn, dims, since=before, until=after, tz=tz, filters=selection.filters)

@@ -76,9 +76,10 @@ def reprice(
     if where:
         condition += f" AND ({where})"
     rows = conn.execute(
-        f"SELECT request_id, served_model, requested_model, provider, service_tier, started_at, usage_source, "
+        f"SELECT request_id, served_model, coalesce(sent_model, requested_model), provider, service_tier, "
+        "started_at, usage_source, "
         f"price_status, cost_usd, price_entry_id, cost_lines, output_cost_usd, cache_savings_usd, price_resolved_by, "
-        f"{columns} "
+        f"coalesce(image_variant, ''), {columns} "
         f"FROM requests WHERE {condition}",
         params or [],
     ).fetchall()
@@ -86,9 +87,10 @@ def reprice(
     updates = []
     for row in rows:
         (request_id, served, requested, provider, tier, started, source, status, cost, entry_id, lines) = row[:11]
-        output_cost, savings, resolved_by = row[11:14]
+        output_cost, savings, resolved_by, variant = row[11:15]
         repairs = ("stored",) if status == PriceStatus.REPAIRED else ()  # repaired counts stay flagged
-        usage = Usage(**dict(zip(TOKEN_FIELDS, row[14:], strict=True)), source=UsageSource(source), repairs=repairs)
+        counts = dict(zip(TOKEN_FIELDS, row[15:], strict=True))
+        usage = Usage(**counts, image_variant=variant, source=UsageSource(source), repairs=repairs)
         model = served or requested
         pinned = (
             catalog.versions.get((entry_id or "").partition("@")[0]) if resolved_by == "price_as_upstream" else None
@@ -101,7 +103,7 @@ def reprice(
             at=started,
             service_tier=tier,
             fallback=fallback,
-            requested=requested,  # a pricing.price_as pin on the requested model still applies
+            requested=requested,  # a pin on the requested model (the one sent, if rerouted) still applies
             price_as=pinned[-1].model if pinned else None,  # and an upstream's pin stays where it was
         )
         result.rows_checked += 1

@@ -12,7 +12,7 @@ from typing import Any
 import duckdb
 import pytest
 
-from tokenward.pricing.settings import PricingSettings
+from tokenward.pricing.settings import GuardSettings, PricingSettings
 from tokenward.proxy.app import create_app
 from tokenward.proxy.config import AuthConfig, Config, LedgerConfig, ServerConfig, UpstreamConfig, VirtualKeyConfig
 from tokenward.proxy.server import running_in_thread
@@ -191,6 +191,7 @@ class ProxyFactory:
         notifier: Any = None,
         drain_s: float = 60.0,
         server: dict[str, Any] | None = None,
+        guard: Any = None,
     ) -> Proxy:
         ledger = self.directory / f"ledger{len(self.contexts)}.duckdb"
         config = Config(
@@ -202,6 +203,7 @@ class ProxyFactory:
             budgets=budgets or [],
             alerts=alerts or AlertSettings(),
             server=ServerConfig(drain_after_disconnect_s=drain_s, **(server or {})),
+            guard=guard or GuardSettings(),
         )
         app = create_app(config, upstream_transport=transport, catalog=catalog, notifier=notifier)
         context = running_in_thread(app)

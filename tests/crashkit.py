@@ -138,6 +138,8 @@ class ProxyProcess:
             except httpx.HTTPError:
                 pass
             time.sleep(0.05)
+        self.process.kill()  # never leave it running behind a failed test
+        self.process.wait(10)
         raise AssertionError(f"proxy did not start: {self.log()}")
 
     def log(self) -> str:

@@ -170,7 +170,7 @@ def chat_stream(asked: bool, *, usage_on_finishing_chunk: bool = False) -> list[
 
 
 async def api(request: web.Request, body: bytes) -> web.StreamResponse:
-    """A small OpenAI + Anthropic upstream: models, count_tokens, messages, chat completions; echo otherwise.
+    """A small OpenAI + Anthropic upstream: models, files, count_tokens, messages, chat completions; echo otherwise.
 
     ``x-test-reply: gzip`` makes chat streams gzip-compressed whatever the request's
     ``accept-encoding``; ``x-test-reply: finishing-usage`` puts asked-for usage on the last chunk.
@@ -181,6 +181,10 @@ async def api(request: web.Request, body: bytes) -> web.StreamResponse:
         return web.Response(body=b"x" * 42, headers={"x-upstream": "head"})
     if request.method == "OPTIONS":
         return web.Response(status=204, headers={"allow": "GET, POST, OPTIONS", "x-upstream": "options"})
+    if path.endswith("/files") and request.method == "POST":  # a created file (its owner is recorded)
+        return web.json_response({"id": "file-1", "object": "file", "bytes": len(body), "purpose": "batch"})
+    if path.endswith("/files") and request.method == "GET":
+        return web.json_response({"object": "list", "data": [{"id": "file-1", "object": "file"}], "has_more": False})
     if path.endswith("/messages/count_tokens"):
         return web.json_response({"input_tokens": 17})
     if path.endswith("/models") and "anthropic" in path:

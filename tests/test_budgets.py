@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import hashlib
 import json
 from decimal import Decimal
 from pathlib import Path
@@ -13,8 +14,9 @@ import pytest
 
 from tokenward.pricing.budgets import Budget, Period, evaluate
 from tokenward.pricing.catalog import load_catalog
-from tokenward.pricing.settings import BudgetSettings
+from tokenward.pricing.settings import BudgetSettings, GuardSettings
 from tokenward.proxy.config import UpstreamConfig, VirtualKeyConfig
+from tokenward.proxy.keys import key_id
 from tokenward.proxy.simulator import FAULT_HEADER, RECORD_HEADER, Recording
 from tokenward.reports.ledger import write_rows
 
@@ -167,8 +169,14 @@ def upstream_key(monkeypatch):
     monkeypatch.setenv("SIM_UPSTREAM_KEY", "sk-upstream")
 
 
+EXACT_COUNT = GuardSettings(input_margin=1, input_margin_tokens=0)
+"""No input margin: these tests bound requests by their counted text alone, to check the arithmetic
+(the margins are tested in test_bound_is_a_bound.py)."""
+
+
 def budget_proxy(start_proxy, simulator, budgets, *, seed_rows=(), **extra):
     factory = start_proxy
+    extra.setdefault("guard", EXACT_COUNT)
     ledger = factory.directory / f"ledger{len(factory.contexts)}.duckdb"
     if seed_rows:
         write_rows(ledger, list(seed_rows))
@@ -400,6 +408,8 @@ def test_a_request_that_cannot_be_bounded_runs_alone(start_proxy, simulator):
     register(simulator, "stored-file", request, prompt_tokens=5000, completion_tokens=10)
     budget = BudgetSettings(name="files", limit_usd=1, period="total", action="block")
     proxy = budget_proxy(start_proxy, simulator, [budget])
+    agent = key_id(hashlib.sha256(b"tw-agent-key-0001").hexdigest())  # the file is the key's own upload
+    proxy.app.state.ledger.state.record_objects([("file-abc", "file", agent, dt.datetime.now(dt.UTC))])
     first, second = asyncio.run(send_many(proxy.url, request, "stored-file", 2))
     # the first one holds everything left while it runs; the other is refused, saying why
     assert sorted([first.status_code, second.status_code]) == [200, 429]
@@ -409,7 +419,9 @@ def test_a_request_that_cannot_be_bounded_runs_alone(start_proxy, simulator):
     # once it has settled at (5000 x 2.50 + 10 x 10.00) / 1M = $0.0126, the next one may run
     again = asyncio.run(send_many(proxy.url, request, "stored-file", 1))[0]
     assert again.status_code == 200
-    assert again.headers["x-tokenward-budget-remaining-usd"] == "0"  # all of it was held while it ran
+    # a whole reply's headers are made once it has settled: $1 - 2 x $0.0126 left, and what it cost
+    assert again.headers["x-tokenward-budget-remaining-usd"] == "0.9748"
+    assert again.headers["x-tokenward-cost-usd"] == "0.0126"
     spent = sum(r["cost_usd"] for r in proxy.rows(3) if r["cost_usd"])
     assert spent == Decimal("0.0252")
 

@@ -37,7 +37,18 @@ def test_the_example_configs_commented_budgets_guard_and_alerts_are_valid(tmp_pa
     head, tail = text.split("  # - name: research-daily", 1)
     uncommented = re.sub(r"(?m)^(\s*)# ", r"\1", "  # - name: research-daily" + tail)
     config = load_config(write(tmp_path, head + uncommented))
-    assert [b.name for b in config.budgets] == ["all-traffic-monthly", "research-daily", "agents-last-24h"]
+    assert [b.name for b in config.budgets] == [
+        "all-traffic-monthly",
+        "research-daily",
+        "agents-last-24h",
+        "agents",
+        "chat-user",
+    ]
+    assert [b.name for b in config.budget_list()][3:] == ["agents/hour", "agents/day", "agents/month", "agents/last-6h"]
+    agents = config.budget_list()[3]
+    assert agents.degrade is not None and agents.degrade.cheaper("gpt-4o-2024-08-06") == "gpt-4o-mini"
+    assert agents.velocity is not None and agents.velocity.window_minutes == 15
+    assert [(t.name, t.per) for t in config.budget_templates()] == [("chat-user", "end_user")]
     assert config.budgets[1].action == "block" and config.alerts.smtp is not None
     assert (config.budgets[2].period, config.budgets[2].rolling_hours) == ("rolling", 24)
     assert [(w.name, w.url, w.url_env) for w in config.alerts.webhooks] == [

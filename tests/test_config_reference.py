@@ -123,7 +123,8 @@ def test_the_reference_lists_every_option_with_its_default_and_bounds():
         "| `upstreams[].retry_statuses` | list of integer | `[429, 500, 502, 503, 504]` | each >= 400, <= 599 |" in text
     )
     assert "| `alerts.smtp.timeout_s` | number | `30.0` | > 0 |" in text
-    assert "| `budgets[].limit_usd` | decimal | **required** |  |" in text
+    assert "| `budgets[].windows[].limit_usd` | decimal | **required** |  |" in text
+    assert "| `budgets[].velocity.window_minutes` | integer | `15` | >= 1, <= 1440 |" in text
 
 
 def test_the_example_config_shows_every_option():

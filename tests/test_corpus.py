@@ -28,7 +28,8 @@ PATHS = {
     "anthropic_messages": "messages",
 }
 USAGE_PATHS = ("usage", "x_groq.usage", "response.usage", "message.usage")
-TOKEN_COLUMNS = TOKEN_FIELDS  # every canonical count, in ledger column order
+MEDIA_UNITS = ("output_images", "input_audio_seconds", "input_characters")  # no corpus record is a media endpoint
+TOKEN_COLUMNS = tuple(f for f in TOKEN_FIELDS if f not in MEDIA_UNITS)  # every other count, in ledger order
 
 
 def openai_records() -> list[dict[str, Any]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 from decimal import Decimal
 from pathlib import Path
 
@@ -125,3 +126,18 @@ def test_cost_never_negative_and_monotone(catalog, cached, writes, uncached, out
     assert cost_of(catalog, "claude-sonnet-4", more_output).total >= base
     assert cost_of(catalog, "claude-sonnet-4", more_input).total >= base
     assert base.as_tuple().exponent >= -12  # fits the ledger's DECIMAL(38, 12) exactly
+
+
+def test_a_quote_of_a_million_dollars_or_more_is_not_credible():
+    from tokenward.pricing.catalog import load_catalog
+    from tokenward.pricing.quote import MAX_REQUEST_COST_USD, PriceStatus, quote
+    from tokenward.pricing.usage import Usage
+
+    catalog = load_catalog([], builtin=True)
+    at = dt.datetime(2026, 11, 20, tzinfo=dt.UTC)
+    # gpt-4o at $2.50 per 1M input tokens: 4 x 10^11 tokens would be exactly $1,000,000
+    huge = quote(catalog, Usage(input_tokens=400_000_000_000), model="gpt-4o", provider="openai", at=at)
+    assert (huge.status, huge.cost_usd) == (PriceStatus.USAGE_INVALID, None)
+    below = quote(catalog, Usage(input_tokens=399_999_999_999), model="gpt-4o", provider="openai", at=at)
+    assert below.status == PriceStatus.PRICED and below.cost_usd == Decimal("999999.9999975")
+    assert below.cost_usd < MAX_REQUEST_COST_USD

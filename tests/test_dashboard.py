@@ -23,7 +23,7 @@ import httpx
 import openai
 import pytest
 
-from tokenward.pricing.settings import BudgetSettings
+from tokenward.pricing.settings import BudgetSettings, GuardSettings
 from tokenward.proxy.app import create_app
 from tokenward.proxy.config import AuthConfig, Config, LedgerConfig, ServerConfig, VirtualKeyConfig
 from tokenward.proxy.demo import send_recorded
@@ -68,6 +68,7 @@ def dashboard_proxy(
         budgets=budgets or [],
         server=ServerConfig(admin_token_env=admin_token_env),
         alerts=alerts or AlertSettings(),
+        guard=GuardSettings(unpriced_hold_usd=Decimal("0.01")),  # an unpriced model passes a blocking budget
     )
     app = create_app(config)
     with running_in_thread(app) as url:

@@ -128,7 +128,7 @@ def test_the_allow_list_is_global_and_a_key_can_replace_it(servers, tmp_path):
             a.files.with_raw_response.delete("file-1")
             assert servers.requests[-1]["method"] == "DELETE"
         with gpt(url, "tw-team-b-0002") as b:
-            b.files.list()
+            assert b.files.list().data == []  # team-a's file-1 is not team-b's
             with pytest.raises(openai.PermissionDeniedError) as info:
                 b.files.create(file=("batch.jsonl", b"{}\n"), purpose="batch")
             with pytest.raises(openai.PermissionDeniedError):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from decimal import Decimal
 
 import httpx
 import openai
@@ -56,9 +57,15 @@ def test_binary_download_and_streamed_binary(start_proxy):
         speech = client.audio.speech.create(model="tts-1", voice="alloy", input="hello")
         assert speech.content == binary_payload()
         assert speech.response.headers["content-type"] == "audio/mpeg"
-    rows = proxy.rows(2)
-    assert [r["path"] for r in rows] == ["/v1/files/file-abc/content", "/v1/audio/speech"]
-    assert all(r["price_status"] == "not_metered" for r in rows)
+    download, spoken = proxy.rows(2)
+    assert (download["path"], download["price_status"]) == ("/v1/files/file-abc/content", "not_metered")
+    # speech is metered, its audio relayed as it arrives: "hello" is 5 characters x $15.00 / 1M (tts-1)
+    assert (spoken["endpoint"], spoken["price_status"], spoken["input_characters"], spoken["cost_usd"]) == (
+        "audio_speech",
+        "priced",
+        5,
+        Decimal("0.000075"),
+    )
 
 
 def test_healthz(start_proxy):

@@ -193,3 +193,23 @@ def test_files_of_the_earlier_spool_format_are_recovered_once(tmp_path):
     conn.close()
     assert ids == ["committed", "half", "lost"]
     assert [p.name for p in spool_dir.iterdir()] == []
+
+
+def test_readers_see_the_rows_still_in_the_log_once(tmp_path):
+    from tokenward.reports.ledger.duck import include_unflushed
+
+    path = tmp_path / "l.duckdb"
+    write_rows(path, [make_row("in-file")])
+    spool = tmp_path / "l.duckdb.spool"
+    spool.mkdir(exist_ok=True)
+    # a segment being moved in right now holds a row the file has too; a line is half written
+    (spool / "wabc-00000001.rows.jsonl").write_bytes(
+        encode_row(make_row("in-file")) + encode_row(make_row("logged", cost_usd=Decimal("0.5"))) + b'{"request_'
+    )
+    conn = open_ledger(path, read_only=True)
+    try:
+        assert include_unflushed(conn, spool) == 1
+        rows = conn.execute("SELECT request_id, cost_usd FROM requests ORDER BY request_id").fetchall()
+    finally:
+        conn.close()
+    assert rows == [("in-file", Decimal("0.000001234567")), ("logged", Decimal("0.5"))]

@@ -77,6 +77,7 @@ EXPECT = {
     "tokenward config check --config config.yaml": "config.yaml: ok (5 upstreams",
     "tokenward keys create ci-bot --team platform --project evals --db tokenward.duckdb": "tw-",
     "tokenward pricing explain <request id> --config config.yaml": "gpt-4o-mini",
+    'print(f"stopped before step {step} with ${left} left: {refused.code}")': ": budget_exceeded",
     "tokenward pricing import sheet.csv --format sheet --source https://example.com/our-contract.pdf "
     "-o prices/negotiated.yaml": "wrote 1 entries to prices/negotiated.yaml",
 }

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from tokenward.proxy.dialects import anthropic, openai
+from tokenward.proxy.dialects import anthropic, media, openai
 from tokenward.proxy.dialects.observation import Observation, Reading
 
 __all__ = ["DIALECTS", "Observation", "Reading"]
 
-DIALECTS: dict[str, ModuleType] = {"openai": openai, "anthropic": anthropic}
+DIALECTS: dict[str, ModuleType] = {"openai": openai, "anthropic": anthropic, "media": media}
 """Dialect modules by name, as named in an endpoint's definition."""

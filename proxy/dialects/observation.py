@@ -18,7 +18,8 @@ class Observation:
     ``usage`` is the provider's usage object as last seen (a dialect whose streams send running
     totals, such as Anthropic's, keeps it merged); ``error`` is the text of an error the upstream
     reported inside a successful HTTP reply; ``web_search_calls`` the ids of hosted web search
-    calls seen outside ``usage`` (each counted once however often it is repeated).
+    calls seen outside ``usage`` (each counted once however often it is repeated); ``extra``
+    holds what one dialect alone reads (the media dialect: images counted, their variant).
     """
 
     usage: dict[str, Any] | None = None
@@ -28,6 +29,7 @@ class Observation:
     service_tier: str | None = None
     error: str | None = None
     web_search_calls: set[str] = field(default_factory=set)
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,7 +28,7 @@ from tokenward.reports.ledger.errors import LedgerBusy, LedgerError
 from tokenward.reports.ledger.migrations import migrate, pending
 from tokenward.reports.ledger.schema import ROW_COLUMNS
 
-__all__ = ["connect", "insert_lines", "open_ledger"]
+__all__ = ["connect", "include_unflushed", "insert_lines", "open_ledger"]
 
 log = logging.getLogger("tokenward.ledger")
 
@@ -96,6 +96,40 @@ def open_ledger(
     elif migrate_schema:
         migrate(conn)
     return conn
+
+
+def include_unflushed(conn: duckdb.DuckDBPyConnection, spool_dir: Path) -> int:
+    """Make ``requests`` on ``conn`` also show the finished rows still in the write-ahead log.
+
+    A report run right after a request would otherwise miss it until the proxy's next flush.
+    On a read-only connection, a temporary view named ``requests`` shadows the table: the file's
+    rows, plus the log's rows files not yet moved in (any writer's, a line being appended right
+    now skipped), minus those already in the file. Rows of requests still in flight are not
+    shown (they have no row yet).
+
+    Returns:
+        The number of log files included (0: the view is not made).
+    """
+    files = sorted(
+        str(p)
+        for p in (spool_dir.iterdir() if spool_dir.is_dir() else ())
+        if p.name.endswith(".rows.jsonl") or (p.name[:1].isdigit() and p.name.endswith((".jsonl", ".part")))
+    )
+    if not files:
+        return 0
+    database = conn.execute("SELECT current_database()").fetchone()
+    table = f'"{database[0] if database else "main"}".main.requests'
+    logged = _SOURCE.replace("format = 'newline_delimited',", "format = 'newline_delimited', ignore_errors = true,")
+    try:
+        conn.execute(f"CREATE TEMP TABLE _unflushed AS {logged}", [files])
+    except duckdb.IOException:  # a file went into the ledger (and away) meanwhile: what is left is in the file
+        return include_unflushed(conn, spool_dir) if any(Path(f).exists() for f in files) else 0
+    conn.execute(
+        "CREATE TEMP VIEW requests AS SELECT * FROM "
+        f"{table} UNION ALL BY NAME SELECT * FROM _unflushed u WHERE u.request_id NOT IN "
+        f"(SELECT request_id FROM {table} WHERE started_at >= (SELECT min(started_at) FROM _unflushed))"
+    )
+    return len(files)
 
 
 def insert_lines(

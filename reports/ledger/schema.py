@@ -6,7 +6,7 @@ log (:mod:`tokenward.reports.ledger.wal`) and is inserted by the engine in bulk.
 
 from __future__ import annotations
 
-__all__ = ["ROW_COLUMNS", "SPEND_EXPRESSION"]
+__all__ = ["HELD_STATUSES", "ROW_COLUMNS", "SPEND_EXPRESSION"]
 
 ROW_COLUMNS: dict[str, str] = {
     "request_id": "VARCHAR",
@@ -34,6 +34,10 @@ ROW_COLUMNS: dict[str, str] = {
     "audio_output_tokens": "BIGINT",
     "image_input_tokens": "BIGINT",
     "web_search_requests": "BIGINT",
+    "output_images": "BIGINT",
+    "input_audio_seconds": "BIGINT",
+    "input_characters": "BIGINT",
+    "image_variant": "VARCHAR",
     "usage_source": "VARCHAR",
     "cost_usd": "DECIMAL(38,12)",
     "price_status": "VARCHAR",
@@ -58,13 +62,28 @@ ROW_COLUMNS: dict[str, str] = {
     "tags": "VARCHAR[]",
     "session_id": "VARCHAR",
     "reserved_usd": "DECIMAL(38,12)",
+    "org": "VARCHAR",
+    "pool": "VARCHAR",
+    "run_id": "VARCHAR",
+    "sent_model": "VARCHAR",
+    "degraded": "VARCHAR",
 }
 """A spooled row's keys and their types as read from JSON. ``started_at``/``ended_at`` are UTC
 epoch seconds (converted to ``TIMESTAMPTZ`` on insert); costs are decimal strings (exact).
-``reserved_usd`` is what a blocking budget held for the request (the worst case); a
-``usage_unknown`` row keeps counting it as spend until reconciled."""
+``reserved_usd`` is what a blocking budget held for the request (the worst case); a row without
+a cost that the provider may have billed (``usage_unknown``, ``unpriced``, ``usage_invalid``) keeps
+counting it as spend until reconciled. ``org``/``pool`` come from the key, ``run_id`` from
+``X-Tokenward-Run``; ``sent_model`` and ``degraded`` record what a budget changed."""
 
+HELD_STATUSES: tuple[str, ...] = ("usage_unknown", "unpriced", "usage_invalid")
+"""Price statuses of rows with no cost that the provider may have billed: they count what their
+budget reservation held."""
 
-SPEND_EXPRESSION = "coalesce(cost_usd, CASE WHEN price_status = 'usage_unknown' THEN reserved_usd END)"
-"""What a row counts against a budget (SQL, every engine): its cost, or for a request that may have
-been billed without a reply (``usage_unknown``) the worst case its reservation held."""
+SPEND_EXPRESSION = (
+    "coalesce(cost_usd, CASE WHEN price_status IN ("
+    + ", ".join(f"'{status}'" for status in HELD_STATUSES)
+    + ") THEN reserved_usd END)"
+)
+"""What a row counts against a budget (SQL, every engine): its cost, or for a request the provider
+may have billed with no cost known (:data:`HELD_STATUSES`: no reply or usage came back, no price,
+counts that cannot be trusted) the worst case its reservation held."""

@@ -24,7 +24,16 @@ from tokenward.reports.queries import bare_models, model_condition
 
 __all__ = ["DuckSpend", "SpendSource", "UnpricedModel", "scope_clause"]
 
-_COLUMNS = {"key": "principal", "team": "team", "project": "project", "end_user": "end_user", "upstream": "upstream"}
+_COLUMNS = {
+    "key": "principal",
+    "team": "team",
+    "project": "project",
+    "end_user": "end_user",
+    "upstream": "upstream",
+    "org": "org",
+    "pool": "pool",
+    "run": "run_id",
+}
 
 UnpricedModel = tuple[str | None, str | None, dt.datetime, int, str]
 """``(provider, model, first seen, requests, an example request id)``."""
@@ -144,6 +153,38 @@ class DuckSpend:
         ).fetchone()
         assert row is not None
         return Decimal(row[0]), int(row[1]), int(row[2]), int(row[3])
+
+    def spend_by(
+        self, budget: Budget, start: dt.datetime, end: dt.datetime, dimension: str
+    ) -> list[tuple[str, Decimal]]:
+        """USD per value of ``dimension`` (``end_user``, ``key``, ...) in ``budget``'s scope and the window."""
+        where, params = scope_clause(budget)
+        column = _COLUMNS[dimension]
+        rows = self.conn.execute(
+            f"SELECT {column}, sum({SPEND_EXPRESSION}) FROM requests WHERE started_at >= ? AND started_at < ? "
+            f"AND {where} AND {column} IS NOT NULL AND {SPEND_EXPRESSION} IS NOT NULL GROUP BY 1 ORDER BY 2 DESC",
+            [start, end, *params],
+        ).fetchall()
+        return [(str(value), Decimal(amount)) for value, amount in rows]
+
+    def run_spend(self, since: dt.datetime) -> list[tuple[str | None, str, dt.datetime, Decimal]]:
+        """``(key_id, run_id, first request, USD)`` of every run with a request since ``since``."""
+        rows = self.conn.execute(
+            f"SELECT key_id, run_id, min(started_at), coalesce(sum({SPEND_EXPRESSION}), 0) FROM requests "
+            "WHERE run_id IS NOT NULL AND started_at >= ? GROUP BY 1, 2",
+            [since],
+        ).fetchall()
+        return [(key_id, str(run_id), first, Decimal(spent)) for key_id, run_id, first, spent in rows]
+
+    def spend_by_minute(self, budget: Budget, start: dt.datetime) -> list[tuple[int, Decimal]]:
+        """``(minute, USD)`` in ``budget``'s scope since ``start``; minutes as UTC epoch seconds."""
+        where, params = scope_clause(budget)
+        rows = self.conn.execute(
+            f"SELECT CAST(floor(epoch(started_at) / 60) AS BIGINT) * 60, sum({SPEND_EXPRESSION}) FROM requests "
+            f"WHERE started_at >= ? AND {where} AND {SPEND_EXPRESSION} IS NOT NULL GROUP BY 1 ORDER BY 1",
+            [start, *params],
+        ).fetchall()
+        return [(int(minute), Decimal(amount)) for minute, amount in rows if amount]
 
     def ids_present(self, request_ids: Sequence[str]) -> set[str]:
         """Which of ``request_ids`` have a row already."""

@@ -18,10 +18,11 @@ from __future__ import annotations
 import datetime as dt
 import json
 import sqlite3
-from collections.abc import Iterable, Sequence
+import threading
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 __all__ = [
     "AlertKey",
@@ -31,6 +32,8 @@ __all__ = [
     "StateStore",
     "StoredKey",
 ]
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,12 +137,20 @@ class StateStore(Protocol):
         """sha256 of every revoked key (stored and config keys)."""
         ...
 
-    def record_objects(self, objects: Iterable[tuple[str, str, str, dt.datetime]]) -> None:
-        """Store ``(object_id, kind, key_id, created_at)`` owners (first owner wins)."""
+    def record_objects(self, objects: Iterable[tuple[str, str, str, dt.datetime]], *, fsync: bool = True) -> None:
+        """Store ``(object_id, kind, key_id, created_at)`` owners (first owner wins), durably once it returns.
+
+        ``fsync=False`` may make the record survive a crash of the process but not of the machine
+        (an engine that always syncs ignores it).
+        """
         ...
 
     def owners(self, object_ids: Sequence[str]) -> dict[str, str]:
         """``object_id -> key_id`` for the ids that have a recorded owner."""
+        ...
+
+    def recent_objects(self, limit: int) -> list[tuple[str, str, str]]:
+        """The ``limit`` most recently created ``(object_id, kind, key_id)`` owners, newest first."""
         ...
 
     def owned(self, key_id: str, kind: str | None = None) -> set[str]:
@@ -189,7 +200,9 @@ class SqliteState:
     """:class:`StateStore` in a SQLite file (beside a DuckDB ledger).
 
     Each call opens a short connection (``busy_timeout`` 10 s), so the store can be used from any
-    thread and any number of processes.
+    thread and any number of processes. Object owners, written and read on the request path,
+    go through one connection kept open instead (shared by threads under a lock): closing the
+    last connection to a WAL file checkpoints it, which costs a few milliseconds per call.
 
     Args:
         path: the SQLite file (created with its tables on first use).
@@ -198,9 +211,12 @@ class SqliteState:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self._ready = False
+        self._kept: sqlite3.Connection | None = None
+        self._kept_lock = threading.Lock()
+        self._kept_synchronous = "FULL"
 
-    def _connect(self) -> sqlite3.Connection:
-        conn = sqlite3.connect(self.path, timeout=10.0, isolation_level=None)
+    def _connect(self, *, shared: bool = False) -> sqlite3.Connection:
+        conn = sqlite3.connect(self.path, timeout=10.0, isolation_level=None, check_same_thread=not shared)
         if not self._ready:
             conn.execute("PRAGMA journal_mode=WAL")
             conn.executescript(_SCHEMA)
@@ -213,6 +229,21 @@ class SqliteState:
             return conn.execute(sql, params).fetchall()
         finally:
             conn.close()
+
+    def close(self) -> None:
+        """Close the connection kept for object owners (the next call opens it again)."""
+        with self._kept_lock:
+            if self._kept is not None:
+                self._kept.close()
+                self._kept = None
+
+    def _objects(self, work: Callable[[sqlite3.Connection], T]) -> T:
+        """Run ``work`` on the kept connection (opened on first use), one thread at a time."""
+        with self._kept_lock:
+            if self._kept is None:
+                self._kept = self._connect(shared=True)
+                self._kept_synchronous = "FULL"
+            return work(self._kept)
 
     def initialized(self) -> bool:
         """Whether the file exists already (before this process touched it)."""
@@ -389,24 +420,45 @@ class SqliteState:
 
     # -- provider objects --------------------------------------------------------------------
 
-    def record_objects(self, objects: Iterable[tuple[str, str, str, dt.datetime]]) -> None:
-        """See :meth:`StateStore.record_objects`."""
+    def record_objects(self, objects: Iterable[tuple[str, str, str, dt.datetime]], *, fsync: bool = True) -> None:
+        """See :meth:`StateStore.record_objects` (``fsync=False``: SQLite's ``synchronous=NORMAL``).
+
+        In WAL mode a commit under ``NORMAL`` is in the file when this returns (it survives the
+        process) and reaches the disk at the next checkpoint.
+        """
         rows = [(object_id, kind, key_id, _iso(at)) for object_id, kind, key_id, at in objects]
         if not rows:
             return
-        conn = self._connect()
-        try:
-            conn.executemany("INSERT OR IGNORE INTO objects VALUES (?, ?, ?, ?)", rows)
-        finally:
-            conn.close()
+
+        def insert(conn: sqlite3.Connection) -> None:
+            synchronous = "FULL" if fsync else "NORMAL"
+            if self._kept_synchronous != synchronous:
+                conn.execute(f"PRAGMA synchronous={synchronous}")
+                self._kept_synchronous = synchronous
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                conn.executemany("INSERT OR IGNORE INTO objects VALUES (?, ?, ?, ?)", rows)
+                conn.execute("COMMIT")
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+
+        self._objects(insert)
 
     def owners(self, object_ids: Sequence[str]) -> dict[str, str]:
         """See :meth:`StateStore.owners`."""
-        if not object_ids:
-            return {}
-        marks = ",".join("?" * len(object_ids))
-        rows = self._run(f"SELECT object_id, key_id FROM objects WHERE object_id IN ({marks})", list(object_ids))
-        return dict(rows)
+        ids = list(object_ids)
+
+        def select(conn: sqlite3.Connection) -> dict[str, str]:
+            found: dict[str, str] = {}
+            for start in range(0, len(ids), 500):  # below any SQLite's limit on bound parameters
+                chunk = ids[start : start + 500]
+                marks = ",".join("?" * len(chunk))
+                sql = f"SELECT object_id, key_id FROM objects WHERE object_id IN ({marks})"
+                found.update(conn.execute(sql, chunk).fetchall())
+            return found
+
+        return self._objects(select) if ids else {}
 
     def owned(self, key_id: str, kind: str | None = None) -> set[str]:
         """See :meth:`StateStore.owned`."""
@@ -415,3 +467,10 @@ class SqliteState:
         else:
             rows = self._run("SELECT object_id FROM objects WHERE key_id = ? AND kind = ?", [key_id, kind])
         return {object_id for (object_id,) in rows}
+
+    def recent_objects(self, limit: int) -> list[tuple[str, str, str]]:
+        """See :meth:`StateStore.recent_objects`."""
+        rows = self._run(
+            "SELECT object_id, kind, key_id FROM objects ORDER BY created_at DESC, rowid DESC LIMIT ?", [limit]
+        )
+        return [(object_id, kind, key_id) for object_id, kind, key_id in rows]

@@ -1,0 +1,643 @@
+"""Tenant isolation of provider objects in ``virtual_keys`` mode: each key reaches only its own.
+
+Design note. Every virtual key shares the provider account, so the provider would serve key A
+key B's files. tokenward therefore records the owner (the creating key's ``key_id``) of every
+object created through it, and for each request (:meth:`Isolation.plan`, what
+:mod:`tokenward.proxy.objects` finds in it):
+
+* **ids in the path, the list cursors and the body** must be the caller's: any other id,
+  another key's, one with no recorded owner or one that does not exist, gets the same 404
+  (:class:`ObjectNotFound`), before anything is sent upstream, after one lookup in the store
+  whether or not the id was in memory: neither the reply nor its timing is an existence oracle;
+* **list replies** are filtered to the caller's objects (``data`` rewritten, ``first_id``,
+  ``last_id`` and ``has_more`` adjusted). tokenward asks the upstream for its largest page and
+  reads on, up to :data:`MAX_PAGES` pages, until it has ``limit`` of the caller's objects, so
+  that a key's objects behind many of other keys' still show; a page can still hold fewer than
+  ``limit``;
+* **create replies** (JSON, at most :data:`CAPTURE_MAX_BYTES`; a stream's first event) are read
+  before any of their bytes go to the client, and the new id's owner is recorded durably
+  first: a crash cannot leave a client holding an id nobody owns.
+
+A key with ``role: admin`` reaches every object and sees whole lists; what it creates is
+recorded as its own. Objects with no recorded owner (created before isolation existed, directly
+at the provider, or by the provider on its own) are reached by admin keys only.
+
+Owners live in the state store (:class:`~tokenward.reports.ledger.state.StateStore`); the
+request path reads an in-memory cache (:class:`OwnerCache`, loaded at start and written
+through) and asks the store, off the event loop, only about ids the cache does not hold (an
+object another proxy created, a hostile key's guesses).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from dataclasses import replace
+from typing import Any
+from urllib.parse import parse_qsl, urlencode
+
+from tokenward.proxy.edge import Target
+from tokenward.proxy.errors import ProxyError
+from tokenward.proxy.exchange import Exchange
+from tokenward.proxy.keys import Identity
+from tokenward.proxy.objects import (
+    FILE,
+    KINDS,
+    Access,
+    Capture,
+    Kind,
+    Reference,
+    access,
+    captured,
+    may_reference,
+    references,
+    selects_stored,
+)
+from tokenward.proxy.sse import SSEDecoder, parse_event
+from tokenward.proxy.upstream import UpstreamError, UpstreamReply
+from tokenward.reports.ledger.state import StateStore
+
+__all__ = [
+    "CAPTURE_MAX_BYTES",
+    "LIST_MAX_BYTES",
+    "MAX_PAGES",
+    "Isolation",
+    "ObjectNotFound",
+    "OwnerCache",
+    "Plan",
+]
+
+log = logging.getLogger("tokenward.proxy")
+
+CAPTURE_MAX_BYTES = 8 * 1024 * 1024
+"""A create reply (not metered) longer than this is relayed without reading its id: the object then has no owner."""
+LIST_MAX_BYTES = 64 * 1024 * 1024
+"""A list page longer than this cannot be filtered: the request gets 502 instead of another key's objects."""
+MAX_PAGES = 5
+"""Upstream pages read at most to fill one filtered list page."""
+
+_KIND = {kind.name: kind for kind in KINDS}
+_CHAT = _KIND["chat_completion"]
+_RESPONSE = _KIND["response"]
+_EVAL = _KIND["eval"]
+_BODY_CHECKED = frozenset({"chat_completions", "responses", "anthropic_messages"})
+
+
+class ObjectNotFound(ProxyError):
+    """404 for an object the caller may not reach, worded as the provider words an unknown id.
+
+    The reply is the same whether the id is another key's, has no owner or does not exist;
+    :attr:`note` (for the ledger row) says which.
+    """
+
+    def __init__(self, kind: Kind, object_id: str, owner: str | None) -> None:
+        super().__init__(404, f"No such {kind.label} object: {object_id}", None)  # type: ignore[arg-type]
+        whose = f"belongs to key {owner}" if owner else "has no recorded owner"
+        self.note = f"refused by isolation: {kind.name} {object_id} {whose}"
+
+
+class OwnerCache:
+    """Object id -> owner ``key_id``: an in-memory cache in front of the state store.
+
+    Args:
+        state: where owners are stored.
+        capacity: ids held in memory (the most recent; older ones are read from the store).
+        fsync: make each record survive power loss, not only a crash (``ledger.fsync``).
+    """
+
+    def __init__(self, state: StateStore, *, capacity: int = 200_000, fsync: bool = False) -> None:
+        self.state = state
+        self.capacity = capacity
+        self.fsync = fsync
+        self._cache: dict[str, str] = {}
+
+    async def load(self) -> int:
+        """Fill the cache with the most recent owners (at start, off the event loop); returns how many."""
+        rows = await asyncio.to_thread(self.state.recent_objects, self.capacity)
+        for object_id, _, key_id in reversed(rows):  # oldest first: the newest are evicted last
+            self._put(object_id, key_id)
+        return len(rows)
+
+    def close(self) -> None:
+        """Release the store's connection, if it keeps one."""
+        close = getattr(self.state, "close", None)
+        if close is not None:
+            close()
+
+    def _put(self, object_id: str, key_id: str) -> None:
+        cache = self._cache
+        if object_id in cache:
+            return
+        cache[object_id] = key_id
+        if len(cache) > self.capacity:
+            del cache[next(iter(cache))]
+
+    def cached(self, object_id: str) -> bool:
+        """Whether ``object_id``'s owner is in memory."""
+        return object_id in self._cache
+
+    async def lookup(self, object_id: str) -> str | None:
+        """The owner the store holds for ``object_id`` (always asks the store, off the event loop)."""
+        return (await asyncio.to_thread(self.state.owners, [object_id])).get(object_id)
+
+    async def owners(self, object_ids: Iterable[str]) -> dict[str, str]:
+        """Owners of the ids that have one: from memory, the rest in one store query off the loop."""
+        found: dict[str, str] = {}
+        missing: list[str] = []
+        cache = self._cache
+        for object_id in object_ids:
+            owner = cache.get(object_id)
+            if owner is None:
+                missing.append(object_id)
+            else:
+                found[object_id] = owner
+        if missing:
+            stored = await asyncio.to_thread(self.state.owners, missing)
+            for object_id, owner in stored.items():
+                self._put(object_id, owner)
+            found.update(stored)
+        return found
+
+    async def record(self, kind: str, object_ids: list[str], key_id: str) -> None:
+        """Store ``key_id`` as the owner of new objects (first owner wins), durably, before returning.
+
+        Raises:
+            Exception: whatever the store raises (the caller must not hand out the ids then).
+        """
+        now = dt.datetime.now(dt.UTC)
+        rows = [(object_id, kind, key_id, now) for object_id in object_ids]
+
+        def write() -> dict[str, str]:
+            self.state.record_objects(rows, fsync=self.fsync)
+            return self.state.owners(object_ids)
+
+        for object_id, owner in (await asyncio.to_thread(write)).items():
+            self._put(object_id, owner)
+
+
+Resend = Callable[[str], Awaitable[UpstreamReply]]
+"""Sends the request again with another raw query string (the next page of a list)."""
+
+
+class Isolation:
+    """Decides, per request, what isolation has to do (:meth:`plan`, :meth:`plan_metered`).
+
+    Args:
+        owners: the owner cache.
+    """
+
+    def __init__(self, owners: OwnerCache) -> None:
+        self.owners = owners
+
+    def plan(self, found: Target, identity: Identity, anthropic: bool) -> Plan | None:
+        """The plan for an unmetered request (``None``: it names, lists and creates no object).
+
+        ``anthropic``: the request speaks Anthropic's API (list cursors are ``after_id``/``before_id``).
+        """
+        if identity.key_id is None:
+            return None
+        what = access(found.method, found.tail)
+        if what is None or (identity.admin and what.capture is None):
+            return None
+        return Plan(self.owners, what, found, identity, anthropic)
+
+    def plan_metered(self, endpoint: str, found: Target, identity: Identity, body: bytes, store: Any) -> Plan | None:
+        """The plan for a metered request: record a stored completion's or response's id, check body ids.
+
+        A chat completion is stored when the request says ``store: true``; a response unless it
+        says ``store: false`` (the Responses API stores by default).
+        """
+        if identity.key_id is None:
+            return None
+        capture = None
+        if endpoint == "chat_completions" and store is True:
+            capture = Capture(_CHAT, ("id",))
+        elif endpoint == "responses" and store is not False:
+            capture = Capture(_RESPONSE, ("id",))
+        checks = not identity.admin and endpoint in _BODY_CHECKED and may_reference(endpoint, body)
+        if capture is None and not checks:
+            return None
+        return Plan(self.owners, Access(None, capture=capture, reads_body=checks), found, identity, False)
+
+
+class Plan:
+    """What isolation does for one request: check it (:meth:`check`, :meth:`check_body`), then its :meth:`reply`."""
+
+    __slots__ = ("access", "admin", "anthropic", "found", "key_id", "owners", "page_limit")
+
+    def __init__(self, owners: OwnerCache, what: Access, found: Target, identity: Identity, anthropic: bool) -> None:
+        assert identity.key_id is not None
+        self.owners = owners
+        self.access = what
+        self.found = found
+        self.key_id = identity.key_id
+        self.admin = identity.admin
+        self.anthropic = anthropic
+        self.page_limit = self._page_limit() if what.lists else 0
+
+    @property
+    def reads_body(self) -> bool:
+        """Whether the request body must be read and checked (it may name objects)."""
+        return self.access.reads_body and not self.admin
+
+    @property
+    def reads_reply(self) -> bool:
+        """Whether the reply is read before it is relayed (a list to filter, ids to record)."""
+        return self.access.capture is not None or (self.access.lists and not self.admin)
+
+    # -- the request ---------------------------------------------------------------------------
+
+    async def check(self) -> None:
+        """Refuse a path id or list cursor that is not the caller's.
+
+        Raises:
+            ObjectNotFound: 404, before anything is sent upstream.
+        """
+        if self.admin:
+            return
+        what = self.access
+        assert what.kind is not None or not what.ids
+        wanted = [Reference("path", object_id, what.kind) for object_id in what.ids if what.kind is not None]
+        if what.lists and what.kind is not None and self.found.query:
+            cursors = ("after_id", "before_id") if self.anthropic else ("after", "before")
+            for name, value in parse_qsl(self.found.query, keep_blank_values=True):
+                if name in cursors and value:
+                    wanted.append(Reference(name, value, what.kind))
+        await self._require(wanted)
+
+    async def check_body(self, body: bytes) -> None:
+        """Refuse a body naming an object that is not the caller's (:func:`~tokenward.proxy.objects.references`).
+
+        Raises:
+            ObjectNotFound: 404 for the first such id.
+            ProxyError: 400 ``invalid_json`` for a body that is not JSON or names a member twice
+                (the upstream might read the other one); 403 ``isolation_refused`` for an eval run
+                that selects stored objects by filter.
+        """
+        if not self.reads_body or not body.strip():
+            return
+        document = _decode_strict(body)
+        if self.access.kind is _EVAL and selects_stored(document):
+            raise ProxyError(
+                403,
+                "An eval run whose data source selects stored chat completions or responses by filter would read "
+                "every key's objects: tokenward lets only admin keys start one. Use a file data source.",
+                "isolation_refused",
+                "permission_error",
+            )
+        await self._require(references(document))
+
+    async def _require(self, wanted: list[Reference]) -> None:
+        if not wanted:
+            return
+        ids = {ref.object_id for ref in wanted}
+        cached = {object_id for object_id in ids if self.owners.cached(object_id)}
+        owners = await self.owners.owners(ids)
+        for ref in wanted:
+            owner = owners.get(ref.object_id)
+            if owner == self.key_id or (ref.lenient and owner is None):
+                continue
+            if ref.object_id in cached:  # as slow as an unknown id's refusal: one store lookup each
+                await self.owners.lookup(ref.object_id)
+            raise ObjectNotFound(ref.kind, ref.object_id, owner)
+
+    def prepare(self, found: Target, headers: list[tuple[bytes, bytes]]) -> Target:
+        """Adjust the outgoing request: an uncompressed reply when it is read, the largest page for a list.
+
+        Returns the target to send (``found``, or ``found`` with the list's ``limit`` raised).
+        """
+        if not self.reads_reply:
+            return found
+        headers[:] = [h for h in headers if h[0] != b"accept-encoding"]
+        headers.append((b"accept-encoding", b"identity"))
+        if self.access.lists and not self.admin:
+            return replace(found, query=_with_params(found.query, {"limit": str(self.page_limit)}))
+        return found
+
+    # -- the reply -----------------------------------------------------------------------------
+
+    async def reply(self, ex: Exchange, reply: UpstreamReply, resend: Resend | None) -> UpstreamReply:
+        """The reply to relay: filtered (a list), or read far enough to record the ids it creates.
+
+        Raises:
+            ProxyError: 502 ``list_not_filtered`` for a list reply tokenward cannot filter (too
+                large, compressed, not a list); 500 ``owner_not_recorded`` when the store failed
+                (the new object then stays unowned, reachable by admin keys only).
+        """
+        if reply.status == 400 and self.access.lists and not self.admin and self.page_limit > self._requested_limit():
+            # an upstream serving smaller pages than tokenward asked for: ask again with the caller's limit
+            assert resend is not None
+            await reply.aclose()
+            self.page_limit = self._requested_limit()
+            reply = await resend(_with_params(self.found.query, {"limit": str(self.page_limit)}))
+        if not 200 <= reply.status < 300:
+            return reply
+        try:
+            return await self._reply(ex, reply, resend)
+        except BaseException:
+            await reply.aclose()
+            raise
+
+    async def _reply(self, ex: Exchange, reply: UpstreamReply, resend: Resend | None) -> UpstreamReply:
+        if self.access.lists and not self.admin:
+            assert resend is not None
+            return await self._filtered(ex, reply, resend)
+        capture = self.access.capture
+        if capture is None:
+            return reply
+        if _encoded(reply):
+            log.warning("request %s: the reply is compressed, so its new object gets no owner", ex.request_id)
+            return reply
+        if (_header(reply, b"content-type") or "").startswith("text/event-stream"):
+            return await self._capture_stream(ex, reply, capture)
+        return await self._capture_body(ex, reply, capture)
+
+    async def _capture_body(self, ex: Exchange, reply: UpstreamReply, capture: Capture) -> UpstreamReply:
+        limit = None if self.access.kind is None else CAPTURE_MAX_BYTES  # a metered reply is read whole anyway
+        chunks, rest, error = await _read(reply, limit)
+        if rest is not None:
+            log.warning("request %s: the reply is over %d bytes; its new object gets no owner", ex.request_id, limit)
+            return _Replayed(reply, chunks, rest)
+        if error is not None:
+            return _Replayed(reply, chunks, None, error)
+        body = b"".join(chunks)
+        try:
+            document = json.loads(body)
+        except (ValueError, RecursionError):
+            document = None
+        await self._record(ex, capture, captured(capture.fields, document) if isinstance(document, dict) else [])
+        return _Replayed(reply, [body], None)
+
+    async def _capture_stream(self, ex: Exchange, reply: UpstreamReply, capture: Capture) -> UpstreamReply:
+        """Hold a stream's first chunks until its first event (which names the new object) is read."""
+        decoder = SSEDecoder()
+        stream = reply.chunks().__aiter__()
+        chunks: list[bytes] = []
+        size = 0
+        object_id: str | None = None
+        rest: AsyncIterator[bytes] | None = stream
+        try:
+            while size <= CAPTURE_MAX_BYTES:
+                try:
+                    chunk = await anext(stream)
+                except StopAsyncIteration:
+                    rest = None
+                    break
+                chunks.append(chunk)
+                size += len(chunk)
+                data = next((d for d in map(_event_data, decoder.feed(chunk)) if d is not None), None)
+                if data is not None:
+                    object_id = _stream_id(data)
+                    break
+        except UpstreamError as exc:
+            return _Replayed(reply, chunks, None, exc)
+        await self._record(ex, capture, [object_id] if object_id else [])
+        return _Replayed(reply, chunks, rest)
+
+    async def _record(self, ex: Exchange, capture: Capture, object_ids: list[str]) -> None:
+        if not object_ids:
+            return
+        owner: str | None = self.key_id
+        if capture.parent:
+            parent = self.access.ids[0]
+            owner = (await self.owners.owners([parent])).get(parent)
+            if owner is None:
+                return  # an unowned object's files stay unowned
+        try:
+            await self.owners.record(capture.kind.name, object_ids, owner)
+        except Exception as exc:
+            log.exception("request %s: could not record the owner of %s", ex.request_id, object_ids)
+            ex.maybe_billed = True
+            raise ProxyError(
+                500,
+                "tokenward could not record who owns the object the upstream created, so it does not hand out "
+                "its id; an admin key can still reach it.",
+                "owner_not_recorded",
+                "server_error",
+            ) from exc
+
+    def _page_limit(self) -> int:
+        """The page size to ask the upstream for, for a filtered list: the largest it serves, or more if asked."""
+        kind = self.access.kind
+        assert kind is not None
+        largest = 1000 if self.anthropic else kind.max_limit
+        return max(largest, self._requested_limit())
+
+    def _requested_limit(self) -> int:
+        kind = self.access.kind
+        for name, value in parse_qsl(self.found.query, keep_blank_values=True):
+            if name == "limit" and value.isdigit() and int(value) > 0:
+                return int(value)
+        return 10_000 if kind is FILE and not self.anthropic else 20  # the providers' defaults
+
+    async def _filtered(self, ex: Exchange, reply: UpstreamReply, resend: Resend) -> UpstreamReply:
+        """The caller's objects of one or more upstream pages, as one page of at most ``limit``."""
+        kind = self.access.kind
+        assert kind is not None
+        wanted = self._requested_limit()
+        after, before = ("after_id", "before_id") if self.anthropic else ("after", "before")
+        backwards = any(name == before for name, _ in parse_qsl(self.found.query, keep_blank_values=True))
+        query = _with_params(self.found.query, {"limit": str(self.page_limit)})
+        first: dict[str, Any] | None = None
+        kept: list[dict[str, Any]] = []
+        page: UpstreamReply | None = reply
+        for number in range(MAX_PAGES):
+            assert page is not None
+            document = await _list_page(page, ex)
+            first = first or document
+            data = [item for item in document["data"] if isinstance(item, dict) and isinstance(item.get("id"), str)]
+            owners = await self.owners.owners(item["id"] for item in data)
+            mine = [item for item in data if owners.get(item["id"]) == self.key_id]
+            kept.extend(mine)
+            await self._record_derived(ex, kind, mine)
+            more = document.get("has_more") is True
+            cursor = document.get("last_id") if self.anthropic else None
+            cursor = cursor if isinstance(cursor, str) else (data[-1]["id"] if data else None)
+            if len(kept) >= wanted or not more or backwards or cursor is None or number == MAX_PAGES - 1:
+                break
+            page = await resend(_with_params(query, {after: cursor}))
+            if not 200 <= page.status < 300:  # the next page failed: say there is more
+                await page.aclose()
+                break
+        assert first is not None
+        has_more = more or len(kept) > wanted
+        kept = kept[:wanted]
+        result = dict(first, data=kept)
+        for name, item in (("first_id", kept[:1]), ("last_id", kept[-1:])):
+            if name in result:
+                result[name] = item[0]["id"] if item else None
+        if "has_more" in result or has_more:
+            result["has_more"] = has_more
+        body = json.dumps(result, separators=(",", ":"), ensure_ascii=False).encode()
+        headers = [(n, v) for n, v in reply.headers if n not in (b"content-length", b"content-encoding")]
+        headers.append((b"content-length", str(len(body)).encode()))
+        return _Replayed(reply, [body], None, headers=headers)
+
+    async def _record_derived(self, ex: Exchange, kind: Kind, items: list[dict[str, Any]]) -> None:
+        """Record the files the provider made for the caller's objects in a list (a batch's output)."""
+        if not kind.derived:
+            return
+        files = [object_id for item in items for object_id in captured(kind.derived, item)]
+        if files:
+            await self._record(ex, Capture(FILE, kind.derived), files)
+
+
+class _Replayed:
+    """An upstream reply partly (or wholly) read already: the chunks read, then the rest (or the error)."""
+
+    __slots__ = ("_error", "_read", "_reply", "_rest", "headers", "status")
+
+    def __init__(
+        self,
+        reply: UpstreamReply,
+        read: list[bytes],
+        rest: AsyncIterator[bytes] | None,
+        error: UpstreamError | None = None,
+        *,
+        headers: list[tuple[bytes, bytes]] | None = None,
+    ) -> None:
+        self._reply = reply
+        self._read = read
+        self._rest = rest
+        self._error = error
+        self.status = reply.status
+        self.headers = reply.headers if headers is None else headers
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """The chunks read, then the rest of the upstream's (raises :class:`UpstreamError` where it did)."""
+        read, self._read = self._read, []
+        for chunk in read:
+            yield chunk
+        if self._error is not None:
+            raise self._error
+        if self._rest is not None:
+            async for chunk in self._rest:
+                yield chunk
+
+    async def aclose(self) -> None:
+        """Release the upstream reply."""
+        await self._reply.aclose()
+
+
+async def _read(
+    reply: UpstreamReply, limit: int | None
+) -> tuple[list[bytes], AsyncIterator[bytes] | None, UpstreamError | None]:
+    """Read a reply to its end or past ``limit`` bytes.
+
+    Returns ``(chunks, rest, error)``: ``rest`` the unread remainder (``None`` at the end), ``error``
+    what broke the reply off (``None`` if nothing did).
+    """
+    stream = reply.chunks().__aiter__()
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async for chunk in stream:
+            chunks.append(chunk)
+            size += len(chunk)
+            if limit is not None and size > limit:
+                return chunks, stream, None
+    except UpstreamError as exc:
+        return chunks, None, exc
+    return chunks, None, None
+
+
+async def _list_page(reply: UpstreamReply, ex: Exchange) -> dict[str, Any]:
+    """One upstream list page, decoded (the reply is released).
+
+    Raises:
+        ProxyError: 502 ``list_not_filtered`` when it is not a readable JSON list.
+    """
+    try:
+        if _encoded(reply):
+            raise _unfiltered("it came compressed although tokenward asked for identity")
+        chunks, rest, error = await _read(reply, LIST_MAX_BYTES)
+        if error is not None:
+            message = f"Upstream {ex.upstream!r}: {error.failure.message}"
+            raise ProxyError(502, message, "upstream_failed", "server_error")
+        if rest is not None:
+            raise _unfiltered(f"it is over {LIST_MAX_BYTES // (1024 * 1024)} MiB: ask for a smaller limit")
+        try:
+            document = json.loads(b"".join(chunks))
+        except (ValueError, RecursionError):
+            document = None
+        if not isinstance(document, dict) or not isinstance(document.get("data"), list):
+            raise _unfiltered("it is not a JSON list")
+        return document
+    finally:
+        await reply.aclose()
+
+
+def _unfiltered(why: str) -> ProxyError:
+    return ProxyError(
+        502, f"tokenward cannot filter the upstream's list reply by owner: {why}.", "list_not_filtered", "server_error"
+    )
+
+
+def _encoded(reply: UpstreamReply) -> bool:
+    return (_header(reply, b"content-encoding") or "identity").strip().lower() != "identity"
+
+
+def _header(reply: UpstreamReply, name: bytes) -> str | None:
+    for key, value in reply.headers:
+        if key == name:
+            return value.decode("latin-1")
+    return None
+
+
+def _event_data(block: bytes) -> bytes | None:
+    return parse_event(block)[1]
+
+
+def _stream_id(data: bytes) -> str | None:
+    """The object a stream's first event names: a chat chunk's ``id``, a Responses event's ``response.id``."""
+    try:
+        event = json.loads(data)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(event, dict):
+        return None
+    inner = event.get("response")
+    value = inner.get("id") if isinstance(inner, dict) else event.get("id")
+    return value if isinstance(value, str) and value else None
+
+
+def _with_params(query: str, params: dict[str, str]) -> str:
+    """``query`` with ``params`` set (replaced where present, appended otherwise)."""
+    pairs = [(name, value) for name, value in parse_qsl(query, keep_blank_values=True) if name not in params]
+    return urlencode([*pairs, *params.items()])
+
+
+class _DuplicateMember(ValueError):
+    pass
+
+
+def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    document = dict(pairs)
+    if len(document) != len(pairs):
+        seen: set[str] = set()
+        for name, _ in pairs:
+            if name in seen:
+                raise _DuplicateMember(name)
+            seen.add(name)
+    return document
+
+
+def _decode_strict(body: bytes) -> Any:
+    """Decode a request body, refusing a member named twice (the upstream might read the other one).
+
+    Raises:
+        ProxyError: 400 ``invalid_json``.
+    """
+    try:
+        return json.loads(body, object_pairs_hook=_unique)
+    except _DuplicateMember as exc:
+        raise ProxyError(
+            400, f"The JSON body of your request names the member {str(exc)!r} twice.", "invalid_json"
+        ) from None
+    except RecursionError:
+        raise ProxyError(400, "The JSON body of your request is nested too deeply.", "invalid_json") from None
+    except ValueError as exc:
+        raise ProxyError(400, f"We could not parse the JSON body of your request: {exc}", "invalid_json") from None

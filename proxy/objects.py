@@ -1,0 +1,330 @@
+"""Which provider objects a request names, creates or lists (pure: no I/O, no HTTP imports).
+
+Design note. Every virtual key behind one proxy shares the provider account, so the provider
+cannot tell key A's files from key B's: tokenward must. It records which key created which
+object id (:mod:`tokenward.proxy.isolation`), and this module says, for one request, where
+object ids are:
+
+* in the path: ``/v1/<collection>/<id>/...`` (:data:`KINDS`; the id after the collection is
+  checked for every method, sub-resources such as ``vector_stores/{id}/files`` included);
+* in the query of a list: the ``after``/``before`` cursors (``after_id``/``before_id`` for
+  Anthropic);
+* in the body: :func:`references` walks a decoded JSON body for the fields that name objects
+  (:data:`REFERENCE_FIELDS`: ``file_id``, ``input_file_id``, ``training_file``, ``file_ids``,
+  ``vector_store_ids``, ``previous_response_id``, ``conversation``, ``assistant_id``, ...),
+  wherever they appear (message content parts, tool resources, batch requests), except
+  inside client-defined shapes (``metadata``, JSON schemas, tool inputs);
+* in the reply: a create's id (:class:`Capture`), and objects the provider makes for an
+  object (a batch's output and error files, a fine-tuning job's result files, the file an
+  upload completes into).
+
+A segment that is neither a known sub-endpoint (:attr:`Kind.reserved`) nor a recorded id is
+treated as an id: a new sub-endpoint of a known collection is refused, not let through.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import unquote
+
+__all__ = [
+    "FILE",
+    "KINDS",
+    "REFERENCE_FIELDS",
+    "Access",
+    "Capture",
+    "Kind",
+    "Reference",
+    "access",
+    "captured",
+    "kind_named",
+    "may_reference",
+    "references",
+    "selects_stored",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Kind:
+    """A kind of provider object and the collection path it lives under.
+
+    ``name`` is what the state store records (``file``), ``label`` what a 404 says ("No such
+    File object"), ``collection`` the lower-case path below ``/v1`` (``fine_tuning/jobs``).
+    ``GET <collection>`` lists objects (filtered per key; for a kind the provider does not list,
+    its error passes, and a list it may serve one day is filtered); ``creates``: ``POST
+    <collection>`` creates one, whose id is the reply's ``id``; ``reserved``: segments after the
+    collection that name sub-endpoints, not ids; ``max_limit``: the largest page the provider
+    serves (a filtered list asks for it); ``derived``: reply fields naming files the provider
+    made for the object.
+    """
+
+    name: str
+    label: str
+    collection: str
+    creates: bool = True
+    reserved: frozenset[str] = frozenset()
+    max_limit: int = 100
+    derived: tuple[str, ...] = ()
+
+
+FILE = Kind("file", "File", "files", max_limit=10_000)
+_UPLOAD = Kind("upload", "Upload", "uploads")
+_BATCH = Kind("batch", "Batch", "batches", derived=("output_file_id", "error_file_id"))
+_VECTOR_STORE = Kind("vector_store", "VectorStore", "vector_stores")
+_CHAT = Kind("chat_completion", "ChatCompletion", "chat/completions", creates=False)  # POST: metered, `store`
+_RESPONSE = Kind("response", "Response", "responses", creates=False, reserved=frozenset({"input_tokens", "compact"}))
+_CONVERSATION = Kind("conversation", "Conversation", "conversations")
+_ASSISTANT = Kind("assistant", "Assistant", "assistants")
+_THREAD = Kind("thread", "Thread", "threads", reserved=frozenset({"runs"}))
+_FINE_TUNE = Kind("fine_tuning_job", "FineTuningJob", "fine_tuning/jobs", derived=("result_files",))
+_CONTAINER = Kind("container", "Container", "containers")
+_VIDEO = Kind("video", "Video", "videos")
+_EVAL = Kind("eval", "Eval", "evals")
+_MESSAGE_BATCH = Kind("message_batch", "MessageBatch", "messages/batches", max_limit=1000)
+
+KINDS: tuple[Kind, ...] = (
+    FILE,
+    _UPLOAD,
+    _BATCH,
+    _VECTOR_STORE,
+    _CHAT,
+    _RESPONSE,
+    _CONVERSATION,
+    _ASSISTANT,
+    _THREAD,
+    _FINE_TUNE,
+    _CONTAINER,
+    _VIDEO,
+    _EVAL,
+    _MESSAGE_BATCH,
+)
+"""Every isolated kind. OpenAI: files, uploads, batches, vector stores, stored chat completions,
+stored responses, conversations, assistants, threads, fine-tuning jobs, containers, videos,
+evals; Anthropic: files (the same ``/v1/files`` paths) and message batches."""
+
+_BY_COLLECTION = {kind.collection: kind for kind in KINDS}
+_BY_NAME = {kind.name: kind for kind in KINDS}
+_REFERENCING = frozenset({"messages/count_tokens"})  # not objects, but bodies that may name some
+_STREAMED_UPLOADS = {("files", ""), ("uploads", "parts"), ("containers", "files"), ("videos", "")}
+"""Multipart uploads (kind, sub-endpoint): streamed through unread; a multipart form names no object."""
+
+
+@dataclass(frozen=True, slots=True)
+class Capture:
+    """Where a reply names objects to record: ``fields`` (dotted paths to a string or a list of strings).
+
+    ``parent``: the new objects belong to the owner of the object in the path (a batch's
+    output file belongs to whoever owns the batch, even when an admin reads it); otherwise to
+    the caller.
+    """
+
+    kind: Kind
+    fields: tuple[str, ...]
+    parent: bool = False
+
+
+_CREATED = ("id",)
+
+
+@dataclass(frozen=True, slots=True)
+class Access:
+    """What one request does with provider objects (see :func:`access`).
+
+    ``ids`` are the object ids in the path (the first one is the object itself; checked for
+    every method); ``lists`` marks a list to filter; ``capture`` where the reply names objects
+    to record; ``reads_body``: the body may reference objects (read and check it).
+    """
+
+    kind: Kind | None
+    ids: tuple[str, ...] = ()
+    lists: bool = False
+    capture: Capture | None = None
+    reads_body: bool = False
+
+
+def access(method: str, tail: str) -> Access | None:
+    """What ``method /v1/<tail>`` does with provider objects; ``None``: nothing.
+
+    ``tail`` is :attr:`tokenward.proxy.edge.Target.tail` (checked, percent-encoded as sent);
+    collections match in lower case, ids exactly (percent-decoded).
+    """
+    segments = tail.split("/")
+    kind = _BY_COLLECTION.get("/".join(segments[:2]).lower()) if len(segments) > 1 else None
+    taken = 2
+    if kind is None:
+        kind = _BY_COLLECTION.get(segments[0].lower())
+        taken = 1
+    writes = method in ("POST", "PUT", "PATCH")
+    if kind is None:
+        return Access(None, reads_body=writes) if tail.lower() in _REFERENCING else None
+    rest = segments[taken:]
+    if not rest:
+        if method == "GET":
+            return Access(kind, lists=True)
+        if method == "POST":
+            capture = Capture(kind, _CREATED) if kind.creates else None
+            return Access(kind, capture=capture, reads_body=(kind.collection, "") not in _STREAMED_UPLOADS)
+        return None  # HEAD, OPTIONS, DELETE, ... on a collection: no object named, listed or created
+    first = rest[0].lower()
+    if first in kind.reserved:
+        capture = Capture(_THREAD, ("thread_id",)) if kind is _THREAD and method == "POST" else None
+        return Access(kind, capture=capture, reads_body=writes)
+    object_id = unquote(rest[0])
+    sub = rest[1].lower() if len(rest) > 1 else ""
+    return Access(
+        kind,
+        ids=(object_id,),
+        capture=_sub_capture(kind, method, sub, len(rest)),
+        reads_body=writes and (kind.collection, sub) not in _STREAMED_UPLOADS,
+    )
+
+
+def _sub_capture(kind: Kind, method: str, sub: str, depth: int) -> Capture | None:
+    """What a reply on ``<collection>/<id>[/<sub>]`` creates: derived files, a completed upload's file, a remix."""
+    if depth > 2:
+        return None
+    if kind.derived and ((method == "GET" and not sub) or (method == "POST" and sub == "cancel")):
+        return Capture(FILE, kind.derived, parent=True)
+    if kind is _UPLOAD and method == "POST" and sub == "complete":
+        return Capture(FILE, ("file.id",), parent=True)
+    if kind is _VIDEO and method == "POST" and sub == "remix":
+        return Capture(_VIDEO, _CREATED)
+    return None
+
+
+def captured(fields: tuple[str, ...], document: Any) -> list[str]:
+    """The object ids ``fields`` name in a decoded reply (strings, or lists of strings; others skipped)."""
+    found: list[str] = []
+    for path in fields:
+        value = document
+        for name in path.split("."):
+            value = value.get(name) if isinstance(value, dict) else None
+        if isinstance(value, str) and value:
+            found.append(value)
+        elif isinstance(value, list):
+            found.extend(v for v in value if isinstance(v, str) and v)
+    return found
+
+
+def kind_named(name: str) -> Kind:
+    """The kind recorded as ``name`` (``KeyError`` for none)."""
+    return _BY_NAME[name]
+
+
+# -- body references ------------------------------------------------------------------------
+
+REFERENCE_FIELDS: dict[str, Kind] = {
+    "file_id": FILE,
+    "file_ids": FILE,
+    "input_file_id": FILE,
+    "training_file": FILE,
+    "validation_file": FILE,
+    "vector_store_id": _VECTOR_STORE,
+    "vector_store_ids": _VECTOR_STORE,
+    "previous_response_id": _RESPONSE,
+    "conversation": _CONVERSATION,
+    "assistant_id": _ASSISTANT,
+    "container": _CONTAINER,
+}
+"""Body fields that name objects, anywhere in a request body, and the kind each names.
+
+A field's value is an id string, a list of them, or (``conversation``) an object with an ``id``;
+``{"type": "file_id", "id": ...}`` (an eval's file source) names a file too. ``container`` is
+lenient (see :attr:`Reference.lenient`): containers the provider makes on its own (Responses'
+and Anthropic's code execution) are never recorded."""
+
+_CLIENT_SHAPES = frozenset({"metadata", "parameters", "input_schema", "schema", "json_schema", "arguments"})
+"""Members whose content the client defines (no provider object is named in them)."""
+
+_MARKERS: dict[str, tuple[bytes, ...]] = {
+    "chat_completions": (b"file_id",),
+    "anthropic_messages": (b"file_id", b'"container"'),
+    "responses": (b"file_id", b"vector_store_id", b"previous_response_id", b'"conversation"', b'"container"'),
+}
+"""What :func:`may_reference` looks for per metered endpoint: the fields of :data:`REFERENCE_FIELDS`
+that endpoint reads (``file_id`` also finds ``file_ids`` and ``input_file_id``). Each is one scan of
+the body, so the chat path pays for one."""
+_ALL_MARKERS = tuple(dict.fromkeys(m for markers in _MARKERS.values() for m in markers)) + (b"assistant_id",)
+_ASCII_ESCAPE = re.compile(rb"\\u00[0-7]")
+
+
+@dataclass(frozen=True, slots=True)
+class Reference:
+    """An object id a request body names: the field, the id, its kind.
+
+    ``lenient``: refused only when recorded as another key's (an id the provider made without
+    tokenward seeing it, such as an automatic container, passes).
+    """
+
+    field: str
+    object_id: str
+    kind: Kind
+    lenient: bool = False
+
+
+def may_reference(endpoint: str, body: bytes) -> bool:
+    r"""Whether a metered request body may name an object (cheap; a false positive only costs a full decode).
+
+    Looks for the reference fields ``endpoint`` reads (:data:`_MARKERS`; every field for another
+    endpoint) and for a ``\u00XX`` escape of an ASCII character, with which a member name can be
+    spelled without its letters.
+    """
+    for marker in _MARKERS.get(endpoint, _ALL_MARKERS):
+        if marker in body:
+            return True
+    return b"\\u00" in body and _ASCII_ESCAPE.search(body) is not None
+
+
+def references(document: Any) -> list[Reference]:
+    """Every object a decoded request body names (see :data:`REFERENCE_FIELDS`), in document order."""
+    return list(_walk(document))
+
+
+def _walk(document: Any) -> Iterator[Reference]:
+    stack = [document]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(reversed(node))
+            continue
+        if not isinstance(node, dict):
+            continue
+        if node.get("type") == "file_id" and isinstance(node.get("id"), str):
+            yield Reference("id", node["id"], FILE)
+        children = []
+        for name, value in node.items():
+            kind = REFERENCE_FIELDS.get(name)
+            if kind is not None:
+                yield from _named(name, value, kind)
+            if name in _CLIENT_SHAPES or (name == "input" and isinstance(value, dict)):  # a tool call's input
+                continue
+            if isinstance(value, dict | list):
+                children.append(value)
+        stack.extend(reversed(children))
+
+
+def _named(field: str, value: Any, kind: Kind) -> Iterator[Reference]:
+    lenient = kind is _CONTAINER
+    if isinstance(value, str):
+        yield Reference(field, value, kind, lenient)
+    elif isinstance(value, list):
+        for item in value:
+            if isinstance(item, str):
+                yield Reference(field, item, kind, lenient)
+    elif isinstance(value, dict) and kind is _CONVERSATION and isinstance(value.get("id"), str):
+        yield Reference(field, value["id"], kind)
+
+
+def selects_stored(document: Any) -> bool:
+    """Whether an eval run's body selects stored objects by filter rather than by id.
+
+    A run's ``data_source.source`` of type ``stored_completions`` or ``responses`` makes the
+    provider pick stored chat completions or responses by model, metadata and time, from every
+    key's objects alike (platform.openai.com/docs/api-reference/evals/createRun).
+    """
+    source = document.get("data_source") if isinstance(document, dict) else None
+    inner = source.get("source") if isinstance(source, dict) else None
+    return isinstance(inner, dict) and inner.get("type") in ("stored_completions", "responses")

@@ -1,0 +1,334 @@
+"""A provider account's object store as a real HTTP upstream: files, batches, vector stores, stored chat
+completions and responses (OpenAI), files and message batches (Anthropic, under ``/anthropic``).
+
+It behaves like the provider where isolation depends on it: one account (every key's objects in one
+place), lists newest first with ``after``/``limit`` cursors (``after_id`` for Anthropic) and a page cap
+(:attr:`ObjectStore.max_page`, like the provider's largest ``limit``), 404 for unknown ids, 400 for a
+body naming a file that does not exist. :attr:`ObjectStore.requests` logs ``(method, path)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from aiohttp import web
+
+USAGE = {"prompt_tokens": 12, "completion_tokens": 4, "total_tokens": 16}
+RESPONSE_USAGE = {
+    "input_tokens": 12,
+    "output_tokens": 4,
+    "total_tokens": 16,
+    "input_tokens_details": {"cached_tokens": 0},
+    "output_tokens_details": {"reasoning_tokens": 0},
+}
+
+
+class ObjectStore:
+    """The upstream; run it with :meth:`running` (``url`` is its OpenAI base, ``anthropic_url`` Anthropic's)."""
+
+    def __init__(self) -> None:
+        self.objects: dict[str, dict[str, Any]] = {}  # id -> object, in creation order
+        self.contents: dict[str, bytes] = {}
+        self.vector_store_files: dict[str, list[str]] = {}
+        self.requests: list[tuple[str, str]] = []
+        self.max_page = 100
+        self.refuses_large_pages = False  # answer 400 to a limit over max_page (instead of serving max_page)
+        self._serial = itertools.count(1)
+        self.port = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    @property
+    def anthropic_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/anthropic/v1"
+
+    @contextmanager
+    def running(self) -> Iterator[ObjectStore]:
+        ready = threading.Event()
+        thread = threading.Thread(target=lambda: asyncio.run(self._main(ready)), daemon=True, name="object-store")
+        thread.start()
+        assert ready.wait(10)
+        try:
+            yield self
+        finally:
+            assert self._loop is not None and self._stop is not None
+            self._loop.call_soon_threadsafe(self._stop.set)
+            thread.join(10)
+
+    async def _main(self, ready: threading.Event) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=0.5)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        ready.set()
+        await self._stop.wait()
+        await runner.cleanup()
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    def new_id(self, prefix: str) -> str:
+        return f"{prefix}{next(self._serial):04d}"
+
+    def add(self, obj: dict[str, Any]) -> dict[str, Any]:
+        obj.setdefault("created_at", next(self._serial))
+        self.objects[obj["id"]] = obj
+        return obj
+
+    def add_file(self, name: str, data: bytes, purpose: str, *, anthropic: bool = False) -> dict[str, Any]:
+        if anthropic:
+            obj = {"id": self.new_id("file_"), "type": "file", "filename": name, "size_bytes": len(data)}
+            obj.update(mime_type="application/octet-stream", created_at="2025-01-01T00:00:00Z", dialect="anthropic")
+        else:
+            obj = {"id": self.new_id("file-"), "object": "file", "bytes": len(data), "filename": name}
+            obj.update(purpose=purpose, status="processed")
+        self.contents[obj["id"]] = data
+        return self.add(obj)
+
+    def of(self, object_id: str, kind: str) -> dict[str, Any]:
+        obj = self.objects.get(object_id)
+        if obj is None or obj.get("object", obj.get("type")) != kind:
+            raise _error(404, f"No such {kind} object: {object_id}")
+        return obj
+
+    def page(self, request: web.Request, kind: str, *, anthropic: bool = False) -> web.Response:
+        items = [o for o in reversed(self.objects.values()) if o.get("object", o.get("type")) == kind]
+        if kind == "file":  # OpenAI and Anthropic files share the path, not the account
+            items = [o for o in items if (o.get("dialect") == "anthropic") == anthropic]
+        after = request.query.get("after_id" if anthropic else "after")
+        if after:
+            ids = [o["id"] for o in items]
+            if after not in ids:
+                raise _error(400, f"unknown cursor {after}")
+            items = items[ids.index(after) + 1 :]
+        limit = int(request.query.get("limit", "20"))
+        if limit > self.max_page and self.refuses_large_pages:
+            raise _error(400, f"limit must be at most {self.max_page}")
+        limit = min(limit, self.max_page)
+        page, more = items[:limit], len(items) > limit
+        body: dict[str, Any] = {"data": page, "has_more": more}
+        body.update(first_id=page[0]["id"] if page else None, last_id=page[-1]["id"] if page else None)
+        if not anthropic:
+            body = {"object": "list", **body}
+        return web.json_response(body)
+
+    def need_file(self, file_id: Any) -> None:
+        if file_id not in self.objects:
+            raise _error(400, f"Invalid file id: {file_id}")
+
+    # -- the API ---------------------------------------------------------------------------------
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        self.requests.append((request.method, request.path_qs))
+        try:
+            return await self._route(request)
+        except web.HTTPException as exc:
+            return web.Response(status=exc.status, text=exc.text, content_type="application/json")
+
+    async def _route(self, request: web.Request) -> web.StreamResponse:
+        anthropic = request.path.startswith("/anthropic/")
+        parts = request.path.split("/")[3 if anthropic else 2 :]
+        method = request.method
+        if parts[0] == "files":
+            return await self._files(request, method, parts, anthropic)
+        if anthropic and parts[:2] == ["messages", "batches"]:
+            return await self._message_batches(request, method, parts[2:])
+        if parts[0] == "batches":
+            return await self._batches(request, method, parts)
+        if parts[0] == "vector_stores":
+            return await self._vector_stores(request, method, parts)
+        if parts[:2] == ["chat", "completions"]:
+            return await self._chat(request, method, parts[2:])
+        if parts[0] == "responses":
+            return await self._responses(request, method, parts[1:])
+        raise _error(404, f"unknown path {request.path}")
+
+    async def _files(self, request: web.Request, method: str, parts: list[str], anthropic: bool) -> web.Response:
+        if len(parts) == 1 and method == "POST":
+            form = await request.post()
+            upload = form["file"]
+            assert isinstance(upload, web.FileField)
+            return web.json_response(
+                self.add_file(upload.filename, upload.file.read(), str(form.get("purpose", "")), anthropic=anthropic)
+            )
+        if len(parts) == 1:
+            return self.page(request, "file", anthropic=anthropic)
+        obj = self.of(parts[1], "file")
+        if len(parts) == 3 and parts[2] == "content":
+            return web.Response(body=self.contents[obj["id"]], content_type="application/octet-stream")
+        if method == "DELETE":
+            del self.objects[obj["id"]]
+            deleted = {"id": obj["id"], "deleted": True}
+            return web.json_response(
+                {**deleted, "type": "file_deleted"} if anthropic else {**deleted, "object": "file"}
+            )
+        return web.json_response(obj)
+
+    async def _batches(self, request: web.Request, method: str, parts: list[str]) -> web.Response:
+        if len(parts) == 1 and method == "POST":
+            body = await request.json()
+            self.need_file(body.get("input_file_id"))
+            output = self.add_file("batch_output.jsonl", b'{"id": "out"}\n', "batch_output")
+            batch = {"id": self.new_id("batch_"), "object": "batch", "endpoint": body["endpoint"]}
+            batch.update(input_file_id=body["input_file_id"], completion_window="24h", status="validating")
+            batch["pending_output_file_id"] = output["id"]  # shown once the batch "completes" (on retrieve)
+            return web.json_response(self.add(batch))
+        if len(parts) == 1:
+            return self.page(request, "batch")
+        batch = self.of(parts[1], "batch")
+        if len(parts) == 3 and parts[2] == "cancel":
+            batch["status"] = "cancelling"
+        elif batch["status"] == "validating":
+            batch.update(status="completed", output_file_id=batch.pop("pending_output_file_id"))
+        return web.json_response({k: v for k, v in batch.items() if k != "pending_output_file_id"})
+
+    async def _vector_stores(self, request: web.Request, method: str, parts: list[str]) -> web.Response:
+        counts = {"in_progress": 0, "completed": 0, "failed": 0, "cancelled": 0, "total": 0}
+        if len(parts) == 1 and method == "POST":
+            body = await request.json()
+            for file_id in body.get("file_ids", []):
+                self.need_file(file_id)
+            store = {
+                "id": self.new_id("vs_"),
+                "object": "vector_store",
+                "name": body.get("name"),
+                "status": "completed",
+            }
+            store.update(file_counts=counts, usage_bytes=0, last_active_at=0, metadata={})
+            self.vector_store_files[store["id"]] = list(body.get("file_ids", []))
+            return web.json_response(self.add(store))
+        if len(parts) == 1:
+            return self.page(request, "vector_store")
+        store = self.of(parts[1], "vector_store")
+        files = self.vector_store_files[store["id"]]
+        if len(parts) == 2 and method == "DELETE":
+            del self.objects[store["id"]]
+            return web.json_response({"id": store["id"], "object": "vector_store.deleted", "deleted": True})
+        if len(parts) == 2:
+            return web.json_response(store)
+        if method == "POST":  # vector_stores/{id}/files
+            body = await request.json()
+            self.need_file(body.get("file_id"))
+            files.append(body["file_id"])
+        data = [
+            {"id": f, "object": "vector_store.file", "vector_store_id": store["id"], "status": "completed"}
+            for f in files
+        ]
+        if method == "POST":
+            return web.json_response(data[-1])
+        return web.json_response({"object": "list", "data": data, "has_more": False})
+
+    async def _chat(self, request: web.Request, method: str, rest: list[str]) -> web.StreamResponse:
+        if not rest and method == "POST":
+            body = await request.json()
+            completion = {
+                "id": self.new_id("chatcmpl-"),
+                "object": "chat.completion",
+                "model": "gpt-4o-mini-2024-07-18",
+            }
+            message = {"role": "assistant", "content": "stored" if body.get("store") else "not stored"}
+            completion["choices"] = [{"index": 0, "message": message, "finish_reason": "stop"}]
+            completion.update(usage=USAGE, created=1)
+            if body.get("store"):
+                self.add({**completion, "request_messages": body["messages"]})
+            if not body.get("stream"):
+                return web.json_response(completion)
+            return await _stream(request, _chat_events(completion))
+        if not rest:
+            return self.page(request, "chat.completion")
+        stored = self.of(rest[0], "chat.completion")
+        shown = {k: v for k, v in stored.items() if k != "request_messages"}
+        if method == "DELETE":
+            del self.objects[stored["id"]]
+            return web.json_response({"id": stored["id"], "object": "chat.completion.deleted", "deleted": True})
+        if rest[1:] == ["messages"]:
+            messages = [{"id": f"{stored['id']}-{i}", **m} for i, m in enumerate(stored["request_messages"])]
+            return web.json_response({"object": "list", "data": messages, "has_more": False})
+        return web.json_response(shown)
+
+    async def _responses(self, request: web.Request, method: str, rest: list[str]) -> web.StreamResponse:
+        if not rest and method == "POST":
+            body = await request.json()
+            previous = body.get("previous_response_id")
+            if previous is not None:
+                self.of(previous, "response")
+            response = {"id": self.new_id("resp_"), "object": "response", "model": "gpt-4o-mini-2024-07-18"}
+            text = {"type": "output_text", "text": f"after {previous}", "annotations": []}
+            item = {"id": self.new_id("msg_"), "type": "message", "role": "assistant", "status": "completed"}
+            response.update(status="completed", output=[{**item, "content": [text]}], usage=RESPONSE_USAGE)
+            response.update(created_at=1, previous_response_id=previous)
+            if body.get("store", True):
+                self.add(dict(response))
+            if not body.get("stream"):
+                return web.json_response(response)
+            events = [
+                {"type": "response.created", "sequence_number": 0, "response": {**response, "status": "in_progress"}},
+                {"type": "response.completed", "sequence_number": 1, "response": response},
+            ]
+            return await _stream(request, [(e["type"], e) for e in events])
+        stored = self.of(rest[0], "response")
+        if method == "DELETE":
+            del self.objects[stored["id"]]
+            return web.json_response({"id": stored["id"], "object": "response.deleted", "deleted": True})
+        return web.json_response(stored)
+
+    async def _message_batches(self, request: web.Request, method: str, rest: list[str]) -> web.Response:
+        if not rest and method == "POST":
+            body = await request.json()
+            for item in body["requests"]:
+                for message in item["params"]["messages"]:
+                    for block in message["content"] if isinstance(message["content"], list) else []:
+                        if block.get("source", {}).get("type") == "file":
+                            self.need_file(block["source"]["file_id"])
+            batch = {"id": self.new_id("msgbatch_"), "type": "message_batch", "processing_status": "in_progress"}
+            batch.update(created_at="2025-01-01T00:00:00Z", expires_at="2025-01-02T00:00:00Z")
+            counts = {"processing": len(body["requests"]), "succeeded": 0, "errored": 0, "canceled": 0, "expired": 0}
+            batch.update(
+                request_counts=counts, results_url=None, ended_at=None, cancel_initiated_at=None, archived_at=None
+            )
+            return web.json_response(self.add(batch))
+        if not rest:
+            return self.page(request, "message_batch", anthropic=True)
+        return web.json_response(self.of(rest[0], "message_batch"))
+
+
+def _error(status: int, message: str) -> web.HTTPException:
+    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}})
+    cls = web.HTTPNotFound if status == 404 else web.HTTPBadRequest
+    return cls(text=body, content_type="application/json")
+
+
+def _chat_events(completion: dict[str, Any]) -> list[tuple[str | None, dict[str, Any]]]:
+    base = {"id": completion["id"], "object": "chat.completion.chunk", "model": completion["model"], "created": 1}
+    content = completion["choices"][0]["message"]["content"]
+    return [
+        (None, {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": content}}]}),
+        (None, {**base, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}),
+        (None, {**base, "choices": [], "usage": USAGE}),
+    ]
+
+
+async def _stream(request: web.Request, events: list[tuple[str | None, dict[str, Any]]]) -> web.StreamResponse:
+    reply = web.StreamResponse(headers={"content-type": "text/event-stream"})
+    await reply.prepare(request)
+    for name, data in events:
+        head = f"event: {name}\n" if name else ""
+        await reply.write(f"{head}data: {json.dumps(data)}\n\n".encode())
+    if all(name is None for name, _ in events):
+        await reply.write(b"data: [DONE]\n\n")
+    await reply.write_eof()
+    return reply

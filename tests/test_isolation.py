@@ -1,0 +1,487 @@
+"""Tenant isolation end to end: two keys (and an admin) on one provider account, the real SDKs, a real upstream.
+
+The upstream (:mod:`tests.object_store`) is one account holding every key's objects, as a provider is; only
+tokenward stands between alice's objects and bob. Every refusal must be the same 404 whether the id is
+another key's, has no owner or does not exist, must never reach the upstream, and must leave a ledger row.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from tests.conftest import read_rows
+from tests.crashkit import ProxyProcess
+from tests.object_store import ObjectStore
+from tokenward.proxy.app import create_app
+from tokenward.proxy.config import AuthConfig, Config, LedgerConfig, UpstreamConfig, VirtualKeyConfig
+from tokenward.proxy.keys import key_id
+from tokenward.proxy.server import running_in_thread
+
+SECRET = "sk-account-secret-objects"
+ALICE, BOB, OPS = "tw-alice-0123456789", "tw-bob-0123456789ab", "tw-ops-0123456789abc"
+KEYS = [
+    VirtualKeyConfig(name="alice", key=ALICE),
+    VirtualKeyConfig(name="bob", key=BOB),
+    VirtualKeyConfig(name="ops", key=OPS, role="admin"),
+]
+VK_ALICE, VK_BOB, VK_OPS = (key_id(hashlib.sha256(k.encode()).hexdigest()) for k in (ALICE, BOB, OPS))
+CHAT = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.fixture
+def store() -> Iterator[ObjectStore]:
+    with ObjectStore().running() as running:
+        yield running
+
+
+@pytest.fixture(autouse=True)
+def account_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OBJECTS_SECRET", SECRET)
+
+
+def config_for(store: ObjectStore, ledger: Path, mode: str = "virtual_keys") -> Config:
+    return Config(
+        upstreams=[
+            UpstreamConfig(name="openai", base_url=store.url, api_key_env="OBJECTS_SECRET", default=True),
+            UpstreamConfig(
+                name="anthropic",
+                base_url=store.anthropic_url,
+                provider="anthropic",
+                api_key_env="OBJECTS_SECRET",
+                api_key_header="x-api-key",
+                api_key_prefix="",
+            ),
+        ],
+        ledger=LedgerConfig(path=str(ledger), flush_interval_s=0.05),
+        auth=AuthConfig(mode=mode, allow_unmetered=["*"]),  # type: ignore[arg-type]
+        virtual_keys=KEYS if mode == "virtual_keys" else [],
+    )
+
+
+@contextmanager
+def proxy(store: ObjectStore, ledger: Path, mode: str = "virtual_keys") -> Iterator[str]:
+    with running_in_thread(create_app(config_for(store, ledger, mode))) as url:
+        yield url
+
+
+def gpt(url: str, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
+
+
+def not_found(kind: str, object_id: str) -> dict[str, Any]:
+    """The error body a refused id gets (the SDK's ``body``): OpenAI's wording for an unknown id."""
+    return {
+        "message": f"No such {kind} object: {object_id}",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": None,
+    }
+
+
+def refused(rows: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
+    return [(r["principal"], r["method"], r["path"], r["outcome"], r["error"]) for r in rows if r["http_status"] == 404]
+
+
+def upload(client: openai.OpenAI, name: str) -> str:
+    return client.files.create(file=(name, f'{{"custom_id": "{name}"}}\n'.encode()), purpose="batch").id
+
+
+def test_files_stay_with_the_key_that_uploaded_them(store, tmp_path):
+    ledger = tmp_path / "ledger.duckdb"
+    with proxy(store, ledger) as url, gpt(url, ALICE) as alice, gpt(url, BOB) as bob:
+        mine, theirs = upload(alice, "a.jsonl"), upload(bob, "b.jsonl")
+        assert [f.id for f in alice.files.list()] == [mine]
+        assert [f.id for f in bob.files.list()] == [theirs]
+        assert alice.files.retrieve(mine).filename == "a.jsonl"
+        assert alice.files.content(mine).read() == b'{"custom_id": "a.jsonl"}\n'
+        sent = len(store.requests)
+        for call in (bob.files.retrieve, bob.files.content, bob.files.delete):
+            with pytest.raises(openai.NotFoundError) as info:
+                call(mine)
+            assert info.value.body == not_found("File", mine)
+        assert store.requests[sent:] == []  # no refused request reached the account
+        assert mine in store.objects
+        assert alice.files.delete(mine).deleted is True
+    assert mine not in store.objects
+    rows = read_rows(ledger)
+    note = f"refused by isolation: file {mine} belongs to key {VK_ALICE}"
+    assert refused(rows) == [
+        ("bob", "GET", f"/v1/files/{mine}", "rejected", note),
+        ("bob", "GET", f"/v1/files/{mine}/content", "rejected", note),
+        ("bob", "DELETE", f"/v1/files/{mine}", "rejected", note),
+    ]
+    assert {(r["upstream"], r["endpoint"], r["price_status"]) for r in rows if r["http_status"] == 404} == {
+        (None, "passthrough", "not_metered")
+    }
+    assert len(rows) == 10  # two uploads, two lists, a read, a download, three refusals, a delete: one row each
+    assert [r["http_status"] for r in rows].count(200) == 7
+
+
+def test_an_admin_key_sees_every_object_and_unowned_ones_are_admin_only(store, tmp_path):
+    legacy = store.add_file("before-tokenward.jsonl", b"{}\n", "batch")["id"]  # no recorded owner
+    ledger = tmp_path / "ledger.duckdb"
+    with proxy(store, ledger) as url, gpt(url, ALICE) as alice, gpt(url, BOB) as bob, gpt(url, OPS) as ops:
+        mine, theirs = upload(alice, "a.jsonl"), upload(bob, "b.jsonl")
+        with pytest.raises(openai.NotFoundError) as info:
+            alice.files.retrieve(legacy)
+        assert info.value.body == not_found("File", legacy)
+        assert [f.id for f in alice.files.list()] == [mine]
+        assert [f.id for f in ops.files.list()] == [theirs, mine, legacy]
+        assert ops.files.retrieve(theirs).filename == "b.jsonl"
+        assert ops.files.content(legacy).read() == b"{}\n"
+        admins = upload(ops, "ops.jsonl")  # an admin's objects are its own too
+        assert [f.id for f in alice.files.list()] == [mine] and [f.id for f in bob.files.list()] == [theirs]
+        assert ops.files.delete(theirs).deleted is True
+    assert refused(read_rows(ledger)) == [
+        (
+            "alice",
+            "GET",
+            f"/v1/files/{legacy}",
+            "rejected",
+            f"refused by isolation: file {legacy} has no recorded owner",
+        )
+    ]
+    assert admins in store.objects
+
+
+def test_batches_reach_only_their_own_files_and_outputs(store, tmp_path):
+    ledger = tmp_path / "ledger.duckdb"
+    with proxy(store, ledger) as url, gpt(url, ALICE) as alice, gpt(url, BOB) as bob, gpt(url, OPS) as ops:
+        mine = upload(alice, "requests.jsonl")
+        sent = len(store.requests)
+        with pytest.raises(openai.NotFoundError) as info:  # bob names alice's file in a body
+            bob.batches.create(input_file_id=mine, endpoint="/v1/chat/completions", completion_window="24h")
+        assert info.value.body == not_found("File", mine)
+        assert store.requests[sent:] == []
+        batch = alice.batches.create(input_file_id=mine, endpoint="/v1/chat/completions", completion_window="24h")
+        for call in (bob.batches.retrieve, bob.batches.cancel):
+            with pytest.raises(openai.NotFoundError):
+                call(batch.id)
+        assert list(bob.batches.list()) == []
+        # the admin reads it first: the output file the provider made belongs to alice, who owns the batch
+        output = ops.batches.retrieve(batch.id).output_file_id
+        assert output is not None and [b.id for b in alice.batches.list()] == [batch.id]
+        assert alice.files.content(output).read() == b'{"id": "out"}\n'
+        with pytest.raises(openai.NotFoundError):
+            bob.files.content(output)
+        assert {f.id for f in alice.files.list()} == {mine, output}
+    assert [row[1:3] for row in refused(read_rows(ledger))] == [
+        ("POST", "/v1/batches"),
+        ("GET", f"/v1/batches/{batch.id}"),
+        ("POST", f"/v1/batches/{batch.id}/cancel"),
+        ("GET", f"/v1/files/{output}/content"),
+    ]
+
+
+def test_vector_stores_and_their_files(store, tmp_path):
+    with proxy(store, tmp_path / "ledger.duckdb") as url, gpt(url, ALICE) as alice, gpt(url, BOB) as bob:
+        mine, theirs = upload(alice, "a.txt"), upload(bob, "b.txt")
+        with pytest.raises(openai.NotFoundError) as info:
+            bob.vector_stores.create(name="steal", file_ids=[theirs, mine])
+        assert info.value.body == not_found("File", mine)
+        vs_alice = alice.vector_stores.create(name="a", file_ids=[mine])
+        vs_bob = bob.vector_stores.create(name="b", file_ids=[theirs])
+        assert [v.id for v in alice.vector_stores.list()] == [vs_alice.id]
+        assert [f.id for f in alice.vector_stores.files.list(vs_alice.id)] == [mine]
+        sent = len(store.requests)
+        for call in (
+            lambda: bob.vector_stores.retrieve(vs_alice.id),
+            lambda: bob.vector_stores.delete(vs_alice.id),
+            lambda: bob.vector_stores.files.list(vs_alice.id),
+            lambda: bob.vector_stores.files.create(vector_store_id=vs_alice.id, file_id=theirs),
+            lambda: bob.vector_stores.files.create(vector_store_id=vs_bob.id, file_id=mine),
+        ):
+            with pytest.raises(openai.NotFoundError):
+                call()
+        assert store.requests[sent:] == []
+        assert store.vector_store_files[vs_alice.id] == [mine] and store.vector_store_files[vs_bob.id] == [theirs]
+        assert [v.id for v in bob.vector_stores.list()] == [vs_bob.id]
+
+
+def test_stored_chat_completions_are_listed_and_read_only_by_their_key(store, tmp_path):
+    ledger = tmp_path / "ledger.duckdb"
+    with proxy(store, ledger) as url, gpt(url, ALICE) as alice, gpt(url, BOB) as bob:
+        first = alice.chat.completions.create(**CHAT, store=True)
+        with alice.chat.completions.create(**CHAT, store=True, stream=True) as stream:
+            streamed = {chunk.id for chunk in stream}
+        alice.chat.completions.create(**CHAT)  # not stored: nothing to own
+        theirs = bob.chat.completions.create(**CHAT, store=True)
+        [second] = streamed
+        assert [c.id for c in alice.chat.completions.list()] == [second, first.id]
+        assert [c.id for c in bob.chat.completions.list()] == [theirs.id]
+        assert alice.chat.completions.retrieve(first.id).choices[0].message.content == "stored"
+        assert [m.content for m in alice.chat.completions.messages.list(second)] == ["hi"]
+        sent = len(store.requests)
+        for call in (
+            lambda: bob.chat.completions.retrieve(first.id),
+            lambda: bob.chat.completions.messages.list(first.id),
+            lambda: bob.chat.completions.update(first.id, metadata={"owner": "bob"}),
+            lambda: bob.chat.completions.delete(second),
+        ):
+            with pytest.raises(openai.NotFoundError) as info:
+                call()
+        assert info.value.body == not_found("ChatCompletion", second)
+        assert store.requests[sent:] == []
+        assert alice.chat.completions.delete(second).deleted is True
+    rows = read_rows(ledger, "WHERE endpoint = 'chat_completions'")
+    assert [(r["principal"], r["input_tokens"], r["output_tokens"], r["stream"]) for r in rows] == [
+        ("alice", 12, 4, False),
+        ("alice", 12, 4, True),
+        ("alice", 12, 4, False),
+        ("bob", 12, 4, False),
+    ]
+    # gpt-4o-mini: $0.15 in, $0.60 out per 1M tokens: 12 * 0.15e-6 + 4 * 0.60e-6
+    assert {r["cost_usd"] for r in rows} == {Decimal("0.0000042")}
+
+
+def test_responses_chain_only_from_their_own_key_whatever_the_json_spelling(store, tmp_path):
+    ledger = tmp_path / "ledger.duckdb"
+    with proxy(store, ledger) as url, gpt(url, ALICE) as alice, gpt(url, BOB) as bob:
+        first = alice.responses.create(model="gpt-4o-mini", input="hi")
+        chained = alice.responses.create(model="gpt-4o-mini", input="more", previous_response_id=first.id)
+        assert chained.output_text == f"after {first.id}"
+        with alice.responses.create(model="gpt-4o-mini", input="hi", stream=True) as stream:
+            streamed = [e.response.id for e in stream if e.type == "response.completed"]
+        assert alice.responses.retrieve(streamed[0]).id == streamed[0]
+        unstored = alice.responses.create(model="gpt-4o-mini", input="hi", store=False)
+        with pytest.raises(openai.NotFoundError):
+            alice.responses.retrieve(unstored.id)  # never stored, so never owned
+        own = bob.responses.create(model="gpt-4o-mini", input="hi")
+        sent = len(store.requests)
+        for call in (
+            lambda: bob.responses.create(model="gpt-4o-mini", input="x", previous_response_id=first.id),
+            lambda: bob.responses.retrieve(first.id),
+            lambda: bob.responses.delete(first.id),
+        ):
+            with pytest.raises(openai.NotFoundError) as info:
+                call()
+            assert info.value.body == not_found("Response", first.id)
+        headers = {"authorization": f"Bearer {BOB}", "content-type": "application/json"}
+        escaped = b'{"model": "gpt-4o-mini", "input": "x", "previous\\u005fresponse_id": "%s"}' % first.id.encode()
+        twice = b'{"model": "gpt-4o-mini", "input": "x", "previous_response_id": "%s", "previous_response_id": "%s"}'
+        part = {"type": "file", "file": {"file_id": upload(alice, "secret.pdf")}}
+        cases = [
+            (escaped, 404),
+            (twice % (own.id.encode(), first.id.encode()), 400),  # the upstream might read either
+            (json.dumps({**CHAT, "messages": [{"role": "user", "content": [part]}]}).encode(), 404),
+        ]
+        sent = len(store.requests)
+        statuses = [
+            httpx.post(f"{url}/v1/{path}", content=body, headers=headers).status_code
+            for path, (body, _) in zip(("responses", "responses", "chat/completions"), cases, strict=True)
+        ]
+        assert statuses == [status for _, status in cases]
+        assert store.requests[sent:] == []
+    rows = read_rows(ledger, "WHERE principal = 'bob' AND http_status <> 200")
+    assert [(r["endpoint"], r["outcome"], r["http_status"]) for r in rows] == [
+        ("responses", "rejected", 404),
+        ("passthrough", "rejected", 404),
+        ("passthrough", "rejected", 404),
+        ("responses", "rejected", 404),
+        ("responses", "client_error", 400),
+        ("chat_completions", "rejected", 404),
+    ]
+    assert rows[0]["error"] == f"refused by isolation: response {first.id} belongs to key {VK_ALICE}"
+    assert rows[0]["price_status"] == "not_billed" and rows[0]["cost_usd"] == 0
+
+
+def test_a_hostile_key_guessing_ids_learns_nothing(store, tmp_path):
+    """Another key's id, an unowned one and one that does not exist get the same reply, and none is sent."""
+    with proxy(store, tmp_path / "ledger.duckdb") as url, gpt(url, ALICE) as alice:
+        mine = upload(alice, "a.jsonl")
+        batch = alice.batches.create(input_file_id=mine, endpoint="/v1/chat/completions", completion_window="24h")
+        legacy = store.add_file("legacy.jsonl", b"{}\n", "batch")["id"]
+        headers = {"authorization": f"Bearer {BOB}"}
+        sent = len(store.requests)
+        replies = {}
+        for object_id in (mine, legacy, "file-9999", mine.upper(), mine + "x"):
+            for target in (f"/v1/files/{object_id}", f"/v1/FILES/{object_id}/content", f"/v1/files?after={object_id}"):
+                reply = httpx.get(url + target, headers=headers)
+                replies[target] = (reply.status_code, reply.content.replace(object_id.encode(), b"ID"))
+        for target in (f"/v1/batches/{batch.id}/cancel", f"/v1/batches?after={batch.id}"):
+            reply = (
+                httpx.post(url + target, headers=headers)
+                if "cancel" in target
+                else httpx.get(url + target, headers=headers)
+            )
+            replies[target] = (reply.status_code, reply.content.replace(batch.id.encode(), b"ID"))
+        assert store.requests[sent:] == []
+        assert {status for status, _ in replies.values()} == {404}
+        assert {body for target, (_, body) in replies.items() if "atch" not in target} == {
+            b'{"error":{"message":"No such File object: ID","type":"invalid_request_error","param":null,"code":null}}'
+        }
+        # an encoded letter in an id is refused by the edge before isolation (one spelling per id)
+        encoded = mine[:-1] + f"%{ord(mine[-1]):02X}"
+        assert httpx.get(f"{url}/v1/files/{encoded}", headers=headers).status_code == 400
+
+
+def test_a_list_page_is_filled_from_later_upstream_pages(store, tmp_path):
+    store.max_page = 4  # the provider's largest page: alice's files sit behind pages of bob's
+    with proxy(store, tmp_path / "ledger.duckdb") as url, gpt(url, ALICE) as alice, gpt(url, BOB) as bob:
+        mine = [upload(alice, f"a{i}.jsonl") for i in range(3)]
+        theirs = [upload(bob, f"b{i}.jsonl") for i in range(10)]
+        sent = len(store.requests)
+        page = alice.files.list(limit=2)
+        assert [f.id for f in page.data] == [mine[2], mine[1]] and page.has_more is True
+        assert [(m, p.split("?")[1]) for m, p in store.requests[sent:]] == [
+            ("GET", "limit=10000"),  # the largest page tokenward asks for (files); the store serves 4
+            ("GET", f"limit=10000&after={theirs[6]}"),
+            ("GET", f"limit=10000&after={theirs[2]}"),
+        ]
+        assert [f.id for f in alice.files.list(limit=2)] == mine[::-1]  # the SDK pages on: every one of alice's
+        assert [f.id for f in bob.files.list(limit=3)] == theirs[::-1]
+        raw = httpx.get(f"{url}/v1/files?limit=2", headers={"authorization": f"Bearer {ALICE}"}).json()
+        assert (raw["object"], raw["first_id"], raw["last_id"], raw["has_more"]) == ("list", mine[2], mine[1], True)
+        assert set(raw) == {"object", "data", "first_id", "last_id", "has_more"}
+
+
+def test_an_upstream_refusing_large_pages_gets_the_callers_limit(store, tmp_path):
+    store.max_page, store.refuses_large_pages = 5, True
+    with proxy(store, tmp_path / "ledger.duckdb") as url, gpt(url, ALICE) as alice, gpt(url, BOB) as bob:
+        mine = [upload(alice, f"a{i}.jsonl") for i in range(2)]
+        theirs = [upload(bob, f"b{i}.jsonl") for i in range(6)]
+        sent = len(store.requests)
+        assert [f.id for f in alice.files.list(limit=3)] == mine[::-1]
+        assert [p.split("?")[1] for _, p in store.requests[sent : sent + 3]] == [
+            "limit=10000",  # refused with 400
+            "limit=3",
+            f"limit=3&after={theirs[3]}",
+        ]
+        with pytest.raises(openai.BadRequestError):
+            alice.files.list(limit=50)  # over the upstream's own limit: its 400, as without tokenward
+
+
+def test_owners_survive_a_restart(store, tmp_path):
+    ledger = tmp_path / "ledger.duckdb"
+    with proxy(store, ledger) as url, gpt(url, ALICE) as alice:
+        mine = upload(alice, "a.jsonl")
+        stored = alice.chat.completions.create(**CHAT, store=True).id
+    with proxy(store, ledger) as url, gpt(url, ALICE) as alice, gpt(url, BOB) as bob:
+        assert alice.files.retrieve(mine).id == mine
+        assert alice.chat.completions.retrieve(stored).id == stored
+        assert [f.id for f in alice.files.list()] == [mine] and list(bob.files.list()) == []
+        with pytest.raises(openai.NotFoundError):
+            bob.files.retrieve(mine)
+
+
+def test_an_owner_is_recorded_before_the_id_reaches_the_client(store, tmp_path, unused_port):
+    """A SIGKILL right after the client got its new ids: they are still its own after a restart."""
+    config = tmp_path / "tokenward.yaml"
+    config.write_text(
+        "upstreams:\n"
+        f"  - {{name: openai, base_url: '{store.url}', default: true, api_key_env: OBJECTS_SECRET}}\n"
+        f"server: {{port: {unused_port}}}\n"
+        f"ledger: {{path: '{tmp_path / 'ledger.duckdb'}'}}\n"
+        "auth: {mode: virtual_keys, allow_unmetered: ['*']}\n"
+        f"virtual_keys: [{{name: alice, key: {ALICE}}}, {{name: bob, key: {BOB}}}]\n"
+    )
+    process = ProxyProcess(config, unused_port).start()
+    with gpt(process.url, ALICE) as alice:
+        mine = upload(alice, "a.jsonl")
+        response = alice.responses.create(model="gpt-4o-mini", input="hi").id
+    process.kill()
+    process.start()
+    try:
+        with gpt(process.url, ALICE) as alice, gpt(process.url, BOB) as bob:
+            assert alice.files.retrieve(mine).id == mine
+            assert alice.responses.retrieve(response).id == response
+            with pytest.raises(openai.NotFoundError):
+                bob.responses.retrieve(response)
+    finally:
+        process.stop()
+
+
+class BrokenStore:
+    """The state store with its owner writes failing (a full disk): reads still work."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def record_objects(self, *args: Any, **kwargs: Any) -> None:
+        raise OSError("disk full")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_no_id_is_handed_out_before_its_owner_is_recorded(store, tmp_path):
+    ledger = tmp_path / "ledger.duckdb"
+    app = create_app(config_for(store, ledger))
+    owners = app.state.forwarder.isolation.owners
+    owners.state = BrokenStore(owners.state)
+    with running_in_thread(app) as url, gpt(url, ALICE) as alice, gpt(url, OPS) as ops:
+        with pytest.raises(openai.InternalServerError) as upload_failed:
+            upload(alice, "a.jsonl")
+        with pytest.raises(openai.InternalServerError) as chat_failed:
+            alice.chat.completions.create(**CHAT, store=True)
+        with pytest.raises(openai.InternalServerError):
+            with alice.chat.completions.create(**CHAT, store=True, stream=True) as stream:
+                list(stream)
+        assert [f.filename for f in ops.files.list()] == ["a.jsonl"]  # made, but unowned: admins only
+        assert list(alice.files.list()) == []
+    assert upload_failed.value.code == chat_failed.value.code == "owner_not_recorded"
+    rows = read_rows(ledger, "WHERE principal = 'alice' AND http_status = 500")
+    assert [(r["endpoint"], r["outcome"], r["price_status"]) for r in rows] == [
+        ("passthrough", "proxy_error", "not_metered"),
+        ("chat_completions", "proxy_error", "usage_unknown"),  # the provider billed it; its reply never came out
+        ("chat_completions", "proxy_error", "usage_unknown"),
+    ]
+
+
+def test_anthropic_message_batches_and_files(store, tmp_path):
+    def claude(url: str, key: str) -> anthropic.Anthropic:
+        return anthropic.Anthropic(base_url=url, api_key=key, max_retries=0)
+
+    def request(file_id: str) -> dict[str, Any]:
+        source = {"type": "file", "file_id": file_id}
+        content = [{"type": "document", "source": source}, {"type": "text", "text": "summarise"}]
+        params = {"model": "claude-sonnet-4-5", "max_tokens": 64, "messages": [{"role": "user", "content": content}]}
+        return {"custom_id": "one", "params": params}
+
+    with proxy(store, tmp_path / "ledger.duckdb") as url, claude(url, ALICE) as alice, claude(url, BOB) as bob:
+        mine = alice.beta.files.upload(file=("notes.txt", b"alice's notes", "text/plain")).id
+        assert mine.startswith("file_") and [f.id for f in alice.beta.files.list()] == [mine]
+        assert list(bob.beta.files.list()) == []
+        with pytest.raises(anthropic.NotFoundError):
+            bob.beta.files.retrieve_metadata(mine)
+        sent = len(store.requests)
+        with pytest.raises(anthropic.NotFoundError):
+            bob.messages.batches.create(requests=[request(mine)])  # type: ignore[list-item]
+        assert store.requests[sent:] == []
+        batch = alice.messages.batches.create(requests=[request(mine)])  # type: ignore[list-item]
+        assert [b.id for b in alice.messages.batches.list()] == [batch.id]
+        assert list(bob.messages.batches.list()) == []
+        with pytest.raises(anthropic.NotFoundError):
+            bob.messages.batches.retrieve(batch.id)
+        assert alice.messages.batches.retrieve(batch.id).id == batch.id
+
+
+def test_passthrough_mode_leaves_isolation_to_the_provider(store, tmp_path):
+    """Clients bring their own provider keys: the provider isolates accounts, tokenward forwards as before."""
+    ledger = tmp_path / "ledger.duckdb"
+    shared = store.add_file("shared.jsonl", b"{}\n", "batch")["id"]
+    with proxy(store, ledger, mode="passthrough") as url, gpt(url, "sk-client-one") as one:
+        assert one.files.retrieve(shared).id == shared  # this test account serves every key
+        assert [f.id for f in one.files.list()] == [shared]
+    assert store.requests[-2:] == [("GET", f"/v1/files/{shared}"), ("GET", "/v1/files")]
+    assert [r["http_status"] for r in read_rows(ledger)] == [200, 200]
+
+
+@pytest.fixture
+def unused_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
