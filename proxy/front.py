@@ -11,7 +11,7 @@ very same :meth:`Forwarder.handle <tokenward.proxy.forward.Forwarder.handle>`, s
 behaves the same whichever of the two serves it.
 
 Litestar keeps everything else: lifespan, tokenward's own routes (``/healthz``, ``/metrics``,
-``/dashboard``), every path outside ``/v1/`` (the 404 in OpenAI's shape), and methods the API
+``/dashboard``, ``/v1/tokenward/...``), every path outside ``/v1/`` (the 404 in OpenAI's shape), and methods the API
 route does not take (Litestar's 405).
 """
 
@@ -31,6 +31,9 @@ log = logging.getLogger("tokenward.proxy")
 
 API_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 """The methods Litestar's ``api`` route takes (``proxy/routes.py``); any other goes to Litestar."""
+
+_OWN = b"/v1/tokenward/"
+"""tokenward's own routes under ``/v1`` (``GET /v1/tokenward/budget``, ``proxy/budget_api.py``): Litestar's."""
 
 
 class _Request:
@@ -63,7 +66,7 @@ class Front:
             await self.app(scope, receive, send)  # type: ignore[arg-type]
             return
         raw: bytes = scope.get("raw_path") or scope["path"].encode()
-        if not raw.startswith(b"/v1/"):
+        if not raw.startswith(b"/v1/") or raw.startswith(_OWN):
             await self.app(scope, receive, send)  # type: ignore[arg-type]
             return
         try:

@@ -29,6 +29,9 @@ def test_api_requests_and_tokenward_routes_are_served_as_before(start_proxy):
     assert reply.status_code == 200 and reply.json()["usage"]["prompt_tokens"] == 8
     assert reply.headers["x-tokenward-request-id"]
     assert httpx.get(f"{proxy.url}/healthz").json()["status"] == "ok"  # Litestar's route
+    standing = httpx.get(f"{proxy.url}/v1/tokenward/budget")  # tokenward's own route under /v1: Litestar's, no row
+    assert standing.status_code == 200 and standing.json()["budgets"] == [] and standing.json()["limited_by"] is None
+    assert standing.headers["cache-control"] == "no-store"
     outside = httpx.get(f"{proxy.url}/v2/models")  # Litestar's api route: the 404, recorded
     assert outside.status_code == 404 and outside.json()["error"]["code"] == "not_found"
     bad = httpx.post(f"{proxy.url}/v1/chat//completions", json=CHAT_BODY)  # an empty segment: the forwarder refuses it
