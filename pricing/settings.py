@@ -275,6 +275,12 @@ class GuardSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ``default_max_output_tokens``: the output assumed when a request sets no ``max_tokens``
     (or ``max_completion_tokens`` / ``max_output_tokens``), and the output tokens assumed per
     generated image for image models whose price entry lists no ``image_output_tokens``.
+    ``set_output_limit``: so that this assumption is a bound, a chat, completions or Responses
+    request under a blocking budget that sets no output limit is sent with one
+    (``max_completion_tokens`` at OpenAI and Azure chat, ``max_output_tokens`` for Responses,
+    else ``max_tokens``) equal to ``default_max_output_tokens``, and its reply says so in
+    ``x-tokenward-output-limit``; ``false`` sends it unchanged, and a reply longer than the
+    assumption is then spent past the limit.
 
     ``input_margin`` and ``input_margin_tokens``: input the provider bills that the request's
     text does not show (tool schemas as the provider renders them, response-format schemas,
@@ -296,6 +302,7 @@ class GuardSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """
 
     default_max_output_tokens: Annotated[int, msgspec.Meta(gt=0)] = 16384
+    set_output_limit: bool = True
     input_margin: Annotated[float, msgspec.Meta(ge=1)] = 1.1
     input_margin_tokens: Annotated[int, msgspec.Meta(ge=0)] = 300
     foreign_tokenizer_margin: Annotated[float, msgspec.Meta(ge=1)] = 1.25

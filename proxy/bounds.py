@@ -10,7 +10,16 @@ A blocking budget reserves an upper bound of a request's cost before sending it 
 - stored state the request only points at (``file``/``input_file`` parts, Anthropic
   ``document`` blocks, Responses ``previous_response_id`` and ``conversation``): nothing in
   the body bounds it, so the request is *unbounded*;
+- tools the provider runs itself inside one request (web search and fetch, file search, code
+  execution, image generation, remote MCP; Chat Completions ``web_search_options``; OpenRouter's
+  ``web`` plugin): each call adds a fee and the tokens of what it found, as many times as the
+  model chooses, so such a request is *unbounded* as well;
 - a request for audio output (``modalities`` with ``audio``), priced at the audio output rate.
+
+Provider-run tool types: OpenAI https://platform.openai.com/docs/guides/tools (web_search,
+file_search, code_interpreter, image_generation, mcp), Anthropic
+https://docs.anthropic.com/en/docs/agents-and-tools/tool-use/overview (server tools
+``web_search_*``, ``web_fetch_*``, ``code_execution_*``), checked 2026-12-01.
 """
 
 from __future__ import annotations
@@ -26,6 +35,15 @@ AUDIO_BYTES_PER_TOKEN = 100
 _IMAGE_TYPES = frozenset({"image_url", "input_image", "image"})
 _FILE_TYPES = frozenset({"file", "input_file", "document"})
 _MAX_DEPTH = 12
+_SERVER_TOOL_PREFIXES = (
+    "web_search",
+    "web_fetch",
+    "file_search",
+    "code_interpreter",
+    "code_execution",
+    "image_generation",
+    "mcp",
+)
 
 
 @dataclass(slots=True)
@@ -35,7 +53,8 @@ class Unmetered:
     ``images``: image parts; ``audio_tokens``: an upper bound on audio input tokens;
     ``files``: parts that refer to stored files or documents; ``stateful``: the request
     continues stored state (``previous_response_id``, ``conversation``); ``audio_output``: audio
-    was asked for in the reply.
+    was asked for in the reply; ``server_tools``: tools the provider runs itself (fees and found
+    tokens the body does not bound).
     """
 
     images: int = 0
@@ -43,11 +62,12 @@ class Unmetered:
     files: int = 0
     stateful: bool = False
     audio_output: bool = False
+    server_tools: int = 0
 
     @property
     def unbounded(self) -> bool:
         """Whether nothing in the body bounds the request's input."""
-        return self.stateful or self.files > 0
+        return self.stateful or self.files > 0 or self.server_tools > 0
 
 
 def scan(body: Any) -> Unmetered:
@@ -57,8 +77,29 @@ def scan(body: Any) -> Unmetered:
         found.stateful = bool(body.get("previous_response_id") or body.get("conversation"))
         modalities = body.get("modalities")
         found.audio_output = isinstance(modalities, list) and "audio" in modalities
+        found.server_tools = _server_tools(body)
     _walk(body, found, 0)
     return found
+
+
+def _server_tools(body: dict[str, Any]) -> int:
+    """How many tools the provider runs itself does the request offer the model."""
+    tools = body.get("tools")
+    count = 0
+    if isinstance(tools, list):
+        for tool in tools:
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            if isinstance(kind, str) and kind.startswith(_SERVER_TOOL_PREFIXES):
+                count += 1
+    if body.get("web_search_options") is not None:  # Chat Completions search models
+        count += 1
+    plugins = body.get("plugins")  # OpenRouter: {"id": "web"}, or a model name ending in :online
+    if isinstance(plugins, list):
+        count += sum(isinstance(p, dict) and p.get("id") == "web" for p in plugins)
+    model = body.get("model")
+    if isinstance(model, str) and model.endswith(":online"):
+        count += 1
+    return count
 
 
 def _walk(node: Any, found: Unmetered, depth: int) -> None:

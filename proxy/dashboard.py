@@ -30,10 +30,12 @@ import html
 import logging
 import time
 from collections import OrderedDict
+from dataclasses import replace
 from decimal import Decimal
 from functools import partial
 from importlib import resources
 from typing import Any
+from urllib.parse import parse_qs
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import msgspec
@@ -45,6 +47,7 @@ from tokenward.pricing.budgets import CALENDAR_PERIODS
 from tokenward.proxy.admin_auth import SESSION_COOKIE, SESSION_TTL_S, AdminAuth
 from tokenward.proxy.errors import ProxyError
 from tokenward.proxy.guard import BudgetGuard
+from tokenward.proxy.limits import BodyLimits, read_body
 from tokenward.proxy.live import LiveFeed
 from tokenward.reports.dashboard_queries import RANGES, history
 from tokenward.reports.ledger import DuckLedger, LedgerError
@@ -54,6 +57,9 @@ __all__ = ["Dashboard", "budget_views", "dashboard_routes"]
 log = logging.getLogger("tokenward.dashboard")
 
 _encoder = msgspec.json.Encoder()
+_LOGIN_MAX_BYTES = 16 * 1024
+"""The login form is one field and anyone may post it: its body is held to 16 KiB (413) and to the
+server's ``body_timeout_s`` (408), like every body (:mod:`tokenward.proxy.limits`)."""
 _ASSET_TYPES = {
     ".js": "text/javascript; charset=utf-8",
     ".css": "text/css; charset=utf-8",
@@ -362,9 +368,11 @@ def dashboard_routes(dashboard: Dashboard) -> list[BaseRouteHandler]:
 
     @post("/dashboard/login", name="dashboard_login", include_in_schema=False, status_code=303)
     async def login(request: Request[Any, Any, Any]) -> Response[bytes]:
-        """Check the form's ``token``; on success set the session cookie and go to the dashboard."""
-        form = await request.form()
-        secret = form.get("token")
+        """Check the form's ``token`` (urlencoded); on success set the session cookie and go to the dashboard."""
+        limits = BodyLimits.from_config(request.app.state.config.server)
+        limits = replace(limits, max_bytes=_LOGIN_MAX_BYTES)
+        body = await read_body(request.receive, request.scope["headers"], limits)
+        secret = parse_qs(body.decode("utf-8", "replace")).get("token", [None])[0]
         session = auth.login(secret.strip()) if isinstance(secret, str) and secret.strip() else None
         if session is None:
             return _login_page("That is not an admin credential.", 401)

@@ -54,7 +54,9 @@ def error_body(message: str, type: str, code: str | None, param: str | None = No
 
 
 def _proxy_error(_: Request, exc: ProxyError) -> Response[bytes]:
-    return Response(error_body(exc.message, exc.type, exc.code), status_code=exc.status, media_type="application/json")
+    headers = {name.decode("latin-1"): value.decode("latin-1") for name, value in exc.headers}  # connection: close
+    body = error_body(exc.message, exc.type, exc.code)
+    return Response(body, status_code=exc.status, media_type="application/json", headers=headers)
 
 
 def _http_error(_: Request, exc: HTTPException) -> Response[bytes]:

@@ -52,10 +52,14 @@ class FilePart:
 
 @dataclass(slots=True)
 class Form:
-    """What a form holds: text ``fields`` by name (the last value of a repeated name) and its ``files``."""
+    """What a form holds: text ``fields`` by name (the last value of a repeated name) and its ``files``.
+
+    ``pairs``: every text field as ``(name, value)``, in order, repeated names included.
+    """
 
     fields: dict[str, str] = field(default_factory=dict)
     files: list[FilePart] = field(default_factory=list)
+    pairs: list[tuple[str, str]] = field(default_factory=list)
 
     def files_named(self, *names: str) -> list[FilePart]:
         """The files sent under any of ``names`` (``image`` and ``image[]`` are one field to OpenAI)."""
@@ -97,7 +101,9 @@ def read_form(body: bytes, content_type: str) -> Form:
                             kind = current.content_type or "application/octet-stream"
                             form.files.append(FilePart(current.name, current.filename, kind, size))
                         else:
-                            form.fields[current.name] = b"".join(chunks).decode("utf-8", "replace")
+                            text = b"".join(chunks).decode("utf-8", "replace")
+                            form.fields[current.name] = text
+                            form.pairs.append((current.name, text))
                         current = None
                     else:
                         assert current is not None

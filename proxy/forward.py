@@ -71,7 +71,12 @@ _SESSION_HEADER = b"x-tokenward-session"
 _USER_HEADER = b"x-tokenward-user"
 _RUN_HEADER = b"x-tokenward-run"
 _OUTPUT_LIMITS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
+_GENERATING = frozenset({"chat_completions", "completions", "responses"})  # Messages requires max_tokens
 _ANTHROPIC_HEADERS = frozenset({b"anthropic-version", b"anthropic-beta"})
+# Which organization and project of the provider account a request bills: they go with the
+# credential, so in virtual_keys mode (tokenward's credential) the client may not pick them.
+# https://platform.openai.com/docs/api-reference/authentication (checked 2026-12-01)
+_ACCOUNT_HEADERS = frozenset({b"openai-organization", b"openai-project"})
 _INCLUDE_USAGE = b'"stream_options":{"include_usage":true}'
 _JSON_SPACE = re.compile(rb"[ \t\r\n]*")
 _RAW_MEDIA = ("audio/", "application/octet-stream")  # binary speech replies: relayed as they arrive
@@ -248,9 +253,9 @@ class Forwarder:
             body = None
             if plan is not None:
                 await plan.check()
-                if has_body and plan.reads_body:  # a JSON body that may name objects: read it once, check it
+                if has_body and plan.reads_body:  # a body that may name objects: read it once, check it
                     body = await read_body(request.receive, scope["headers"], self.limits)
-                    await plan.check_body(body)
+                    await plan.check_body(body, scope["headers"])
             route = self.router.pick(None, inbound.upstream, request_dialect(found.tail, inbound.anthropic))
             self._attach(ex, route, inbound)
             if plan is not None:
@@ -440,6 +445,7 @@ class Forwarder:
             else:
                 worst, unbounded = await self._worst_case(ex, head, body, endpoint, now, counts=counts)
             if worst is not None:
+                clamped = False
                 try:
                     ex.reservation = guard.admit(attributes, worst, now, unbounded=unbounded)
                     ex.reserved_usd = ex.reservation.amount
@@ -456,11 +462,43 @@ class Forwarder:
                         ) from refusal
                     body, extra = self._apply(ex, head, body, endpoint, route, plan)
                     attributes = _attributes(ex)
+                    clamped = plan.max_output_tokens is not None
+                if media is None and not clamped:
+                    body, extra = self._set_output_limit(head, body, endpoint, route, extra)
             else:
                 self._hold_unpriced(ex, attributes, now)
         if not ex.stream:  # a whole reply gets them once it is recorded (Relay's final_headers)
             return extra, body
         return reply_headers(guard, attributes, now) + extra, body
+
+    def _set_output_limit(
+        self,
+        head: _RequestHead,
+        body: bytes,
+        endpoint: Endpoint,
+        route: Route | None,
+        extra: list[tuple[bytes, bytes]],
+    ) -> tuple[bytes, list[tuple[bytes, bytes]]]:
+        """Send the output limit the bound assumed when a generating request set none.
+
+        The bound prices ``guard.default_max_output_tokens`` of output for such a request; without
+        the limit in the body the upstream's own default (a model's whole output window, 100K
+        tokens and more for reasoning models) could be spent. Off with ``guard.set_output_limit``.
+        """
+        settings = self.guard_settings
+        if (
+            not settings.set_output_limit
+            or endpoint.name not in _GENERATING
+            or _output_limit(head, 0) != 0
+            or any(getattr(head, name) is not None for name in _OUTPUT_LIMITS)  # sent, even if invalid
+        ):
+            return body, extra
+        name = _limit_field(endpoint, route)
+        edited = set_member(body, name, str(settings.default_max_output_tokens).encode())
+        if edited is None:
+            return body, extra
+        return edited, [*extra, (b"x-tokenward-output-limit", f"{name}={settings.default_max_output_tokens}".encode())]
+
     async def _degrade(
         self,
         ex: Exchange,
@@ -638,6 +676,8 @@ class Forwarder:
                 credentials += 1
                 if not passthrough:
                     continue
+            elif name in _ACCOUNT_HEADERS and not passthrough:
+                continue
             elif name in _ANTHROPIC_HEADERS:
                 inbound.anthropic = True
             elif name == b"x-request-id":
@@ -980,15 +1020,17 @@ def _attributes(ex: Exchange) -> dict[str, Any]:
 
 
 def _output_limit(head: _RequestHead, default: int) -> int:
-    """The request's output limit per choice (the first valid of its output-limit fields, else ``default``)."""
-    return next(
-        (
-            v
-            for v in (head.max_completion_tokens, head.max_tokens, head.max_output_tokens)
-            if isinstance(v, int) and not isinstance(v, bool) and v > 0
-        ),
-        default,
-    )
+    """The request's output limit per choice: the largest valid of its output-limit fields, else ``default``.
+
+    The largest, since an upstream may read any one of them (``max_tokens`` beside
+    ``max_completion_tokens``: an OpenAI-compatible server that knows only ``max_tokens``).
+    """
+    limits = [
+        v
+        for v in (head.max_completion_tokens, head.max_tokens, head.max_output_tokens)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0
+    ]
+    return max(limits) if limits else default
 
 
 def _limit_field(endpoint: Endpoint, route: Route | None) -> str:

@@ -34,27 +34,33 @@ import asyncio
 import datetime as dt
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import replace
 from typing import Any
 from urllib.parse import parse_qsl, urlencode
 
+from multipart import parse_options_header
+
 from tokenward.proxy.edge import Target
 from tokenward.proxy.errors import ProxyError
 from tokenward.proxy.exchange import Exchange
+from tokenward.proxy.form import FormError, boundary_of, read_form
 from tokenward.proxy.keys import Identity
 from tokenward.proxy.objects import (
     FILE,
     KINDS,
     Access,
     Capture,
+    DuplicateMember,
     Kind,
     Reference,
     access,
     captured,
+    form_documents,
     may_reference,
     references,
     selects_stored,
+    video_sources,
 )
 from tokenward.proxy.sse import SSEDecoder, parse_event
 from tokenward.proxy.upstream import UpstreamError, UpstreamReply
@@ -84,6 +90,9 @@ _CHAT = _KIND["chat_completion"]
 _RESPONSE = _KIND["response"]
 _EVAL = _KIND["eval"]
 _BODY_CHECKED = frozenset({"chat_completions", "responses", "anthropic_messages"})
+_JSON_CHECKED = frozenset({"images"})
+"""Metered endpoints whose JSON bodies (not their multipart ones) may name files: an image edit's
+``images[].file_id`` and ``mask.file_id`` (platform.openai.com/docs/api-reference/images/createEdit)."""
 
 
 class ObjectNotFound(ProxyError):
@@ -217,7 +226,8 @@ class Isolation:
             capture = Capture(_CHAT, ("id",))
         elif endpoint == "responses" and store is not False:
             capture = Capture(_RESPONSE, ("id",))
-        checks = not identity.admin and endpoint in _BODY_CHECKED and may_reference(endpoint, body)
+        checked = endpoint in _BODY_CHECKED or (endpoint in _JSON_CHECKED and body.lstrip()[:1] == b"{")
+        checks = not identity.admin and checked and may_reference(endpoint, body)
         if capture is None and not checks:
             return None
         return Plan(self.owners, Access(None, capture=capture, reads_body=checks), found, identity, False)
@@ -268,18 +278,63 @@ class Plan:
                     wanted.append(Reference(name, value, what.kind))
         await self._require(wanted)
 
-    async def check_body(self, body: bytes) -> None:
+    def _form_references(self, document: Any) -> list[Reference]:
+        """What a form endpoint's document names: the usual fields, and for a video the video it starts from."""
+        found = references(document)
+        if self._video:
+            found.extend(video_sources(document))
+        return found
+
+    @property
+    def _video(self) -> bool:
+        return self.access.kind is not None and self.access.kind.name == "video"
+
+    async def check_body(self, body: bytes, headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
         """Refuse a body naming an object that is not the caller's (:func:`~tokenward.proxy.objects.references`).
+
+        ``headers``: the request's raw headers, for its ``content-type``. Where the request takes
+        forms (:attr:`~tokenward.proxy.objects.Access.reads_form`: video creates, edits and
+        extensions, container files), a ``multipart/form-data`` body is read as a form, its text
+        fields checked as the documents they spell (:func:`~tokenward.proxy.objects.form_documents`),
+        and any other type but JSON refused (a JSON body sent as a urlencoded form could name an
+        object the JSON check never sees); every other body is checked as JSON.
 
         Raises:
             ObjectNotFound: 404 for the first such id.
             ProxyError: 400 ``invalid_json`` for a body that is not JSON or names a member twice
-                (the upstream might read the other one); 403 ``isolation_refused`` for an eval run
-                that selects stored objects by filter.
+                (the upstream might read the other one), 400 ``invalid_multipart`` for a form that
+                cannot be read or that sends a file part under a name that takes an id
+                (``video[id]``, ``file_id``: its content is not read), 400 ``invalid_content_type``
+                for more than one ``content-type`` header (the upstream might read the body by the
+                other) or a form endpoint's body neither a form nor JSON; 403 ``isolation_refused``
+                for an eval run that selects stored objects by filter.
         """
         if not self.reads_body or not body.strip():
             return
+        types = [value.decode("latin-1") for name, value in headers if name == b"content-type"]
+        if len(types) > 1:
+            raise ProxyError(400, "The request carries more than one Content-Type header.", "invalid_content_type")
+        content_type = types[0] if types else None
+        if self.access.reads_form and content_type and boundary_of(content_type):
+            try:
+                form = await asyncio.to_thread(read_form, body, content_type)
+                documents = form_documents(form.pairs)
+            except (FormError, DuplicateMember) as exc:
+                raise ProxyError(400, str(exc), "invalid_multipart") from None
+            for part in form.files:  # its content is not read: a file where an id goes could name anything
+                (spelled,) = form_documents([(part.name, "?")])
+                if references(spelled) or (self._video and isinstance(spelled.get("video"), dict)):
+                    message = f"the form sends a file as {part.name!r}, which names an object: send the id as text"
+                    raise ProxyError(400, message, "invalid_multipart")
+            await self._require([r for document in documents for r in self._form_references(document)])
+            return
+        if self.access.reads_form and not _is_json(content_type):
+            message = f"This endpoint takes multipart/form-data (with a boundary) or JSON, not {content_type!r}."
+            raise ProxyError(400, message, "invalid_content_type")
         document = _decode_strict(body)
+        if self.access.reads_form:
+            await self._require(self._form_references(document))
+            return
         if self.access.kind is _EVAL and selects_stored(document):
             raise ProxyError(
                 403,
@@ -627,6 +682,12 @@ def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
                 raise _DuplicateMember(name)
             seen.add(name)
     return document
+
+
+def _is_json(content_type: str | None) -> bool:
+    """Whether ``content_type`` is JSON (``application/json``, ``+json``; parameters aside)."""
+    kind = parse_options_header(content_type)[0].lower() if content_type else ""
+    return kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json"))
 
 
 def _decode_strict(body: bytes) -> Any:

@@ -19,6 +19,12 @@ body timeout: uvicorn issue #157, and its keep-alive timer restarts on every byt
   waiting for the client (a slow upstream reading a streamed upload does not count against
   it). One byte a second is refused after ``body_timeout_s``. Both errors are
   :class:`~tokenward.proxy.errors.ProxyError`, so the forwarder records them like any refusal.
+* What a held body costs once decoded (:func:`read_body`): a JSON body is decoded whole (the
+  budget's count, isolation's id check), and a small value costs far more as a Python object
+  than as JSON (``{}`` is 3 bytes with its comma and a 64-232 byte dict). A body over 1 MiB whose
+  values would take more than twice ``max_bytes`` once decoded is refused with ``413
+  request_too_complex``, so a maximum-size body costs at most about three times its size
+  whatever its shape.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ __all__ = [
     "BodyStream",
     "LimitedHttpTools",
     "body_stream",
+    "decoded_size",
     "read_body",
     "return_large_buffers",
     "uvicorn_options",
@@ -92,7 +99,7 @@ async def read_body(receive: Receive, headers: list[tuple[bytes, bytes]], limits
     if not more:  # the usual case: the whole body came in one message, used as is
         if len(chunk) > limit:
             raise _too_large(limit)
-        return chunk
+        return _decodable(chunk, limit)
     chunks = [chunk]
     size = len(chunk)
     while more:
@@ -101,7 +108,40 @@ async def read_body(receive: Receive, headers: list[tuple[bytes, bytes]], limits
         if size > limit:
             raise _too_large(limit)
         chunks.append(chunk)
-    return b"".join(chunks)
+    return _decodable(b"".join(chunks), limit)
+
+
+_DENSE_FROM = 1 * _MIB
+# Bytes a decoded JSON value may take (CPython 3.12, 64-bit), per byte that opens it: a dict with a
+# few members 232, a list 72, a string 57 per pair of quotes beyond its text, a list slot 8 per
+# comma. Counted anywhere in the body (also inside strings), so an over-estimate for prose.
+_VALUE_BYTES = ((b"{", 232), (b"[", 72), (b'"', 29), (b",", 8))
+
+
+def decoded_size(body: bytes) -> int:
+    """An estimate (bytes, on the high side) of the memory ``body`` takes once decoded as JSON."""
+    return len(body) + sum(body.count(opener) * size for opener, size in _VALUE_BYTES)
+
+
+def _decodable(body: bytes, limit: int) -> bytes:
+    """``body``, unless it is JSON over 1 MiB that would take more than ``2 x limit`` decoded.
+
+    Raises:
+        ProxyError: 413 ``request_too_complex``.
+    """
+    if len(body) <= _DENSE_FROM or body[:1] not in (b"{", b"[", b" ", b"\n", b"\r", b"\t"):
+        return body
+    estimate = decoded_size(body)
+    if estimate <= 2 * limit:
+        return body
+    raise ProxyError(
+        413,
+        f"The request's JSON ({len(body):,} bytes) holds so many small values that reading it would take "
+        f"about {estimate // _MIB:,} MiB, more than this tokenward allows for one body (twice "
+        "server.max_body_mib): send fewer, larger values.",
+        "request_too_complex",
+        headers=_CLOSE,
+    )
 
 
 def body_stream(receive: Receive, headers: list[tuple[bytes, bytes]], limits: BodyLimits) -> BodyStream:

@@ -24,8 +24,9 @@ treated as an id: a new sub-endpoint of a known collection is refused, not let t
 
 from __future__ import annotations
 
+import json
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
@@ -36,14 +37,17 @@ __all__ = [
     "REFERENCE_FIELDS",
     "Access",
     "Capture",
+    "DuplicateMember",
     "Kind",
     "Reference",
     "access",
     "captured",
+    "form_documents",
     "kind_named",
     "may_reference",
     "references",
     "selects_stored",
+    "video_sources",
 ]
 
 
@@ -81,7 +85,8 @@ _ASSISTANT = Kind("assistant", "Assistant", "assistants")
 _THREAD = Kind("thread", "Thread", "threads", reserved=frozenset({"runs"}))
 _FINE_TUNE = Kind("fine_tuning_job", "FineTuningJob", "fine_tuning/jobs", derived=("result_files",))
 _CONTAINER = Kind("container", "Container", "containers")
-_VIDEO = Kind("video", "Video", "videos")
+_VIDEO = Kind("video", "Video", "videos", reserved=frozenset({"edits", "extensions"}))  # POST: a new video
+_CHARACTER = Kind("video_character", "Character", "videos/characters")
 _EVAL = Kind("eval", "Eval", "evals")
 _MESSAGE_BATCH = Kind("message_batch", "MessageBatch", "messages/batches", max_limit=1000)
 
@@ -98,18 +103,22 @@ KINDS: tuple[Kind, ...] = (
     _FINE_TUNE,
     _CONTAINER,
     _VIDEO,
+    _CHARACTER,
     _EVAL,
     _MESSAGE_BATCH,
 )
 """Every isolated kind. OpenAI: files, uploads, batches, vector stores, stored chat completions,
 stored responses, conversations, assistants, threads, fine-tuning jobs, containers, videos,
-evals; Anthropic: files (the same ``/v1/files`` paths) and message batches."""
+evals, video characters; Anthropic: files (the same ``/v1/files`` paths) and message batches."""
 
 _BY_COLLECTION = {kind.collection: kind for kind in KINDS}
 _BY_NAME = {kind.name: kind for kind in KINDS}
 _REFERENCING = frozenset({"messages/count_tokens"})  # not objects, but bodies that may name some
-_STREAMED_UPLOADS = {("files", ""), ("uploads", "parts"), ("containers", "files"), ("videos", "")}
-"""Multipart uploads (kind, sub-endpoint): streamed through unread; a multipart form names no object."""
+_STREAMED_UPLOADS = {("files", ""), ("uploads", "parts"), ("videos/characters", "")}
+"""Multipart uploads (kind, sub-endpoint): streamed through unread; their forms name no object.
+(``containers/{id}/files`` is read: it takes a ``file_id`` to copy, as JSON or as a form field.)"""
+_FORMS = frozenset({"", "edits", "extensions"})
+"""Video creates whose forms may name objects (``input_reference[file_id]``, ``video[id]``): read and checked."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,7 +144,9 @@ class Access:
 
     ``ids`` are the object ids in the path (the first one is the object itself; checked for
     every method); ``lists`` marks a list to filter; ``capture`` where the reply names objects
-    to record; ``reads_body``: the body may reference objects (read and check it).
+    to record; ``reads_body``: the body may reference objects (read and check it);
+    ``reads_form``: a ``multipart/form-data`` body is read as a form and its text fields checked
+    (otherwise a body is checked as JSON).
     """
 
     kind: Kind | None
@@ -143,6 +154,7 @@ class Access:
     lists: bool = False
     capture: Capture | None = None
     reads_body: bool = False
+    reads_form: bool = False
 
 
 def access(method: str, tail: str) -> Access | None:
@@ -166,12 +178,18 @@ def access(method: str, tail: str) -> Access | None:
             return Access(kind, lists=True)
         if method == "POST":
             capture = Capture(kind, _CREATED) if kind.creates else None
-            return Access(kind, capture=capture, reads_body=(kind.collection, "") not in _STREAMED_UPLOADS)
+            reads = (kind.collection, "") not in _STREAMED_UPLOADS
+            return Access(kind, capture=capture, reads_body=reads, reads_form=kind is _VIDEO)
         return None  # HEAD, OPTIONS, DELETE, ... on a collection: no object named, listed or created
     first = rest[0].lower()
     if first in kind.reserved:
-        capture = Capture(_THREAD, ("thread_id",)) if kind is _THREAD and method == "POST" else None
-        return Access(kind, capture=capture, reads_body=writes)
+        capture = None
+        if kind is _THREAD and method == "POST":
+            capture = Capture(_THREAD, ("thread_id",))
+        elif kind is _VIDEO and method == "POST" and len(rest) == 1:  # videos/edits, videos/extensions
+            capture = Capture(_VIDEO, _CREATED)
+        forms = kind is _VIDEO and writes and len(rest) == 1 and first in _FORMS
+        return Access(kind, capture=capture, reads_body=writes, reads_form=forms)
     object_id = unquote(rest[0])
     sub = rest[1].lower() if len(rest) > 1 else ""
     return Access(
@@ -179,6 +197,7 @@ def access(method: str, tail: str) -> Access | None:
         ids=(object_id,),
         capture=_sub_capture(kind, method, sub, len(rest)),
         reads_body=writes and (kind.collection, sub) not in _STREAMED_UPLOADS,
+        reads_form=kind is _CONTAINER and writes and sub == "files" and len(rest) == 2,
     )
 
 
@@ -243,6 +262,7 @@ _MARKERS: dict[str, tuple[bytes, ...]] = {
     "chat_completions": (b"file_id",),
     "anthropic_messages": (b"file_id", b'"container"'),
     "responses": (b"file_id", b"vector_store_id", b"previous_response_id", b'"conversation"', b'"container"'),
+    "images": (b"file_id",),
 }
 """What :func:`may_reference` looks for per metered endpoint: the fields of :data:`REFERENCE_FIELDS`
 that endpoint reads (``file_id`` also finds ``file_ids`` and ``input_file_id``). Each is one scan of
@@ -328,3 +348,59 @@ def selects_stored(document: Any) -> bool:
     source = document.get("data_source") if isinstance(document, dict) else None
     inner = source.get("source") if isinstance(source, dict) else None
     return isinstance(inner, dict) and inner.get("type") in ("stored_completions", "responses")
+
+
+_FORM_NAME = re.compile(r"[^\[\].]+")
+
+
+class DuplicateMember(ValueError):
+    """A JSON value in a form field names a member twice (the message names it)."""
+
+
+def _unique_members(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    document: dict[str, Any] = {}
+    for name, value in pairs:
+        if name in document:
+            raise DuplicateMember(f"a JSON value in a form field names the member {name!r} twice")
+        document[name] = value
+    return document
+
+
+def form_documents(fields: Iterable[tuple[str, str]]) -> list[Any]:
+    """A form's text fields as the JSON documents they spell, one per field, for :func:`references`.
+
+    A name is split at brackets and dots, as form parsers read it: ``input_reference[file_id]=f``
+    is ``{"input_reference": {"file_id": "f"}}``, ``video[id]=v`` is ``{"video": {"id": "v"}}``,
+    ``file_ids[]=a`` is ``{"file_ids": "a"}``. A value that is a JSON object or array is decoded
+    (some servers read JSON in form fields). One document per field, repeated names included, so
+    no value hides behind another field of the same name.
+
+    Raises:
+        DuplicateMember: a JSON value names a member twice (a server might read the other one).
+    """
+    documents: list[Any] = []
+    for name, value in fields:
+        leaf: Any = value
+        if value[:1] in ("{", "["):
+            try:
+                leaf = json.loads(value, object_pairs_hook=_unique_members)
+            except DuplicateMember:
+                raise
+            except (ValueError, RecursionError):
+                pass
+        for part in reversed(_FORM_NAME.findall(name) or [name]):
+            leaf = {part: leaf}
+        documents.append(leaf)
+    return documents
+
+
+def video_sources(document: Any) -> list[Reference]:
+    """The video a video edit or extension starts from: ``video`` as ``{"id": ...}`` (``video[id]`` in a form) or an id.
+
+    (platform.openai.com/docs/api-reference/videos: ``POST /videos/edits`` and ``/videos/extensions``
+    take ``video``, an uploaded file or a reference to a completed video.)
+    """
+    video = document.get("video") if isinstance(document, dict) else None
+    if isinstance(video, dict):
+        video = video.get("id")
+    return [Reference("video", video, _VIDEO)] if isinstance(video, str) and video else []

@@ -58,6 +58,7 @@ def single_proxy_lock(ledger: DuckLedger) -> IO[str]:
         StartupError: another proxy holds it.
     """
     path = ledger.path + ".proxy.lock"
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)  # as the ledger's own log does
     handle = open(path, "a+", encoding="utf-8")  # noqa: SIM115 - held for the proxy's lifetime
     try:
         fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -228,12 +228,13 @@ def bare_models(names: Sequence[str]) -> list[str]:
 def model_condition(names: str, bare: str) -> str:
     """SQL keeping rows whose model is one of the list ``names``.
 
-    As :func:`tokenward.pricing.budgets.same_model` has it: the requested or served name, equal,
-    or equal once a dated snapshot suffix is removed from either side.
+    As :func:`tokenward.pricing.budgets.same_model` has it: the requested, sent (a degraded
+    request's reroute) or served name, equal, or equal once a dated snapshot suffix is removed from
+    either side (the guard's :func:`~tokenward.proxy.guard.attributes_of_row` reads the same three).
 
     ``names`` and ``bare`` are placeholders for the names and for :func:`bare_models` of them.
     """
-    columns = [f"coalesce({c}, '(none)')" for c in ("requested_model", "served_model")]
+    columns = [f"coalesce({c}, '(none)')" for c in ("requested_model", "sent_model", "served_model")]
     stripped = [f"regexp_replace({c}, '{SNAPSHOT_SUFFIX.pattern}', '')" for c in columns]
     return f"(list_has_any({names}, [{', '.join(columns + stripped)}]) OR list_has_any({bare}, [{', '.join(columns)}]))"
 

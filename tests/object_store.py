@@ -1,5 +1,6 @@
 """A provider account's object store as a real HTTP upstream: files, batches, vector stores, stored chat
-completions and responses (OpenAI), files and message batches (Anthropic, under ``/anthropic``).
+completions and responses, videos and video characters, containers and their files (OpenAI), files and message batches (Anthropic, under
+``/anthropic``).
 
 It behaves like the provider where isolation depends on it: one account (every key's objects in one
 place), lists newest first with ``after``/``limit`` cursors (``after_id`` for Anthropic) and a page cap
@@ -155,6 +156,10 @@ class ObjectStore:
             return await self._chat(request, method, parts[2:])
         if parts[0] == "responses":
             return await self._responses(request, method, parts[1:])
+        if parts[0] == "videos":
+            return await self._videos(request, method, parts[1:])
+        if parts[0] == "containers":
+            return await self._containers(request, method, parts[1:])
         raise _error(404, f"unknown path {request.path}")
 
     async def _files(self, request: web.Request, method: str, parts: list[str], anthropic: bool) -> web.Response:
@@ -285,6 +290,57 @@ class ObjectStore:
             del self.objects[stored["id"]]
             return web.json_response({"id": stored["id"], "object": "response.deleted", "deleted": True})
         return web.json_response(stored)
+
+    async def _videos(self, request: web.Request, method: str, rest: list[str]) -> web.Response:
+        """Videos as the API takes them: multipart forms (``input_reference[file_id]``, ``video[id]`` or a file)."""
+        if rest[:1] == ["characters"]:
+            if len(rest) == 1:
+                form = await request.post()
+                assert isinstance(form["video"], web.FileField)
+                character = {"id": self.new_id("char_"), "object": "character", "name": form["name"]}
+                return web.json_response(self.add(character))
+            return web.json_response(self.of(rest[1], "character"))
+        if method == "POST" and (not rest or rest[0] in ("edits", "extensions")):
+            form = await request.post()
+            source = form.get("video[id]")
+            if source is not None:
+                self.of(str(source), "video")
+            if form.get("input_reference[file_id]") is not None:
+                self.need_file(form["input_reference[file_id]"])
+            video = {"id": self.new_id("video_"), "object": "video", "status": "queued", "prompt": form["prompt"]}
+            video.update(model="sora-2", progress=0, seconds="4", size="720x1280", remixed_from_video_id=source)
+            return web.json_response(self.add(video))
+        if not rest:
+            return self.page(request, "video")
+        return web.json_response(self.of(rest[0], "video"))
+
+    async def _containers(self, request: web.Request, method: str, rest: list[str]) -> web.Response:
+        """Containers; a container file is an upload or a copy of a file named by ``file_id`` (JSON or a form field)."""
+        if not rest and method == "POST":
+            body = await request.json()
+            return web.json_response(self.add({"id": self.new_id("cntr_"), "object": "container", "name": body["name"]}))
+        if not rest:
+            return self.page(request, "container")
+        container = self.of(rest[0], "container")
+        if rest[1:] == ["files"] and method == "POST":
+            if request.content_type == "application/json":
+                fields: Any = await request.json()
+            else:
+                fields = await request.post()
+            upload = fields.get("file")
+            if isinstance(upload, web.FileField):
+                data = upload.file.read()
+            else:
+                self.need_file(fields.get("file_id"))
+                data = self.contents[fields["file_id"]]
+            entry = {"id": self.new_id("cfile_"), "object": "container.file", "container_id": container["id"]}
+            entry.update(bytes=len(data), path=f"/mnt/data/{entry['id']}", source="user")
+            self.contents[entry["id"]] = data
+            return web.json_response(self.add(entry))
+        if len(rest) == 4 and rest[1] == "files" and rest[3] == "content":
+            entry = self.of(rest[2], "container.file")
+            return web.Response(body=self.contents[entry["id"]], content_type="application/octet-stream")
+        return web.json_response(container)
 
     async def _message_batches(self, request: web.Request, method: str, rest: list[str]) -> web.Response:
         if not rest and method == "POST":

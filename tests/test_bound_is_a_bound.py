@@ -62,6 +62,13 @@ def long_chat(n_tokens: int, max_tokens: int, **extra: Any) -> dict[str, Any]:
     }
 
 
+def no_limit_chat() -> dict[str, Any]:
+    """``long_chat(1000, ...)`` with no output limit at all."""
+    body = long_chat(1000, 0, service_tier="default")
+    del body["max_tokens"]
+    return body
+
+
 def image_chat() -> dict[str, Any]:
     """10 text tokens + 7 overhead and one image (a data URL), 100 tokens of output at most."""
     return {
@@ -92,6 +99,7 @@ class BillingUpstream:
         self.variant = variant
         self.wait_s = wait_s
         self.billed: list[Decimal] = []
+        self.bodies: list[dict[str, Any]] = []
 
     def _bill(self, model: str, usage: Usage, tier: str) -> Decimal:
         priced = quote(CATALOG, usage, model=model, provider="openai", at=dt.datetime.now(dt.UTC), service_tier=tier)
@@ -100,6 +108,7 @@ class BillingUpstream:
 
     async def handle(self, request: web.Request, body: bytes) -> web.StreamResponse:
         document = json.loads(body)
+        self.bodies.append(document)
         variant = self.variant
         tier = "default"
         if variant == "dearer_tier":  # the project's default tier is priority: `auto` is served there
@@ -110,6 +119,10 @@ class BillingUpstream:
             usage = Usage(input_tokens=335, output_tokens=20)
         elif variant == "client_gone":  # the whole reply is generated and billed; nobody reads it
             usage = Usage(input_tokens=1007, output_tokens=1000)
+        elif variant == "two_limits":  # an upstream that reads max_tokens and ignores max_completion_tokens
+            usage = Usage(input_tokens=1007, output_tokens=document["max_tokens"])
+        elif variant == "no_limit":  # a model that writes until its own window (100K) unless the request says less
+            usage = Usage(input_tokens=1007, output_tokens=document.get("max_completion_tokens", 100_000))
         else:  # unpriced: the provider has its own price for its own model: $0.001 a request
             usage = Usage(input_tokens=1007, output_tokens=1000)
         model = document["model"]
@@ -190,6 +203,21 @@ VARIANTS = [
     # 1007 x 0.15 + 1000 x 0.60 = $0.00075105 billed although the client left. Bound: 1408 x 0.15 + 600
     # = $0.0008112 -> 9 admitted, each keeping its $0.0008112 as spend (usage_unknown).
     ("client_gone", "chat/completions", long_chat(1000, 1000, service_tier="default"), Decimal("0.00075105"), 9),
+    # max_completion_tokens 1 beside max_tokens 1000, to an upstream that honours max_tokens: 1007 x 0.15 +
+    # 1000 x 0.60 = $0.00075105. Bound at the larger limit: 1408 x 0.15 + 600 = $0.0008112 -> 9 admitted.
+    # (Bound at the first field, before: 1408 x 0.15 + 0.60 = $0.0002118: 35 admitted, +250 %.)
+    (
+        "two_limits",
+        "chat/completions",
+        long_chat(1000, 1000, max_completion_tokens=1, service_tier="default"),
+        Decimal("0.00075105"),
+        9,
+    ),
+    # no output limit: the bound assumes guard.default_max_output_tokens 16,384 and sends it as
+    # max_completion_tokens, so the upstream writes at most that: 1007 x 0.15 + 16,384 x 0.60 = 9981.45
+    # -> $0.00998145. Bound: 1408 x 0.15 + 16,384 x 0.60 = $0.0100416 -> 9 admitted. (Before, the body went
+    # unchanged: 9 admitted, each billed 1007 x 0.15 + 100,000 x 0.60 = $0.06015105, +442 %.)
+    ("no_limit", "chat/completions", no_limit_chat(), Decimal("0.00998145"), 9),
     # no price: refused (400 model_not_priced) before it reaches the provider. (Before: all 100 admitted.)
     ("unpriced", "chat/completions", long_chat(1000, 1000, model="house-model-x"), Decimal("0.001"), 0),
 ]
@@ -257,3 +285,25 @@ def test_the_bound_prices_the_dearest_tier_a_request_can_be_served_at():
     assert bound(service_tier="flex") == Decimal("0.00075")  # no flex price in the entry: standard rates
     # one image: gpt-4o-mini's image_tokens_max 48,169 at the input rate, on top of the 1000 counted
     assert bound(service_tier="default", images=1) == Decimal("0.00797535")  # 49,169 x 0.15 + 600
+
+
+def test_a_request_without_an_output_limit_is_sent_the_one_its_bound_assumed(tmp_path):
+    upstream = BillingUpstream("no_limit", wait_s=0)
+    with Servers(upstream.handle).running() as servers:
+        with proxy_for(servers.upstream_url, tmp_path, Decimal(1)) as (url, _):
+            chat, embed = (
+                httpx.post(f"{url}/v1/{path}", json=body, headers={"authorization": f"Bearer {KEY}"})
+                for path, body in (
+                    ("chat/completions", no_limit_chat()),
+                    ("embeddings", {"model": "text-embedding-3-small", "input": "hello"}),
+                )
+            )
+        with proxy_for(servers.upstream_url, tmp_path / "off", Decimal(1), set_output_limit=False) as (url, _):
+            unchanged = httpx.post(
+                f"{url}/v1/chat/completions", json=no_limit_chat(), headers={"authorization": f"Bearer {KEY}"}
+            )
+    assert chat.headers["x-tokenward-output-limit"] == "max_completion_tokens=16384"
+    assert upstream.bodies[0]["max_completion_tokens"] == 16384 and "max_tokens" not in upstream.bodies[0]
+    assert upstream.bodies[1] == {"model": "text-embedding-3-small", "input": "hello"}  # embeddings untouched
+    assert "x-tokenward-output-limit" not in embed.headers
+    assert upstream.bodies[2] == no_limit_chat() and "x-tokenward-output-limit" not in unchanged.headers

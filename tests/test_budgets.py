@@ -362,6 +362,37 @@ def test_request_content_the_tokenizer_cannot_count():
     assert (anthropic.images, anthropic.files) == (1, 1)
 
 
+def test_tools_the_provider_runs_itself_leave_a_request_unbounded():
+    from tokenward.proxy.bounds import scan
+
+    # each call adds a fee ($0.01 a search at OpenAI and Anthropic) and the tokens it found, as often as
+    # the model likes: nothing in the body bounds them
+    served = [
+        {"model": "gpt-5", "input": "news?", "tools": [{"type": "web_search"}]},
+        {"model": "gpt-5", "input": "news?", "tools": [{"type": "web_search_preview_2025_03_11"}]},
+        {"model": "gpt-5", "input": "q", "tools": [{"type": "file_search", "vector_store_ids": ["vs_1"]}]},
+        {"model": "gpt-5", "input": "q", "tools": [{"type": "mcp", "server_url": "https://x.example"}]},
+        {"model": "gpt-5", "input": "q", "tools": [{"type": "code_interpreter", "container": {"type": "auto"}}]},
+        {"model": "claude-sonnet-4-5", "max_tokens": 10, "messages": [],
+         "tools": [{"type": "web_search_20250305", "name": "web_search", "max_uses": 5}]},
+        {"model": "claude-sonnet-4-5", "max_tokens": 10, "messages": [], "tools": [{"type": "web_fetch_20250910"}]},
+        {"model": "gpt-4o-search-preview", "messages": [], "web_search_options": {}},
+        {"model": "openai/gpt-4o", "messages": [], "plugins": [{"id": "web"}]},
+        {"model": "openai/gpt-4o:online", "messages": []},
+    ]  # fmt: skip
+    assert [scan(body).server_tools for body in served] == [1] * len(served)
+    assert all(scan(body).unbounded for body in served)
+    client_run = {
+        "model": "gpt-5",
+        "input": [{"type": "web_search_call", "id": "ws_1", "status": "completed"}],  # history, not a tool
+        "tools": [
+            {"type": "function", "name": "web_search_local", "parameters": {}},
+            {"type": "custom", "name": "mcp"},
+        ],
+    }
+    assert (scan(client_run).server_tools, scan(client_run).unbounded) == (0, False)
+
+
 def image_request(n_tokens: int, max_tokens: int) -> dict:
     """n_tokens of text ("hello" x n, one token each) and one image; 7 tokens of chat overhead."""
     return {

@@ -257,3 +257,37 @@ def test_no_sequence_of_requests_spends_past_a_limit(steps, limit, mini_limit, m
 
     asyncio.run(run())
     assert spent["cap"] <= limit and spent["mini"] <= mini_limit
+
+
+def test_a_rerouted_row_counts_for_the_model_it_was_sent_to_after_a_restart_too(tmp_path):
+    """The guard counts a row for its requested, sent and served models; the ledger's books must agree.
+
+    A request for gpt-4o rerouted to gpt-4o-mini whose client left (no reply: no served model) keeps its
+    $0.5 reservation as spend: against the gpt-4o-mini budget too, in the running proxy and after a restart.
+    """
+    from tokenward.proxy.guard import attributes_of_row
+    from tokenward.reports.ledger import open_ledger, write_rows
+    from tokenward.reports.ledger.spend import DuckSpend
+
+    from .test_ledger import make_row
+
+    mini = Budget("mini", Decimal(1), scope=(("model", "gpt-4o-mini"),), action="block")
+    row = make_row(
+        "r",
+        requested_model="gpt-4o",
+        sent_model="gpt-4o-mini",
+        served_model=None,
+        price_status="usage_unknown",
+        cost_usd=None,
+        reserved_usd=Decimal("0.5"),
+        started_at=1_780_000_000.0,
+    )
+    assert mini.matches(attributes_of_row(row))  # in the running proxy
+    path = tmp_path / "l.duckdb"
+    write_rows(path, [row])
+    conn = open_ledger(path, read_only=True)
+    try:
+        window = (dt.datetime(2020, 1, 1, tzinfo=UTC), dt.datetime(2030, 1, 1, tzinfo=UTC))
+        assert DuckSpend(conn).spend_in(mini, *window) == Decimal("0.5")  # what a restart reads back
+    finally:
+        conn.close()

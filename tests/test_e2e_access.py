@@ -275,3 +275,20 @@ def test_one_credential_per_request_and_the_fingerprint_of_the_one_sent(servers,
         (fingerprint("sk-real"), 200),
         (fingerprint("Basic dXNlcjpwdw=="), 200),  # what the upstream checks, not "anonymous"
     ]
+
+
+def test_a_virtual_key_cannot_pick_the_accounts_organization_or_project(servers, tmp_path):
+    """OpenAI-Organization / OpenAI-Project choose who is billed; they go with tokenward's key, not the client."""
+    account = {"OpenAI-Organization": "org-someone-else", "OpenAI-Project": "proj-someone-else"}
+    auth = AuthConfig(mode="virtual_keys")
+    with proxy(servers, tmp_path / "ledger.duckdb", auth, KEYS) as url:
+        with openai.OpenAI(base_url=f"{url}/v1", api_key="tw-team-a-0001", default_headers=account) as client:
+            client.chat.completions.create(**CHAT)
+    sent = servers.requests[-1]["headers"]
+    assert sent["authorization"] == f"Bearer {SECRET}"
+    assert "openai-organization" not in sent and "openai-project" not in sent
+    with proxy(servers, tmp_path / "other.duckdb", AuthConfig(mode="passthrough")) as url:
+        with openai.OpenAI(base_url=f"{url}/v1", api_key="sk-client-own", default_headers=account) as client:
+            client.chat.completions.create(**CHAT)
+    sent = servers.requests[-1]["headers"]
+    assert (sent["openai-organization"], sent["openai-project"]) == ("org-someone-else", "proj-someone-else")

@@ -467,6 +467,149 @@ def test_anthropic_message_batches_and_files(store, tmp_path):
         assert alice.messages.batches.retrieve(batch.id).id == batch.id
 
 
+def form_post(url: str, key: str, path: str, fields: list[tuple[str, str]]) -> httpx.Response:
+    """A multipart form of text fields, as the SDKs send ``video[id]`` and ``input_reference[file_id]``."""
+    files = [(name, (None, value.encode())) for name, value in fields]
+    return httpx.post(f"{url}/v1/{path}", files=files, headers={"authorization": f"Bearer {key}"})
+
+
+@pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
+def test_video_edits_extensions_and_characters_are_endpoints_held_to_their_key(store, tmp_path):
+    """``videos/edits``, ``videos/extensions`` and ``videos/characters`` are endpoints, not video ids (the openai
+    SDK's own suite through tokenward found all three refused with 404): they create objects the caller owns, and
+    the video or file their multipart form names must be the caller's, however the form spells it."""
+    ledger = tmp_path / "ledger.duckdb"
+    clip = ("clip.mp4", b"\x00\x00\x00\x18ftypmp42")
+    with proxy(store, ledger) as url, gpt(url, ALICE) as alice, gpt(url, BOB) as bob:
+        frame = upload(alice, "frame.png")
+        made = form_post(url, ALICE, "videos", [("prompt", "a cat"), ("input_reference[file_id]", frame)])
+        video = made.json()["id"]
+        edit = form_post(url, ALICE, "videos/edits", [("prompt", "bluer"), ("video[id]", video)]).json()["id"]
+        longer = form_post(url, ALICE, "videos/extensions", [("prompt", "longer"), ("seconds", "4"), ("video[id]", edit)])
+        uploaded = alice.videos.edit(prompt="from a clip", video=clip)
+        character = alice.videos.create_character(name="Tom", video=clip)
+        assert (made.status_code, longer.status_code) == (200, 200)
+        assert alice.videos.retrieve(longer.json()["id"]).remixed_from_video_id == edit
+        assert alice.videos.retrieve(edit).remixed_from_video_id == video
+        assert alice.videos.get_character(character.id).name == "Tom"  # type: ignore[arg-type]
+        assert [v.id for v in alice.videos.list()] == [uploaded.id, longer.json()["id"], edit, video]
+        own = bob.videos.create(prompt="a dog").id
+        sent = len(store.requests)
+        with pytest.raises(openai.NotFoundError) as info:
+            bob.videos.retrieve(edit)
+        assert info.value.body == not_found("Video", edit)
+        with pytest.raises(openai.NotFoundError) as info:
+            bob.videos.get_character(character.id)  # type: ignore[arg-type]
+        assert info.value.body == not_found("Character", character.id)
+        refusals = [  # the form a client sends, and what a form parser may also read as video.id
+            ("videos", [("prompt", "mine"), ("input_reference[file_id]", frame)], "File", frame),
+            ("videos/edits", [("prompt", "mine"), ("video[id]", video)], "Video", video),
+            ("videos/extensions", [("prompt", "mine"), ("seconds", "4"), ("video[id]", edit)], "Video", edit),
+            ("videos/edits", [("prompt", "mine"), ("video.id", video)], "Video", video),
+            ("videos/edits", [("prompt", "mine"), ("video", json.dumps({"id": video}))], "Video", video),
+            ("videos/edits", [("prompt", "mine"), ("video[id]", own), ("video[id]", video)], "Video", video),
+        ]
+        for path, fields, kind, object_id in refusals:
+            reply = form_post(url, BOB, path, fields)
+            assert (reply.status_code, reply.json()["error"]) == (404, not_found(kind, object_id))
+        twice = form_post(url, BOB, "videos/edits", [("prompt", "mine"), ("video", f'{{"id": "{own}", "id": "{video}"}}')])
+        assert (twice.status_code, twice.json()["error"]["code"]) == (400, "invalid_multipart")
+        for name in ("video[id]", "input_reference[file_id]"):  # an id sent as a file part is not read: refused
+            files = [("prompt", (None, b"mine")), (name, ("id.txt", video.encode(), "text/plain"))]
+            hidden = httpx.post(f"{url}/v1/videos/edits", files=files, headers={"authorization": f"Bearer {BOB}"})
+            assert (hidden.status_code, hidden.json()["error"]["code"]) == (400, "invalid_multipart")
+            assert name in hidden.json()["error"]["message"]
+        assert store.requests[sent:] == []
+        mine = form_post(url, BOB, "videos/edits", [("prompt", "mine"), ("video[id]", own)]).json()["id"]
+        assert [v.id for v in bob.videos.list()] == [mine, own]
+    rows = read_rows(ledger)
+    assert [r["path"] for r in rows if r["http_status"] == 404] == [
+        f"/v1/videos/{edit}",
+        f"/v1/videos/characters/{character.id}",
+        "/v1/videos",
+        "/v1/videos/edits",
+        "/v1/videos/extensions",
+        "/v1/videos/edits",
+        "/v1/videos/edits",
+        "/v1/videos/edits",
+    ]
+
+
+@pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
+def test_a_body_is_read_as_the_upstream_would_read_it(store, tmp_path):
+    """The check reads a body by its one ``content-type``: two of them (the upstream might pick the other), or a JSON
+    body sent to a form endpoint as a urlencoded form (``{"prompt": "x&video[id]=..."}`` is both), are refused."""
+    ledger = tmp_path / "ledger.duckdb"
+    with proxy(store, ledger) as url, gpt(url, ALICE) as alice:
+        video, frame = alice.videos.create(prompt="a cat").id, upload(alice, "frame.png")
+        sent = len(store.requests)
+        bob = {"authorization": f"Bearer {BOB}"}
+
+        def post(path: str, body: bytes, *types: str) -> httpx.Response:
+            headers = [*bob.items(), *(("content-type", t) for t in types)]
+            return httpx.post(f"{url}/v1/{path}", content=body, headers=headers)
+
+        form = b'--b\r\ncontent-disposition: form-data; name="prompt"\r\n\r\nmine\r\n--b--\r\n'
+        smuggled = json.dumps({"prompt": f"x&video[id]={video}&z=1"}).encode()
+        refusals = [
+            post("videos/edits", form, "multipart/form-data; boundary=b", "multipart/form-data; boundary=c"),
+            post("batches", b'{"endpoint": "/v1/chat/completions"}', "application/json", "text/plain"),
+            post("videos/edits", smuggled, "application/x-www-form-urlencoded"),
+            post("videos", smuggled, "text/plain"),
+            post("videos/edits", smuggled),
+        ]
+        for reply in refusals:
+            assert (reply.status_code, reply.json()["error"]["code"]) == (400, "invalid_content_type")
+        assert "more than one Content-Type" in refusals[0].json()["error"]["message"]
+        assert "'application/x-www-form-urlencoded'" in refusals[2].json()["error"]["message"]
+        as_json = post("videos/edits", json.dumps({"prompt": "x", "video": {"id": video}}).encode(), "application/json")
+        assert (as_json.status_code, as_json.json()["error"]) == (404, not_found("Video", video))
+        ref = json.dumps({"prompt": "x", "input_reference": {"file_id": frame}}).encode()
+        as_json = post("videos", ref, "application/json; charset=utf-8")
+        assert (as_json.status_code, as_json.json()["error"]) == (404, not_found("File", frame))
+        assert store.requests[sent:] == []
+    rows = read_rows(ledger)
+    assert [(r["path"], r["http_status"]) for r in rows if r["http_status"] >= 400] == [
+        ("/v1/videos/edits", 400),
+        ("/v1/batches", 400),
+        ("/v1/videos/edits", 400),
+        ("/v1/videos", 400),
+        ("/v1/videos/edits", 400),
+        ("/v1/videos/edits", 404),
+        ("/v1/videos", 404),
+    ]
+
+
+def test_a_container_file_copies_only_the_callers_file(store, tmp_path):
+    """``POST containers/{id}/files`` copies the file its ``file_id`` names into the container (JSON, or a form field
+    a server may read as well): naming another key's file there would hand its bytes to the caller's container."""
+    ledger = tmp_path / "ledger.duckdb"
+    with proxy(store, ledger) as url, gpt(url, ALICE) as alice, gpt(url, BOB) as bob:
+        secret = upload(alice, "secret.jsonl")
+        theirs, own = alice.containers.create(name="a").id, bob.containers.create(name="b").id
+        copy = alice.containers.files.create(theirs, file_id=secret)
+        raw = alice.containers.files.create(theirs, file=("notes.csv", b"a,b\n1,2\n"))
+        assert alice.containers.files.content.retrieve(copy.id, container_id=theirs).read() == b'{"custom_id": "secret.jsonl"}\n'
+        assert alice.containers.files.content.retrieve(raw.id, container_id=theirs).read() == b"a,b\n1,2\n"
+        sent = len(store.requests)
+        with pytest.raises(openai.NotFoundError) as info:
+            bob.containers.files.create(own, file_id=secret)
+        assert info.value.body == not_found("File", secret)
+        for fields in ([("file_id", secret)], [("file_id", upload(bob, "mine.jsonl")), ("file_id", secret)]):
+            reply = form_post(url, BOB, f"containers/{own}/files", fields)
+            assert (reply.status_code, reply.json()["error"]) == (404, not_found("File", secret))
+        with pytest.raises(openai.NotFoundError) as info:
+            bob.containers.files.create(theirs, file=("x.csv", b"x"))
+        assert info.value.body == not_found("Container", theirs)
+        assert store.requests[sent:] == [("POST", "/v1/files")]  # only bob's own upload went through
+        mine = bob.containers.files.create(own, file=("b.csv", b"b\n"))
+        assert bob.containers.files.content.retrieve(mine.id, container_id=own).read() == b"b\n"
+    rows = read_rows(ledger)
+    assert [r["path"] for r in rows if r["http_status"] == 404] == [f"/v1/containers/{own}/files"] * 3 + [
+        f"/v1/containers/{theirs}/files"
+    ]
+
+
 def test_passthrough_mode_leaves_isolation_to_the_provider(store, tmp_path):
     """Clients bring their own provider keys: the provider isolates accounts, tokenward forwards as before."""
     ledger = tmp_path / "ledger.duckdb"
@@ -485,3 +628,28 @@ def unused_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def test_an_image_edit_reaches_only_the_callers_files(store, tmp_path):
+    """A JSON image edit names its images and mask by ``file_id``: another key's file is refused like in a path."""
+    ledger = tmp_path / "ledger.duckdb"
+    with proxy(store, ledger) as url, gpt(url, ALICE) as alice, gpt(url, BOB) as bob:
+        mine, theirs = upload(alice, "a.png"), upload(bob, "b.png")
+
+        def edit(body: dict[str, Any] | None = None, **multipart: Any) -> httpx.Response:
+            auth = {"authorization": f"Bearer {ALICE}"}
+            return httpx.post(f"{url}/v1/images/edits", json=body, headers=auth, timeout=10, **multipart)
+
+        sent = len(store.requests)
+        for body in (
+            {"model": "gpt-image-1", "prompt": "x", "images": [{"file_id": mine}, {"file_id": theirs}]},
+            {"model": "gpt-image-1", "prompt": "x", "images": [{"file_id": mine}], "mask": {"file_id": theirs}},
+        ):
+            reply = edit(body)
+            assert (reply.status_code, reply.json()["error"]) == (404, not_found("File", theirs))
+        assert store.requests[sent:] == []  # neither reached the account
+        edit({"model": "gpt-image-1", "prompt": "x", "images": [{"file_id": mine}], "mask": {"file_id": mine}})
+        # a multipart edit names no object: its bytes are not read as JSON, whatever they hold
+        form = {"model": "gpt-image-1", "prompt": "x"}
+        edit(data=form, files={"image": ("i.png", b'\x89PNG "file_id": "' + theirs.encode() + b'"', "image/png")})
+        assert store.requests[sent:] == [("POST", "/v1/images/edits")] * 2

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from tokenward.pricing.settings import BudgetSettings
 from tokenward.proxy.errors import ProxyError
-from tokenward.proxy.limits import BodyLimits, body_stream, read_body
+from tokenward.proxy.limits import BodyLimits, body_stream, decoded_size, read_body
 from tokenward.proxy.simulator import RECORD_HEADER
 
 CHAT = "tests/models/cassettes/test_openai/test_extra_headers.yaml#0"
@@ -433,6 +433,42 @@ def test_a_maximum_size_body_costs_at_most_three_times_its_size(served):
     assert grew <= 3 * len(body) / MIB  # the bound the issue asks for; measured ~2x (bench_body_memory.py)
 
 
+def dense(values: bytes, size: int) -> bytes:
+    """A chat body of about ``size`` bytes whose member ``x`` is a list of ``values`` repeated."""
+    head = b'{"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}], "x": ['
+    count = (size - len(head) - 2) // (len(values) + 1)
+    return head + b",".join([values] * count) + b"]}"
+
+
+def test_the_decoded_size_of_a_body_is_estimated_on_the_high_side():
+    # 10,000 empty objects with commas: 30,000 - 1 bytes; each dict 232 and each comma 8 on top of the bytes
+    body = b",".join([b"{}"] * 10_000)
+    assert decoded_size(body) == len(body) + 10_000 * 232 + 9_999 * 8
+    assert decoded_size(b'["ab","cd"]') == 11 + 72 + 4 * 29 + 8
+
+
+def test_a_maximum_size_body_of_tiny_values_is_413_and_costs_little(served, tmp_path):
+    url, process = served
+    empty_objects = dense(b"{}", 32 * MIB - 100)  # 11M dicts: ~2.5 GB once decoded
+    short_strings = dense(b'"ab"', 32 * MIB - 100)  # 6.7M strings: ~390 MB
+    tokens = b'{"model": "text-embedding-3-small", "input": [' + b",".join([b"12345"] * 1_000_000) + b"]}"
+    with httpx.Client(timeout=120) as client:
+        Path(f"/proc/{process.pid}/clear_refs").write_text("5")
+        before, _ = memory_mib(process.pid)
+        replies = [
+            client.post(f"{url}/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+            for body in (empty_objects, short_strings)
+        ]
+        _, peak = memory_mib(process.pid)
+        embedding = client.post(f"{url}/v1/embeddings", content=tokens, headers={"content-type": "application/json"})
+    assert [r.status_code for r in replies] == [413, 413]
+    assert {r.json()["error"]["code"] for r in replies} == {"request_too_complex"}
+    assert peak - before <= 3 * 32  # before: +801 MiB for the empty objects, +456 for the strings
+    # a 6 MB embeddings request of a million token ids (~40 MB decoded) is not refused as too complex
+    assert embedding.json().get("error", {}).get("code") != "request_too_complex"
+    assert len(tokens) > 1 * MIB
+
+
 LOGGING_AS_SERVE = """
 import logging
 from litestar import Litestar
@@ -466,3 +502,24 @@ def test_limits_are_validated_where_they_are_configured(tmp_path):
     path.write_text("upstreams: [{name: u, base_url: 'http://127.0.0.1:1/v1'}]\nserver: {max_connections: 0}\n")
     with pytest.raises(ConfigError, match=r"server\.max_connections"):
         load_config(path)
+
+
+def test_the_dashboard_login_form_is_held_to_a_small_body_and_the_body_timeout(start_proxy):
+    """Anyone may post the login form: a large or slow body there is refused like one to /v1 (was: read whole)."""
+    proxy = start_proxy(server={"body_timeout_s": 0.5, "body_min_kib_s": 64})
+    form = {"content-type": "application/x-www-form-urlencoded"}
+    declared = httpx.post(f"{proxy.url}/dashboard/login", content=b"token=" + b"a" * 20_000, headers=form)
+    assert (declared.status_code, declared.json()["error"]["code"]) == (413, "request_too_large")
+    chunked = httpx.post(f"{proxy.url}/dashboard/login", content=iter([b"token=", b"a" * 10_000, b"a" * 10_000]))
+    assert (chunked.status_code, chunked.json()["error"]["code"]) == (413, "request_too_large")
+    wrong = httpx.post(f"{proxy.url}/dashboard/login", data={"token": "not-an-admin-key"})
+    assert wrong.status_code == 401 and "That is not an admin credential." in wrong.text
+    with socket.create_connection(address(proxy.url)) as sock:
+        lines = ["POST /dashboard/login HTTP/1.1", "host: tokenward", f"content-type: {form['content-type']}"]
+        sock.sendall(("\r\n".join([*lines, "content-length: 100"]) + "\r\n\r\n").encode())
+        started = time.monotonic()
+        trickle(sock, b"token=" + b"a" * 94, 0.05, started + 3)
+        reply, closed = read_reply(sock)
+        took = time.monotonic() - started
+    assert status_of(reply) == 408 and closed and error_of(reply)["code"] == "request_timeout"
+    assert 0.5 <= took < 2.5

@@ -12,7 +12,16 @@ from tokenward.proxy.edge import target
 from tokenward.proxy.errors import ProxyError
 from tokenward.proxy.isolation import Isolation, ObjectNotFound, OwnerCache
 from tokenward.proxy.keys import Identity
-from tokenward.proxy.objects import access, captured, may_reference, references, selects_stored
+from tokenward.proxy.objects import (
+    DuplicateMember,
+    access,
+    captured,
+    form_documents,
+    may_reference,
+    references,
+    selects_stored,
+    video_sources,
+)
 from tokenward.reports.ledger.state import SqliteState
 
 NOW = dt.datetime(2025, 6, 1, 12, tzinfo=dt.UTC)
@@ -67,6 +76,13 @@ def summary(method: str, tail: str) -> tuple[object, ...] | None:
         ),
         ("GET", "fine_tuning/jobs/ftjob-1/events", ("fine_tuning_job", ("ftjob-1",), False, None, False)),
         ("POST", "videos/video_1/remix", ("video", ("video_1",), False, ("video", ("id",), False), True)),
+        ("POST", "containers/cntr_1/files", ("container", ("cntr_1",), False, None, True)),  # may copy a file_id
+        ("POST", "videos", ("video", (), False, ("video", ("id",), False), True)),  # a form: read
+        ("POST", "videos/edits", ("video", (), False, ("video", ("id",), False), True)),  # endpoints, not ids
+        ("POST", "videos/Extensions", ("video", (), False, ("video", ("id",), False), True)),
+        ("GET", "videos/edits", ("video", (), False, None, False)),
+        ("POST", "videos/characters", ("video_character", (), False, ("video_character", ("id",), False), False)),
+        ("GET", "videos/characters/char_1", ("video_character", ("char_1",), False, None, False)),
         ("POST", "messages/batches", ("message_batch", (), False, ("message_batch", ("id",), False), True)),
         ("GET", "messages/batches/msgbatch_1/results", ("message_batch", ("msgbatch_1",), False, None, False)),
         ("POST", "messages/count_tokens", (None, (), False, None, True)),
@@ -78,6 +94,32 @@ def summary(method: str, tail: str) -> tuple[object, ...] | None:
 )
 def test_access_names_the_objects_of_a_request(method, tail, expected):
     assert summary(method, tail) == expected
+
+
+def test_form_fields_spell_documents_whatever_the_notation():
+    fields = [
+        ("prompt", "a cat"),
+        ("input_reference[file_id]", "file-1"),
+        ("video[id]", "video_1"),
+        ("video.id", "video_2"),
+        ("video", '{"id": "video_3"}'),
+        ("video[id]", "video_4"),
+        ("file_ids[]", "file-2"),
+        ("metadata[file_id]", "not-an-object"),
+        ("note", "{not json"),
+    ]
+    documents = form_documents(fields)
+    assert documents[:3] == [{"prompt": "a cat"}, {"input_reference": {"file_id": "file-1"}}, {"video": {"id": "video_1"}}]
+    assert documents[-1] == {"note": "{not json"}
+    assert [(r.field, r.object_id, r.kind.name) for d in documents for r in references(d)] == [
+        ("file_id", "file-1", "file"),
+        ("file_ids", "file-2", "file"),
+    ]
+    assert [r.object_id for d in documents for r in video_sources(d)] == ["video_1", "video_2", "video_3", "video_4"]
+    assert video_sources({"video": "video_5"})[0].object_id == "video_5"
+    with pytest.raises(DuplicateMember, match="'id' twice"):
+        form_documents([("video", '{"id": "video_1", "id": "video_2"}')])
+    assert video_sources({"video": {"name": "x"}}) == video_sources([]) == []
 
 
 def test_an_id_is_percent_decoded_once_the_edge_let_it_pass():
