@@ -13,9 +13,8 @@ import datetime as dt
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
-import httpx
 from litestar import Litestar
 from litestar.logging.config import LoggingConfig
 
@@ -54,6 +53,9 @@ from tokenward.proxy.upstream import AiohttpUpstream, HttpxUpstream, UpstreamCli
 from tokenward.proxy.velocity_books import VelocityBooks
 from tokenward.reports.alerts import Notifier
 from tokenward.reports.ledger import DuckLedger
+
+if TYPE_CHECKING:
+    import httpx
 
 __all__ = ["create_app"]
 

@@ -19,10 +19,9 @@ import datetime as dt
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from zoneinfo import ZoneInfo
 
-import httpx
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from apscheduler.triggers.cron import CronTrigger
 
@@ -37,6 +36,9 @@ from tokenward.reports.budget_check import deliver, digest_alert, evaluate_and_n
 from tokenward.reports.ledger import DuckLedger
 from tokenward.reports.ledger.spend import DuckSpend, SpendSource
 from tokenward.reports.ledger.state import StateStore
+
+if TYPE_CHECKING:  # imported by the refresh job only: not in every proxy's memory
+    import httpx
 
 __all__ = [
     "KEY_RELOAD_S",
@@ -87,6 +89,8 @@ async def refresh_prices(
         One line per price change (empty when nothing changed). Failures are logged, not raised:
         the prices in use stay as they are.
     """
+    import httpx
+
     now = now or dt.datetime.now(dt.UTC)
     try:
         async with httpx.AsyncClient(transport=transport, timeout=60, follow_redirects=True) as client:
