@@ -15,6 +15,10 @@ Same set-up as ``bench/bench_floor.py`` (nginx mock and wrk on CPU 0, the gatewa
         app creation, after the ledger opens, after the tokenizer loads; tracemalloc's top files.
     profile_tokenward.py count
         what a blocking budget's worst-case count costs per KB of request body.
+    profile_tokenward.py ab --tree base=/path/to/checkout --tree new=. [--budget] [--repeat 3]
+        A/B in one run: ``tokenward serve`` from each source tree (a checkout holding proxy/,
+        pricing/, reports/; ``git archive REV proxy pricing reports | tar -x -C DIR`` makes one)
+        next to the bare relay, the loads interleaved; CPU per request, requests/s, p99 and RSS.
     profile_tokenward.py serve --config FILE --port N [--off part,part]
         (used by ``ablate``) tokenward with the named parts switched off.
 """
@@ -47,31 +51,15 @@ Decimal_one = Decimal("0.01")
 
 PARTS = {
     "metrics": "Metrics.observe does nothing (no prometheus counters per row)",
-    "ledger": "rows are built and dropped: no spool file, no DuckDB insert",
-    "recorder": "Recorder.finish only marks the exchange: no pricing, no row, no metrics, no ledger",
-    "watch": "no DisconnectWatch (no extra receive future per request)",
-    "litestar": "POST /v1/chat/completions dispatched by a raw ASGI callable ahead of Litestar",
-    "uuid": "request ids from a counter instead of uuid4().hex",
-    "gc": "not switched off, added: gc.freeze() once the app is built (start-up objects leave the GC's scans)",
+    "wal": "the write-ahead log's appends are dropped (no writer thread hand-off; rows still built and encoded)",
+    "flush": "no periodic move of the log into DuckDB (no DuckDB session per flush_interval_s)",
+    "recorder": "the recorder only marks exchanges recorded: no pricing, no row, no metrics, no log, no flush",
+    "watch": "no DisconnectWatch (no receive future per request)",
+    "litestar": "not switched off, put back: /v1 through Litestar's api route (no proxy/front.py)",
+    "gc": "not switched off, put back: the collector as Python sets it (no gc.freeze(), gen0 threshold 700)",
 }
-
-
-class _BareRequest:
-    """What Forwarder.metered reads of a Litestar Request: scope, receive, body()."""
-
-    __slots__ = ("receive", "scope")
-
-    def __init__(self, scope, receive) -> None:
-        self.scope, self.receive = scope, receive
-
-    async def body(self) -> bytes:
-        chunks = []
-        more = True
-        while more:
-            message = await self.receive()
-            chunks.append(message.get("body", b""))
-            more = message.get("more_body", False)
-        return b"".join(chunks)
+# also for `serve --off`, printed at exit (stop it with SIGINT): "gcstats" the collector's time by generation,
+# "flushstats" the moves of the log into the ledger
 
 
 
@@ -84,12 +72,28 @@ def _run_now(coroutine):
     raise RuntimeError("the coroutine waited")
 
 def _switch_off(parts: set[str]) -> None:
-    from tokenward.proxy import exchange, forward, metrics, recorder, relay
+
+    from tokenward.proxy import forward, metrics, recorder, relay, server
+    from tokenward.reports.ledger import wal
 
     if "metrics" in parts:
         metrics.Metrics.observe = lambda self, row: None
-    if "ledger" in parts:
-        recorder.Recorder._write = lambda self, rows: None
+    if "wal" in parts or "recorder" in parts:
+
+        def done(self, *args):
+            future = asyncio.get_running_loop().create_future()
+            future.set_result(None)
+            return future
+
+        wal.WriteAheadLog.admit = lambda self, request_id, row: None
+        wal.WriteAheadLog.forward = done
+        wal.WriteAheadLog.commit = done
+    if "flush" in parts or "recorder" in parts:
+
+        async def no_flush(self, *, quiet=False):
+            return 0
+
+        recorder.Recorder.flush = no_flush
     if "recorder" in parts:
 
         def finish(self, ex, estimate=None):
@@ -97,7 +101,11 @@ def _switch_off(parts: set[str]) -> None:
             if self.guard is not None:
                 self.guard.release(ex.reservation)
 
+        async def commit(self, ex, estimate=None):
+            finish(self, ex)
+
         recorder.Recorder.finish = finish
+        recorder.Recorder.commit = commit
     if "watch" in parts:
 
         class NoWatch:
@@ -123,53 +131,83 @@ def _switch_off(parts: set[str]) -> None:
         NoWatch.pending = _Never()  # type: ignore[assignment]
         relay.DisconnectWatch = NoWatch  # type: ignore[misc]
         forward.DisconnectWatch = NoWatch  # type: ignore[misc]
-    if "uuid" in parts:
-        import itertools
-
-        ids = itertools.count(1)
-        init = exchange.Exchange.__init__  # the dataclass __init__ holds the default factory in a closure cell
-        for name, cell in zip(init.__code__.co_freevars, init.__closure__ or (), strict=True):
-            if name == "__dataclass_dflt_request_id__":
-                cell.cell_contents = lambda: f"{next(ids):032x}"
+    if "litestar" in parts:
+        server.front = lambda app: app
+    if "gc" in parts:
+        server.settle_collector = lambda: None
 
 
-def _front(app, forwarder):
-    """A raw ASGI callable: POST /v1/chat/completions straight to the forwarder, the rest to Litestar."""
-    from tokenward.proxy.forward import METERED_ENDPOINTS
+def _gc_stats() -> None:
+    """At exit, print the time the collector took by generation (stderr)."""
+    import atexit
+    import gc
 
-    endpoint = METERED_ENDPOINTS["chat/completions"]
+    spent = {0: [0, 0.0], 1: [0, 0.0], 2: [0, 0.0]}
+    started = [0.0]
 
-    async def front(scope, receive, send):
-        if scope["type"] == "http" and scope["path"] == "/v1/chat/completions" and scope["method"] == "POST":
-            relay = await forwarder.metered(_BareRequest(scope, receive), endpoint)
-            await relay(scope, receive, send)
-            return
-        await app(scope, receive, send)
+    def callback(phase, info) -> None:
+        if phase == "start":
+            started[0] = time.process_time()
+        else:
+            entry = spent[info["generation"]]
+            entry[0] += 1
+            entry[1] += time.process_time() - started[0]
 
-    return front
+    gc.callbacks.append(callback)
+    atexit.register(
+        lambda: print(
+            "gc: " + ", ".join(f"gen{g} {n} collections {t * 1000:.0f} ms" for g, (n, t) in spent.items()),
+            file=sys.stderr,
+        )
+    )
+
+
+def _flush_stats() -> None:
+    """At exit, print the moves of the log into the ledger: count, rows, wall and CPU time (stderr)."""
+    import atexit
+
+    from tokenward.reports.ledger import DuckLedger
+
+    moves = []  # (rows, wall s, CPU s of the process during the move)
+    peaks = []  # rows:VmHWM MB after each move
+    real = DuckLedger.flush
+
+    def timed(self, wal=None):
+        wall, cpu = time.perf_counter(), time.process_time()
+        rows = real(self, wal)
+        if rows:
+            moves.append((rows, time.perf_counter() - wall, time.process_time() - cpu))
+            peaks.append(f"{rows}:{floor.memory_mb(os.getpid(), 'VmHWM'):.0f}")
+        return rows
+
+    DuckLedger.flush = timed
+
+    def report() -> None:
+        rows, wall, cpu = (sum(m[i] for m in moves) for i in range(3))
+        print(
+            f"ledger moves: {len(moves)}, {rows} rows, {wall * 1000:.0f} ms wall, {cpu * 1000:.0f} ms CPU of the "
+            f"process meanwhile ({cpu * 1000 / max(len(moves), 1):.1f} ms per move, {cpu * 1e6 / max(rows, 1):.1f} us "
+            "per row); rows:peak RSS MB after each: " + " ".join(peaks),
+            file=sys.stderr,
+        )
+
+    atexit.register(report)
 
 
 def serve(config_path: str, port: int, parts: set[str]) -> None:
     import logging
 
-    import uvicorn
-
     from tokenward.proxy.app import create_app
     from tokenward.proxy.config import load_config
+    from tokenward.proxy.server import run
 
     logging.basicConfig(level=logging.WARNING)
     _switch_off(parts)
-    config = load_config(config_path)
-    app = create_app(config)
-    asgi = _front(app, app.state.forwarder) if "litestar" in parts else app
-    if "gc" in parts:
-        import gc
-
-        gc.freeze()
-    uvicorn.run(
-        asgi, host="127.0.0.1", port=port, log_level="warning", access_log=False, server_header=False,
-        date_header=False, lifespan="on",
-    )  # fmt: skip
+    if "gcstats" in parts:
+        _gc_stats()
+    if "flushstats" in parts:
+        _flush_stats()
+    run(create_app(load_config(config_path)), "127.0.0.1", port, log_level="warning")
 
 
 # ---------------------------------------------------------------- common set-up
@@ -206,6 +244,23 @@ class Bench:
             lambda kind: floor.HEADERS | {"x-tokenward-upstream": kind}, proc.pid,
         )  # fmt: skip
 
+    def tree(self, port: int, name: str, source: Path, budget: bool = False) -> floor.Gateway:
+        """``tokenward serve`` with the packages of the source tree ``source`` (put ahead of the installed ones)."""
+        shim = self.tmp / f"shim-{port}" / "tokenward"
+        shim.mkdir(parents=True)
+        for package in ("proxy", "pricing", "reports"):
+            (shim / package).symlink_to(source.resolve() / package)
+        config = floor.tokenward_config(self.tmp, f"tw-{port}", budget)
+        argv = [sys.executable, "-m", "tokenward.proxy", "serve", "--config", str(config), "--port", str(port)]
+        env = os.environ | {"PYTHONPATH": str(shim.parent)}
+        proc = self.procs.start(floor.pinned(1, [*argv, "--log-level", "warning"]), port, env=env)
+        base = f"http://127.0.0.1:{port}"
+        gateway = floor.Gateway(
+            name, lambda kind: f"{base}/v1/chat/completions",
+            lambda kind: floor.HEADERS | {"x-tokenward-upstream": kind}, proc.pid,
+        )  # fmt: skip
+        return gateway
+
     def gateway(self, name: str) -> floor.Gateway:
         if name == "tokenward":
             return self.tokenward(floor.TW_PORT)
@@ -230,7 +285,8 @@ class Bench:
 
 GROUPS = [  # (group, pattern on "function (file:line)"), first match wins; matched on the leaf frame for self time
     ("tokenizer/tiktoken", r"tiktoken|proxy/tokenizer\.py|count_input|_count_for_bound|bounds\.py"),
-    ("ledger writer thread (spool + DuckDB)", r"reports/ledger\.py|duckdb|Recorder\._write|Recorder\._ingest"),
+    ("ledger moves (DuckDB sessions)", r"reports/ledger/(__init__|duck|migrations)\.py|duckdb"),
+    ("write-ahead log (appends, writer thread)", r"reports/ledger/wal\.py"),
     ("prometheus metrics", r"prometheus_client|proxy/metrics\.py"),
     ("pricing (quote, cost)", r"pricing/(quote|cost|catalog|rates|usage)\.py"),
     ("row building + recorder queue", r"proxy/recorder\.py"),
@@ -279,10 +335,12 @@ def summarise(raw: Path, cpu_ms: float, top: int) -> str:
     for frames, n in stacks:
         python = [f for f in frames if re.search(r"\.py:\d+\)$|<string>|<frozen", f)]
         leaf = python[-1] if python else frames[-1]
-        if frames[0].startswith("Thread._bootstrap") and group_of(leaf) not in ("tokenizer/tiktoken",):
-            leaf_group = "ledger writer thread (spool + DuckDB)" if "Recorder._write" in ";".join(frames) else None
-        else:
-            leaf_group = None
+        stack = ";".join(frames)
+        leaf_group = None
+        if "DuckLedger.flush" in stack:
+            leaf_group = "ledger moves (DuckDB sessions)"
+        elif "threading.py" in leaf and "reports/ledger/wal.py" in stack:  # the hand-offs: notify, wait, locks
+            leaf_group = "write-ahead log (appends, writer thread)"
         by_group[leaf_group or group_of(leaf)] += n
         for group in {group_of(f) for f in frames[1:]}:
             group_cum[group] += n
@@ -347,9 +405,8 @@ def _strip_threads(raw: Path) -> Path:
 
 
 def ablate(args: argparse.Namespace) -> None:
-    variants = [("full", set())] + [(f"-{p}", {p}) for p in ("litestar", "watch", "uuid", "metrics", "ledger")]
-    variants += [("+gc.freeze", {"gc"})]
-    variants += [("-recorder", {"recorder"}), ("-litestar -watch -recorder", {"litestar", "watch", "recorder"})]
+    variants = [("full", set())] + [(f"-{p}", {p}) for p in ("watch", "metrics", "wal", "flush", "recorder")]
+    variants += [("+litestar", {"litestar"}), ("+gc defaults", {"gc"})]
     results: dict[str, dict[str, list[float]]] = {name: {"c64": [], "c64_stream": []} for name, _ in variants}
     with Bench() as bench:
         relay = bench.gateway("relay")
@@ -381,6 +438,43 @@ def ablate(args: argparse.Namespace) -> None:
     print("\nparts switched off:")
     for part, what in PARTS.items():
         print(f"  -{part}: {what}")
+
+
+# ---------------------------------------------------------------- A/B of source trees
+
+
+def ab(args: argparse.Namespace) -> None:
+    """CPU per request (and requests/s, p99, RSS) of tokenward from several source trees, in one run."""
+    trees = [(spec.split("=", 1)[0], Path(spec.split("=", 1)[1])) for spec in args.tree]
+    scenarios = args.scenarios.split(",")
+    with Bench() as bench:
+        gateways = [("relay", bench.gateway("relay"))]
+        gateways += [(name, bench.tree(9600 + i, name, path, args.budget)) for i, (name, path) in enumerate(trees)]
+        time.sleep(1.0)
+        idle = {name: floor.memory_mb(g.pid, "VmRSS") for name, g in gateways}
+        for _, gateway in gateways:
+            bench.warm(gateway)
+        results: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
+        for repeat in range(args.repeat):
+            for scenario in scenarios:
+                order = gateways[repeat % len(gateways) :] + gateways[: repeat % len(gateways)]
+                for name, gateway in order:  # a different gateway first in each repeat
+                    load, cpu_ms = bench.load(gateway, scenario, args.seconds)
+                    results.setdefault((name, scenario), []).append((cpu_ms, load.rps, load.p99_ms))
+        peak = {name: floor.memory_mb(g.pid, "VmHWM") for name, g in gateways}
+    print(f"median of {args.repeat} [min..max]; /relay = median of the per-repeat ratios to the relay\n")
+    for scenario in scenarios:
+        print(f"{scenario}: {'CPU ms/request':>28} {'/relay':>7} {'requests/s':>20} {'p99 ms':>22}")
+        floor_cpu = [cpu for cpu, _, _ in results[("relay", scenario)]]
+        for name, _ in gateways:
+            samples = results[(name, scenario)]
+            cpu, rps, p99 = ([s[i] for s in samples] for i in range(3))
+            ratios = statistics.median(c / f for c, f in zip(cpu, floor_cpu, strict=True))
+            print(
+                f"  {name:<12} {floor.spread(cpu, '.3f'):>24} {ratios:6.2f}x {floor.spread(rps, ',.0f'):>20} "
+                f"{floor.spread(p99, '.1f'):>22}"
+            )
+    print("\nRSS (MB): " + ", ".join(f"{name} idle {idle[name]:.0f} peak {peak[name]:.0f}" for name, _ in gateways))
 
 
 # ---------------------------------------------------------------- memory
@@ -523,7 +617,8 @@ def micro(args: argparse.Namespace) -> None:
     from tokenward.proxy.exchange import Exchange, Outcome
     from tokenward.proxy.metering import Meter
     from tokenward.proxy.recorder import build_rows
-    from tokenward.reports.ledger import Spool
+    from tokenward.reports.ledger import encode_row, open_ledger
+    from tokenward.reports.ledger.duck import insert_lines
 
     tmp = Path(tempfile.mkdtemp(prefix="tokenward-micro-"))
     try:
@@ -604,10 +699,7 @@ def micro(args: argparse.Namespace) -> None:
         )
         step("build_rows(ex) (quote + row dict)", lambda: build_rows(ex, rec.catalog))
         step("Metrics.observe(row) (prometheus counters)", lambda: rec.metrics.observe(rows[0]))
-        spool = Spool(tmp / "s.duckdb")
-        from tokenward.reports import ledger as ledger_module
-
-        step("Spool row encoding (msgspec NDJSON), per row", lambda: ledger_module._encoder.encode_lines(rows), 500)
+        step("row encoding for the write-ahead log (msgspec JSON line)", lambda: encode_row(rows[0]))
 
         def meter_stream() -> None:
             m = Meter("openai", None)
@@ -673,13 +765,18 @@ def micro(args: argparse.Namespace) -> None:
         import uvloop
 
         uvloop.run(in_loop())
-        for n in (1, 100, 1000):
-            spool.write(rows * n)
+        path = tmp / "micro.duckdb"
+        open_ledger(path).close()
+        for n in (1, 100, 1000, 5000):  # what DuckLedger.flush does with one closed segment of n rows
+            segment = tmp / f"segment-{n}.rows.jsonl"
+            segment.write_bytes(b"".join(encode_row(dict(rows[0], request_id=f"r{n}-{i}")) for i in range(n)))
             t0 = time.process_time()
-            spool.ingest()
+            conn = open_ledger(path)
+            insert_lines(conn, [segment], dedupe=False, quarantine=tmp / "q.jsonl", scratch=tmp)
+            conn.close()
             steps.append(
                 (
-                    f"ledger flush: Spool.ingest of {n} rows (open DuckDB, migrate check, insert), per flush",
+                    f"ledger move of {n} rows (DuckDB connect, migration check, insert, close), per move",
                     (time.process_time() - t0) * 1e6,
                 )
             )
@@ -748,6 +845,12 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=2)
     sub.add_parser("memory")
     sub.add_parser("count")
+    p = sub.add_parser("ab")
+    p.add_argument("--tree", action="append", required=True, help="NAME=DIR (a checkout with proxy/ pricing/ reports/)")
+    p.add_argument("--scenarios", default="c64,c64_stream", help="of bench_floor.SCENARIOS (default c64,c64_stream)")
+    p.add_argument("--budget", action="store_true", help="with one blocking budget over all traffic")
+    p.add_argument("--seconds", type=float, default=5)
+    p.add_argument("--repeat", type=int, default=3)
     sub.add_parser("micro")
     p = sub.add_parser("serve")
     p.add_argument("--config", required=True)
@@ -757,7 +860,7 @@ def main() -> None:
     if args.command == "serve":
         serve(args.config, args.port, {p for p in args.off.split(",") if p})
         return
-    {"pyspy": pyspy, "ablate": ablate, "memory": memory, "count": count, "micro": micro}[args.command](args)
+    {"pyspy": pyspy, "ablate": ablate, "ab": ab, "memory": memory, "count": count, "micro": micro}[args.command](args)
 
 
 if __name__ == "__main__":

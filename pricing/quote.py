@@ -262,12 +262,10 @@ def worst_case(
     ]
     if audio_output:
         outputs.append({"output_tokens": max_out, "audio_output_tokens": max_out})
-    return max(
-        price(Usage(**i, **o, **units), resolution, at=at, service_tier=tier).total
-        for i in inputs
-        for o in outputs
-        for tier in _servable_tiers(entry.service_tiers, service_tier, speed)
-    )
+    # the same counts priced once: a text-only request makes 6 distinct usages of these 8
+    usages = dict.fromkeys(Usage(**i, **o, **units) for i in inputs for o in outputs)
+    tiers = _servable_tiers(entry.service_tiers, service_tier, speed)
+    return max(price(usage, resolution, at=at, service_tier=tier).total for usage in usages for tier in tiers)
 
 
 def _servable_tiers(

@@ -17,9 +17,8 @@ import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
-import httpx
 from litestar import Litestar
 from litestar.logging.config import LoggingConfig
 
@@ -65,6 +64,9 @@ from tokenward.reports.ledger.books import PgBooks
 from tokenward.reports.ledger.pg_spend import PgSpend
 from tokenward.reports.ledger.postgres import PgLedger
 from tokenward.reports.ledger.spend import SpendSource
+
+if TYPE_CHECKING:
+    import httpx
 
 __all__ = ["create_app"]
 

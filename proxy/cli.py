@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import logging
 from pathlib import Path
 
@@ -11,11 +12,7 @@ from tokenward.pricing.catalog import CatalogError
 from tokenward.proxy.access_log import ACCESS_LOGGER
 from tokenward.proxy.config import Config, ConfigError, config_from_args, load_config
 from tokenward.proxy.preflight import check_environment
-from tokenward.reports.budgets_cli import alerts, budgets, keys
-from tokenward.reports.cli import export, ledger, report
 from tokenward.reports.ledger import DuckLedger, LedgerError
-from tokenward.reports.pricing_cli import pricing
-from tokenward.reports.top_cli import top
 
 __all__ = ["LOG_LEVELS", "main"]
 
@@ -25,7 +22,37 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 _PORT = click.IntRange(1, 65535)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+_LAZY = {
+    "report": "tokenward.reports.cli:report",
+    "export": "tokenward.reports.cli:export",
+    "ledger": "tokenward.reports.cli:ledger",
+    "pricing": "tokenward.reports.pricing_cli:pricing",
+    "budgets": "tokenward.reports.budgets_cli:budgets",
+    "alerts": "tokenward.reports.budgets_cli:alerts",
+    "keys": "tokenward.reports.budgets_cli:keys",
+    "top": "tokenward.reports.top_cli:top",
+}
+"""Commands of the reports layer, imported only when run (or listed in ``--help``)."""
+
+
+class _LazyGroup(click.Group):
+    """A group whose :data:`_LAZY` commands are imported when first looked up.
+
+    ``tokenward serve`` then does not import the report commands and what they bring (rich,
+    pygments, httpx for ``top``, the report queries): some 10 MB of a proxy's resident memory.
+    """
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *_LAZY})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name in _LAZY and cmd_name not in self.commands:
+            module, _, name = _LAZY[cmd_name].partition(":")
+            self.add_command(getattr(importlib.import_module(module), name), cmd_name)
+        return super().get_command(ctx, cmd_name)
+
+
+@click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="tokenward")
 def main() -> None:
     """tokenward: meter, price and cap what your LLM traffic costs."""
@@ -208,12 +235,3 @@ def config_reference(output: str | None) -> None:
     except OSError as exc:
         raise click.ClickException(f"cannot write {output}: {exc}") from exc
 
-
-main.add_command(report)
-main.add_command(export)
-main.add_command(ledger)
-main.add_command(pricing)
-main.add_command(budgets)
-main.add_command(alerts)
-main.add_command(keys)
-main.add_command(top)

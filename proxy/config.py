@@ -90,13 +90,13 @@ class LedgerConfig(_Section):
 
     Every row is first made durable in the write-ahead log (``spool_dir``: ``<path>.spool/``
     beside a DuckDB file; ``tokenward.spool/`` beside the config for Postgres), before the client
-    sees its reply end; every ``flush_interval_s`` seconds (> 0) the log is moved into the ledger.
-    ``fsync``: also ``fsync`` the log at each write (survives power loss, not only a crash of the
-    process; costs latency on every request). ``url``: a ``postgresql://`` URL puts the ledger,
-    the state store and the budget books in Postgres, shared by every replica (the
-    ``TOKENWARD_LEDGER_URL`` environment variable overrides it); ``path`` is then unused.
-    ``lease_s``: Postgres only: a replica that stops renewing its lease for this long (killed,
-    cut off) loses its budget reservations.
+    sees its reply end; every ``flush_interval_s`` seconds (> 0) the log is moved into the ledger
+    (up to 5 s apart under load, when each move is costly). ``fsync``: also ``fsync`` the log at
+    each write (survives power loss, not only a crash of the process; costs latency on every
+    request). ``url``: a ``postgresql://`` URL puts the ledger, the state store and the budget
+    books in Postgres, shared by every replica (the ``TOKENWARD_LEDGER_URL`` environment variable
+    overrides it); ``path`` is then unused. ``lease_s``: Postgres only: a replica that stops
+    renewing its lease for this long (killed, cut off) loses its budget reservations.
     """
 
     path: str = "tokenward.duckdb"

@@ -8,8 +8,9 @@ turns it into exactly one ledger row. Everything here is plain data (no I/O).
 from __future__ import annotations
 
 import enum
+import itertools
+import os
 import time
-import uuid
 from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
@@ -17,6 +18,13 @@ from typing import Any
 from tokenward.pricing.usage import Usage
 
 __all__ = ["Exchange", "Outcome"]
+
+# Request ids: 32 hex digits as uuid4().hex gave, a random prefix per process and a counter. Not
+# uuid4 nor os.urandom per request: the getrandom() call releases the GIL, so each request handed
+# the GIL to whichever thread waited for it (the write-ahead log's writer) and waited to get it
+# back (bench/PROFILE.md). 64 random bits per process keep ids of replicas and restarts apart.
+_ID_PREFIX = os.urandom(8).hex()
+_ID_COUNTER = itertools.count()
 
 
 class Outcome(enum.StrEnum):
@@ -68,7 +76,7 @@ class Exchange:
     endpoint: str
     method: str
     path: str
-    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    request_id: str = field(default_factory=lambda: f"{_ID_PREFIX}{next(_ID_COUNTER):016x}")
     client_request_id: str | None = None
     started_at: float = field(default_factory=time.time)
     started_perf: float = field(default_factory=time.perf_counter)

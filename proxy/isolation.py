@@ -572,6 +572,10 @@ class _Replayed:
             async for chunk in self._rest:
                 yield chunk
 
+    async def read(self) -> bytes:
+        """The whole body: the chunks read, then the rest (raises :class:`UpstreamError` where it did)."""
+        return b"".join([chunk async for chunk in self.chunks()])
+
     async def aclose(self) -> None:
         """Release the upstream reply."""
         await self._reply.aclose()

@@ -188,7 +188,7 @@ class Meter:
         if isinstance(block, Fragment):
             return
         self.events += 1
-        if not self.terminal and _TERMINAL.search(block) is not None:
+        if not self.terminal and _may_end(block) and _TERMINAL.search(block) is not None:
             self.terminal = True
         if not self._complete:
             self._complete = _is_terminal(block)
@@ -268,6 +268,11 @@ def _member(block: bytes, name: bytes, opening: bytes) -> bool:
             return True
         at = block.find(name, at + len(name))
     return False
+
+
+def _may_end(block: bytes) -> bool:
+    """Whether ``block`` holds a word every :data:`_TERMINAL` match needs (plain searches, before the regex)."""
+    return b"[DONE]" in block or b"message_stop" in block or b"response." in block
 
 
 def _is_interesting(block: bytes) -> bool:

@@ -274,13 +274,12 @@ class Relay:
     async def _relay_body(self, send: Send, headers: list[tuple[bytes, bytes]], listener: DisconnectWatch) -> None:
         assert self.reply is not None and self.meter is not None
         try:
-            body = b"".join([chunk async for chunk in self.reply.chunks()])
+            body = await self.reply.read()
         except UpstreamError as exc:
             await self._fail_before_start(send, exc)
             return
         self.got_reply = True
         self.meter.feed_body(body)
-        await asyncio.sleep(0)  # let the listener see a disconnect that already happened
         if listener.gone():
             self.ex.end(Outcome.CLIENT_DISCONNECTED, error="client disconnected before the reply")
             return

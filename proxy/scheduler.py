@@ -24,10 +24,9 @@ import logging
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from zoneinfo import ZoneInfo
 
-import httpx
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from apscheduler.triggers.cron import CronTrigger
 
@@ -43,6 +42,9 @@ from tokenward.reports.ledger import Ledger, LedgerError
 from tokenward.reports.ledger.books import reconcile
 from tokenward.reports.ledger.spend import SpendSource
 from tokenward.reports.ledger.state import StateStore
+
+if TYPE_CHECKING:  # imported by the refresh job only: not in every proxy's memory
+    import httpx
 
 __all__ = [
     "KEY_RELOAD_S",
@@ -128,6 +130,8 @@ async def refresh_prices(
         One line per price change (empty when nothing changed). Failures are logged, not raised:
         the prices in use stay as they are.
     """
+    import httpx
+
     now = now or dt.datetime.now(dt.UTC)
     try:
         async with httpx.AsyncClient(transport=transport, timeout=60, follow_redirects=True) as client:

@@ -65,6 +65,16 @@ class SSEDecoder:
         if not chunk:
             return []
         buffer = self._buffer
+        if (
+            not buffer
+            and not self._crlf
+            and not self._skipping
+            and chunk[-2:] == b"\n\n"
+            and chunk.find(b"\n\n") == len(chunk) - 2
+            and (self.max_event_bytes is None or len(chunk) <= self.max_event_bytes)
+            and b"\r" not in chunk
+        ):
+            return [bytes(chunk)]  # the usual read: exactly one whole event, returned without a copy
         searched = max(len(buffer) - _LOOKBEHIND, 0)
         buffer += chunk
         if not self._crlf and b"\r" in chunk:

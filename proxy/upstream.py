@@ -24,14 +24,17 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import sys
 from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import aiohttp
-import httpx
 from multidict import CIMultiDict
 from yarl import URL
+
+if TYPE_CHECKING:  # httpx (with the rich and pygments its CLI imports) loads with HttpxUpstream only
+    import httpx
 
 __all__ = [
     "AiohttpUpstream",
@@ -97,6 +100,10 @@ class UpstreamReply(Protocol):
         """Raw body bytes as they arrive (no content decoding). Raises :class:`UpstreamError`."""
         ...
 
+    async def read(self) -> bytes:
+        """The whole raw body (no content decoding), for a reply relayed whole. Raises :class:`UpstreamError`."""
+        ...
+
     async def aclose(self) -> None:
         """Release the connection (closing it if the body was not read to the end)."""
         ...
@@ -125,16 +132,45 @@ class UpstreamClient(Protocol):
 def classify(exc: BaseException) -> Failure:
     """Classify an exception raised by aiohttp or httpx while talking to an upstream."""
     detail = str(exc) or type(exc).__name__
-    if isinstance(exc, aiohttp.ClientConnectorError | httpx.ConnectError):
+    httpx = sys.modules.get("httpx")  # an httpx error means httpx was imported: no import here
+    if isinstance(exc, aiohttp.ClientConnectorError) or (httpx is not None and isinstance(exc, httpx.ConnectError)):
         return Failure(FailureKind.UNREACHABLE, False, f"cannot connect to upstream: {detail}")
-    if isinstance(exc, aiohttp.ConnectionTimeoutError | httpx.ConnectTimeout | httpx.PoolTimeout):
+    if isinstance(exc, aiohttp.ConnectionTimeoutError) or (
+        httpx is not None and isinstance(exc, httpx.ConnectTimeout | httpx.PoolTimeout)
+    ):
         return Failure(FailureKind.TIMEOUT, False, f"upstream connection timed out: {detail}")
-    if isinstance(exc, asyncio.TimeoutError | httpx.TimeoutException):
+    if isinstance(exc, asyncio.TimeoutError) or (httpx is not None and isinstance(exc, httpx.TimeoutException)):
         return Failure(FailureKind.TIMEOUT, True, f"upstream timed out: {detail}")
     return Failure(FailureKind.DISCONNECTED, True, f"upstream connection failed: {detail}")
 
 
-_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, httpx.TransportError, OSError)
+_ERRORS: tuple[type[BaseException], ...] = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
+"""What the aiohttp client raises; :class:`HttpxUpstream` adds ``httpx.TransportError`` for its own."""
+
+
+class _Chunks:
+    """Iterates an aiohttp body as it arrives, one ``readany()`` per chunk.
+
+    A class, not an async generator over ``iter_any()``: a stream of SSE events crosses this once
+    per event, and the generator and aiohttp's own iterator were two more frames each time.
+    """
+
+    __slots__ = ("_content",)
+
+    def __init__(self, content: aiohttp.StreamReader) -> None:
+        self._content = content
+
+    def __aiter__(self) -> _Chunks:
+        return self
+
+    async def __anext__(self) -> bytes:
+        try:
+            chunk = await self._content.readany()
+        except _ERRORS as exc:
+            raise UpstreamError(classify(exc)) from exc
+        if not chunk:
+            raise StopAsyncIteration
+        return chunk
 
 
 class _AiohttpReply:
@@ -145,10 +181,12 @@ class _AiohttpReply:
         self.status = response.status
         self.headers = [(name.lower(), value) for name, value in response.raw_headers]
 
-    async def chunks(self) -> AsyncIterator[bytes]:
+    def chunks(self) -> AsyncIterator[bytes]:
+        return _Chunks(self._response.content)
+
+    async def read(self) -> bytes:
         try:
-            async for chunk in self._response.content.iter_any():
-                yield chunk
+            return await self._response.content.read()  # no generator per chunk: one await for a small body
         except _ERRORS as exc:
             raise UpstreamError(classify(exc)) from exc
 
@@ -210,6 +248,13 @@ class AiohttpUpstream:
             await self._session.close()
 
 
+def _httpx_errors() -> tuple[type[BaseException], ...]:
+    """:data:`_ERRORS` and httpx's own (evaluated only when something was raised)."""
+    import httpx
+
+    return (*_ERRORS, httpx.TransportError)
+
+
 class _HttpxReply:
     __slots__ = ("_response", "headers", "status")
 
@@ -222,8 +267,11 @@ class _HttpxReply:
         try:
             async for chunk in self._response.aiter_raw():
                 yield chunk
-        except _ERRORS as exc:
+        except _httpx_errors() as exc:
             raise UpstreamError(classify(exc)) from exc
+
+    async def read(self) -> bytes:
+        return b"".join([chunk async for chunk in self.chunks()])
 
     async def aclose(self) -> None:
         await self._response.aclose()
@@ -237,6 +285,8 @@ class HttpxUpstream:
     """
 
     def __init__(self, transport: httpx.AsyncBaseTransport | None = None) -> None:
+        import httpx
+
         self._client = httpx.AsyncClient(transport=transport, follow_redirects=False, trust_env=False)
         for name in ("accept", "accept-encoding", "user-agent", "connection"):
             del self._client.headers[name]
@@ -245,6 +295,8 @@ class HttpxUpstream:
         self, method: str, url: URL, headers: list[tuple[bytes, bytes]], body: Body, timeouts: Timeouts
     ) -> UpstreamReply:
         """See :meth:`UpstreamClient.send` (the httpx URL is built from components, not parsed from text)."""
+        import httpx
+
         timeout = httpx.Timeout(timeouts.read, connect=timeouts.connect)
         target = httpx.URL(
             scheme=url.scheme, host=url.raw_host or "", port=url.explicit_port, raw_path=url.raw_path_qs.encode("ascii")
@@ -252,7 +304,7 @@ class HttpxUpstream:
         request = self._client.build_request(method, target, headers=headers, content=body, timeout=timeout)
         try:
             response = await self._client.send(request, stream=True)
-        except _ERRORS as exc:
+        except _httpx_errors() as exc:
             raise UpstreamError(classify(exc)) from exc
         return _HttpxReply(response)
 

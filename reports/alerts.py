@@ -30,14 +30,15 @@ import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from email.message import EmailMessage
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-import aiosmtplib
-import httpx
 import msgspec
 
 from tokenward.reports.sanitize import printable
+
+if TYPE_CHECKING:  # aiosmtplib and httpx are imported when an alert is sent: not in every proxy's memory
+    import httpx
 
 __all__ = [
     "Alert",
@@ -251,6 +252,8 @@ class Notifier:
         password = os.environ.get(smtp.password_env) if smtp.password_env else None
         # Serialised here rather than by aiosmtplib: the stdlib folds a long subject starting
         # with "[" right after "Subject:", which some parsers read back with a leading space.
+        import aiosmtplib
+
         await aiosmtplib.send(
             message.as_bytes(policy=_SMTP_POLICY),
             sender=smtp.sender,
@@ -271,6 +274,8 @@ class Notifier:
         key = delivery_id(alert, hook.name)
         text = f"*{_slack(printable(alert.subject))}*\n{_slack(alert.text)}"
         body = {"text": text, "tokenward": {**alert.payload, "idempotency_key": key}}
+        import httpx
+
         async with httpx.AsyncClient(transport=self._transport, timeout=30) as client:
             response = await client.post(url, json=body, headers={"Idempotency-Key": key})
             response.raise_for_status()

@@ -227,7 +227,9 @@ def test_no_access_log_keeps_warnings(tmp_path, simulator):
 
 def all_commands(group: click.Group, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
     found = []
-    for name, command in sorted(group.commands.items()):
+    context = click.Context(group)
+    for name in group.list_commands(context):  # click's own listing: the report commands load lazily
+        command = group.get_command(context, name)
         found.append((*prefix, name))
         if isinstance(command, click.Group):
             found += all_commands(command, (*prefix, name))

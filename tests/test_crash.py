@@ -60,6 +60,10 @@ def test_sigkill_under_load_loses_no_completed_request_and_doubles_none(tmp_path
             COST,
         )
     interrupted = [r for r in rows if r["outcome"] == "interrupted"]
+    print(
+        f"\n3 kills: {len(load.completed)} completed, {len(upstream.received)} reached the upstream, "
+        f"{len(rows)} rows ({len(interrupted)} interrupted), 0 missing, 0 doubled"
+    )
     assert interrupted, "a kill under this load always finds requests in flight"
     for row in interrupted:
         assert row["client_request_id"] not in load.completed

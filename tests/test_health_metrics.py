@@ -53,7 +53,10 @@ def test_healthz_reports_the_ledger_and_answers_503_while_it_cannot_be_written(s
     proxy.ledger.mkdir()  # a directory where the file was: every write fails
     try:
         httpx.post(f"{proxy.url}/v1/chat/completions", json=CHAT_BODY, headers={RECORD_HEADER: CHAT})
-        failing = wait_until(lambda: (r := httpx.get(f"{proxy.url}/healthz")).status_code == 503 and r)
+        # 503 at once (stale), its reason once the next move is tried (up to 5 s after a costly one)
+        failing = wait_until(
+            lambda: (r := httpx.get(f"{proxy.url}/healthz")).status_code == 503 and r.json()["problem"] and r
+        )
         assert failing, "healthz did not turn 503"
         body = failing.json()
         assert (body["status"], body["writable"], body["problem"]) == ("unavailable", False, "ledger_error")

@@ -455,10 +455,14 @@ def test_a_create_reply_is_relayed_byte_for_byte_and_its_id_recorded_first(tmp_p
     broken = UpstreamError(Failure(FailureKind.DISCONNECTED, True, "reset"))
     with pytest.raises(UpstreamError):  # the client sees the break where the upstream broke off
         through(plan, ex, FakeReply([b'{"id": "file-2"'], error=broken))
+    whole = [b'{"id": "file-4", ', b'"object": "file"}']  # a reply relayed whole is read in one call
+    assert asyncio.run(asyncio.run(plan.reply(ex, FakeReply(whole), None)).read()) == b"".join(whole)  # type: ignore[union-attr]
+    with pytest.raises(UpstreamError):
+        asyncio.run(asyncio.run(plan.reply(ex, FakeReply([b'{"id": "file-5"'], error=broken), None)).read())  # type: ignore[union-attr]
     monkeypatch.setattr(module, "CAPTURE_MAX_BYTES", 8)
     long = [b'{"id": "file-3", ', b'"object": "file", ', b'"purpose": "batch"}']
     assert through(plan, ex, FakeReply(long)) == b"".join(long)
-    assert state.owners(["file-2", "file-3"]) == {}  # a broken or too long reply: no owner, admins only
+    assert state.owners(["file-2", "file-3", "file-5"]) == {}  # a broken or too long reply: no owner, admins only
     state.close()
 
 

@@ -123,6 +123,34 @@ async def test_recorder_records_once_and_flushes_on_stop(tmp_path, catalog):
     assert rows == [(ex.request_id, 1, "reported"), (late.request_id, 4, "estimated")]
 
 
+async def test_a_full_batch_is_moved_into_the_ledger_before_the_interval(tmp_path, catalog, monkeypatch):
+    from tokenward.proxy import recorder as recorder_module
+
+    monkeypatch.setattr(recorder_module, "FLUSH_ROWS", 3)
+    path = tmp_path / "l.duckdb"
+    recorder = Recorder(catalog, str(path), flush_interval_s=3600)
+    await recorder.start()
+    exchanges = [make_exchange(requested_model="gpt-4o", usage=Usage(input_tokens=n, output_tokens=1)) for n in (1, 2)]
+    for ex in exchanges:
+        await recorder.commit(ex)
+    await asyncio.sleep(0.3)
+    conn = open_ledger(path, read_only=True)
+    assert conn.execute("SELECT count(*) FROM requests").fetchone() == (0,)  # two rows wait in the log
+    conn.close()
+    started_flush = recorder.last_flush
+    third = make_exchange(requested_model="gpt-4o", usage=Usage(input_tokens=3, output_tokens=1))
+    await recorder.commit(third)  # the third row waiting: moved now, not in an hour
+    for _ in range(100):
+        if recorder.last_flush != started_flush:
+            break
+        await asyncio.sleep(0.05)
+    conn = open_ledger(path, read_only=True)
+    rows = conn.execute("SELECT input_tokens FROM requests ORDER BY input_tokens").fetchall()
+    conn.close()
+    assert rows == [(1,), (2,), (3,)]
+    await recorder.stop()
+
+
 async def test_a_full_disk_delays_rows_but_loses_none(tmp_path, catalog, caplog, monkeypatch):
     import errno
 
