@@ -60,13 +60,12 @@ from tokenward.proxy.upstream import AiohttpUpstream, HttpxUpstream, UpstreamCli
 from tokenward.proxy.velocity_books import VelocityBooks
 from tokenward.reports.alerts import Notifier
 from tokenward.reports.ledger import DuckLedger
-from tokenward.reports.ledger.books import PgBooks
-from tokenward.reports.ledger.pg_spend import PgSpend
-from tokenward.reports.ledger.postgres import PgLedger
 from tokenward.reports.ledger.spend import SpendSource
 
 if TYPE_CHECKING:
     import httpx
+
+    from tokenward.reports.ledger.pg_books import PgBooks
 
 __all__ = ["create_app"]
 
@@ -107,11 +106,13 @@ def create_app(
     runs_on = runs_allowed(config)
     scheduler = create_scheduler()
     ledger = config.open_ledger()
-    books = None  # shared budget books (Postgres); None: in this process's memory
+    books: PgBooks | None = None  # shared budget books (Postgres); None: in this process's memory
     blocking = any(b.blocking for b in [*budgets, *templates])
-    if isinstance(ledger, PgLedger) and (blocking or runs_on):
+    if ledger.shared and (blocking or runs_on):
+        from tokenward.reports.ledger.pg_books import PgBooks  # the Postgres driver, only for Postgres
+
         replica = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
-        books = PgBooks(ledger.url, replica, config.ledger.lease_s)
+        books = PgBooks(ledger.url, replica, config.ledger.lease_s)  # type: ignore[attr-defined]
     guard = dynamic = velocity = None
     if budgets or templates or runs_on:
         delay = config.ledger.flush_interval_s + 0.5  # after the row that crossed is in the ledger
@@ -162,8 +163,10 @@ def create_app(
             )
 
     def spend() -> SpendSource:
-        if isinstance(ledger, PgLedger):  # every replica's spend: the shared ledger, not these books
-            return PgSpend(ledger.pool)
+        if ledger.shared:  # every replica's spend: the shared ledger, not these books
+            from tokenward.reports.ledger.pg_spend import PgSpend
+
+            return PgSpend(ledger.pool)  # type: ignore[attr-defined]
         return BooksSpend(guard, dt.datetime.now(dt.UTC), recorder.unpriced_seen)
 
     sender = recorder.metrics.counting(notifier or Notifier(config.alerts))  # failed deliveries feed /metrics

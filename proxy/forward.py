@@ -59,7 +59,7 @@ from tokenward.proxy.routing import Route, Router
 from tokenward.proxy.run_budgets import DynamicBudgets
 from tokenward.proxy.splice import find_member, set_member
 from tokenward.proxy.upstream import UpstreamClient, UpstreamError, UpstreamReply
-from tokenward.reports.ledger.books import BooksUnavailable, PgBooks
+from tokenward.reports.ledger.books import BooksUnavailable
 
 __all__ = ["METERED_ENDPOINTS", "Endpoint", "Forwarder"]
 
@@ -380,9 +380,10 @@ class Forwarder:
                     raise RunRefused(403, "Run budgets are off on this proxy: drop X-Tokenward-Run.", "run_not_allowed")
                 return
             store = self.guard.store if self.guard is not None else None
-            if header is not None and isinstance(store, PgBooks) and self.dynamic.unknown(ex.key_id, header.id):
+            run_started = getattr(store, "run_started", None)  # shared books (PgBooks) only
+            if header is not None and run_started is not None and self.dynamic.unknown(ex.key_id, header.id):
                 try:  # replicas share a run's age: its ttl counts from its first request on any of them
-                    first = await store.run_started(run_budget_name(ex.key_id, header.id), now)
+                    first = await run_started(run_budget_name(ex.key_id, header.id), now)
                 except BooksUnavailable as exc:
                     raise _books_unavailable() from exc
                 self.dynamic.started_elsewhere(ex.key_id, header.id, first)

@@ -39,7 +39,6 @@ from tokenward.proxy.keys import Authenticator
 from tokenward.reports.alerts import Alert, AlertSettings, Notifier
 from tokenward.reports.budget_check import deliver, digest_alert, evaluate_and_notify, record_deliveries
 from tokenward.reports.ledger import Ledger, LedgerError
-from tokenward.reports.ledger.books import reconcile
 from tokenward.reports.ledger.spend import SpendSource
 from tokenward.reports.ledger.state import StateStore
 
@@ -91,6 +90,8 @@ async def on_one_replica(ledger: Ledger, name: str, job: Callable[..., Any], *ar
 
 async def reconcile_books(ledger: Ledger, windows: Callable[[], list[Any]]) -> int:
     """Reconcile the shared books of blocking budgets from the ledger (the scheduled job); books done."""
+    from tokenward.reports.ledger.pg_books import reconcile  # the Postgres driver, only for Postgres
+
     try:
         return await asyncio.to_thread(reconcile, ledger.pool, windows())  # type: ignore[attr-defined]
     except LedgerError as exc:

@@ -24,7 +24,6 @@ from typing import IO, Any
 from tokenward.proxy.config import Config
 from tokenward.proxy.guard import BudgetGuard
 from tokenward.reports.ledger import DuckLedger, Ledger, LedgerBusy, LedgerError, WriteAheadLog
-from tokenward.reports.ledger.books import reconcile
 from tokenward.reports.ledger.legacy import import_legacy_state as _import
 from tokenward.reports.ledger.spend import DuckSpend
 
@@ -114,6 +113,8 @@ def load_books(
             writing it): serving without the books would let hard limits be overshot.
     """
     if ledger.shared:
+        from tokenward.reports.ledger.pg_books import reconcile
+
         now = dt.datetime.now(dt.UTC)
         ledger.read_spend(partial(_load, guard, now, [], loaders))
         reconcile(ledger.pool, guard.book_windows(now))  # type: ignore[attr-defined]

@@ -18,8 +18,9 @@ from click.testing import CliRunner
 from tokenward.pricing.budgets import Budget, Period
 from tokenward.proxy.cli import main
 from tokenward.reports.ledger import DuckLedger, write_rows
-from tokenward.reports.ledger.books import Ask, PgBooks, Refused, reconcile
+from tokenward.reports.ledger.books import Ask, Refused
 from tokenward.reports.ledger.factory import LEDGER_URL_ENV, open_ledger_for
+from tokenward.reports.ledger.pg_books import PgBooks, reconcile
 from tokenward.reports.ledger.postgres import PgLedger
 from tokenward.reports.ledger.schema import ROW_COLUMNS
 from tokenward.reports.ledger.state import AlertKey
@@ -505,3 +506,16 @@ def test_books_made_while_serving_are_reconciled_by_the_replica_that_has_them():
     assert guard.book_windows(T0, made=True) == [(template.instance("alice"), ("per-user[alice]", day[0]), *day)]
     month = Period("month").window(T0)
     assert guard.book_windows(T0) == [(configured, ("all", month[0]), *month)]
+
+
+def test_a_proxy_on_a_duckdb_ledger_does_not_load_the_postgres_driver():
+    """psycopg and libpq cost some 10 MB of resident memory: only a Postgres ledger imports them."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, tokenward.proxy.app, tokenward.proxy.cli, tokenward.proxy.guard, tokenward.proxy.forward; "
+        "print(sorted(m for m in sys.modules if m.startswith('psycopg') or m.endswith(('.postgres', '.pg_books'))))"
+    )
+    found = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60)
+    assert found.stdout.strip() == "[]"
