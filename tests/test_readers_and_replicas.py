@@ -22,7 +22,15 @@ from .test_alerts import free_port
 
 HOLDER = """
 import duckdb, sys, time
-conn = duckdb.connect(sys.argv[1], read_only=True)
+deadline = time.monotonic() + 30
+while True:  # as any reader must: the proxy holds the file for the few ms of each move of its log
+    try:
+        conn = duckdb.connect(sys.argv[1], read_only=True)
+        break
+    except duckdb.IOException:
+        if time.monotonic() > deadline:
+            raise
+        time.sleep(0.02)
 conn.execute("SELECT count(*) FROM requests").fetchall()
 print("holding", flush=True)
 sys.stdin.readline()
@@ -36,7 +44,11 @@ class Reader:
         self.process = subprocess.Popen(
             [sys.executable, "-c", HOLDER, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )
-        assert self.process.stdout is not None and self.process.stdout.readline().strip() == "holding"
+        assert self.process.stdout is not None
+        if self.process.stdout.readline().strip() != "holding":
+            self.process.kill()
+            self.process.communicate(timeout=10)
+            raise AssertionError("the reader could not open the ledger")
 
     def close(self) -> None:
         assert self.process.stdin is not None
