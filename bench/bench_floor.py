@@ -12,7 +12,10 @@ The protocol of issue 13 (prints figures; asserts nothing):
   times: ``direct`` (no gateway), ``relay`` (``bench/bare_relay.py``: aiohttp client under
   uvicorn with uvloop and httptools, bytes relayed, no parsing), ``tokenward`` (metering on,
   passthrough auth, no budgets) and ``tokenward+budget`` (one blocking budget covering all
-  traffic, so the worst-case count runs on every request);
+  traffic, so the worst-case count runs on every request); with ``--postgres``, the same two on a
+  Postgres ledger (``tokenward-pg``, ``tokenward+budget-pg``: rows COPYed in by the flush, the
+  budget reserved and settled in the database, one round trip each) on a throwaway cluster whose
+  server processes share CPU 0 with the mock;
 * latency figures are added over ``direct`` measured next to them; CPU per request is the
   gateway process's own user + system time (``/proc/<pid>/stat``, all threads) over the run,
   divided by the requests wrk completed; RSS idle is read after start (no request yet), peak is
@@ -51,6 +54,7 @@ from mock_upstream import DONE, REPLY, event  # noqa: E402
 
 TICKS = os.sysconf("SC_CLK_TCK")
 MOCK_PORT, PY_MOCK_PORT, RELAY_PORT, TW_PORT, TW_BUDGET_PORT = 9301, 9302, 9401, 9402, 9403
+TW_PG_PORT, TW_PG_BUDGET_PORT = 9404, 9405
 ECHO_MODULE = Path("/usr/lib/nginx/modules/ngx_http_echo_module.so")
 EVENTS, GAP_S, DELAY_S = 20, 0.020, 0.050
 HEADERS = {"content-type": "application/json", "authorization": "Bearer sk-bench-0123456789"}
@@ -224,13 +228,16 @@ class Gateway:
     rss_idle: float = float("nan")
 
 
-def tokenward_config(tmp: Path, name: str, budget: bool) -> Path:
+def tokenward_config(tmp: Path, name: str, budget: bool, url: str | None = None) -> Path:
     base = f"http://127.0.0.1:{MOCK_PORT}"
     lines = ["upstreams:"]
     for kind in ("fast", "slow", "stream"):
         default = ", default: true" if kind == "fast" else ""
         lines.append(f"  - {{name: {kind}, base_url: '{base}/{kind}/v1', provider: openai{default}}}")
-    lines.append(f"ledger: {{path: '{tmp / (name + '.duckdb')}'}}")
+    if url:
+        lines.append(f"ledger: {{url: '{url}', spool_dir: '{tmp / (name + '.spool')}'}}")
+    else:
+        lines.append(f"ledger: {{path: '{tmp / (name + '.duckdb')}'}}")
     if budget:  # never reached: the point is the worst-case count on every request
         lines += ["budgets:", "  - {name: bench-block, limit_usd: 1000000000, period: month, action: block}"]
     path = tmp / f"{name}.yaml"
@@ -238,7 +245,7 @@ def tokenward_config(tmp: Path, name: str, budget: bool) -> Path:
     return path
 
 
-def start_gateways(procs: Processes, tmp: Path, names: list[str]) -> list[Gateway]:
+def start_gateways(procs: Processes, tmp: Path, names: list[str], pg_url: str | None = None) -> list[Gateway]:
     mock = f"http://127.0.0.1:{MOCK_PORT}"
     plain = lambda kind: HEADERS  # noqa: E731
     gateways = [Gateway("direct", lambda kind: f"{mock}/{kind}/v1/chat/completions", plain)]
@@ -247,10 +254,16 @@ def start_gateways(procs: Processes, tmp: Path, names: list[str]) -> list[Gatewa
         proc = procs.start(pinned(1, argv), RELAY_PORT)
         relay = f"http://127.0.0.1:{RELAY_PORT}"
         gateways.append(Gateway("relay", lambda kind: f"{relay}/{kind}/v1/chat/completions", plain, proc.pid))
-    for name, port, budget in (("tokenward", TW_PORT, False), ("tokenward+budget", TW_BUDGET_PORT, True)):
+    tokenwards = [("tokenward", TW_PORT, False, None), ("tokenward+budget", TW_BUDGET_PORT, True, None)]
+    if pg_url:
+        tokenwards += [
+            ("tokenward-pg", TW_PG_PORT, False, pg_url),
+            ("tokenward+budget-pg", TW_PG_BUDGET_PORT, True, pg_url),
+        ]
+    for name, port, budget, url in tokenwards:
         if name not in names:
             continue
-        config = tokenward_config(tmp, name.replace("+", "-"), budget)
+        config = tokenward_config(tmp, name.replace("+", "-"), budget, url)
         argv = [sys.executable, "-m", "tokenward.proxy", "serve", "--config", str(config), "--port", str(port)]
         with open(tmp / f"{name}.log", "w") as log:  # shown if it fails to start
             proc = procs.start(pinned(1, [*argv, "--log-level", "warning"]), port, stderr=log)
@@ -587,12 +600,19 @@ def main() -> None:
         default="relay,tokenward,tokenward+budget",
         help="comma-separated: relay, tokenward, tokenward+budget",
     )
+    parser.add_argument(
+        "--postgres",
+        action="store_true",
+        help="also run tokenward-pg and tokenward+budget-pg on a throwaway Postgres cluster (Debian's postgresql)",
+    )
     parser.add_argument("--json", type=Path, help="also write every sample to this file")
     parser.add_argument(
         "--python-tools", action="store_true", help="use the Python mock and loader even if nginx/wrk exist"
     )
     args = parser.parse_args()
     names = [n.strip() for n in args.gateways.split(",") if n.strip()]
+    if args.postgres and args.gateways == parser.get_default("gateways"):
+        names += ["tokenward-pg", "tokenward+budget-pg"]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the cleanup below
     if two_cores():
         os.sched_setaffinity(0, {0})  # this process (stream client, fallback loader) shares CPU 0 with the mock
@@ -605,9 +625,13 @@ def main() -> None:
         )
     tmp = Path(tempfile.mkdtemp(prefix="tokenward-floor-"))
     procs = Processes()
+    cluster = None
     try:
+        pg_url = None
+        if args.postgres:
+            cluster, pg_url = start_postgres()
         mock_name, mock = start_mock(procs, tmp, args.python_tools)
-        gateways = start_gateways(procs, tmp, names)
+        gateways = start_gateways(procs, tmp, names, pg_url)
         for gateway in gateways:  # warm up: connection pools, first-use imports, the tokenizer
             for scenario in ("c64", "c64_stream", "c1_4k"):
                 kind, concurrency, payload = SCENARIOS[scenario]
@@ -643,7 +667,23 @@ def main() -> None:
         raise
     finally:
         procs.stop()
+        if cluster is not None:
+            cluster.stop()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def start_postgres():
+    """A throwaway cluster (tests/pgcluster.py), its server pinned to CPU 0; ``(cluster, database URL)``."""
+    sys.path.insert(0, str(HERE.parent))
+    from tests.pgcluster import start_cluster
+
+    cluster = start_cluster()
+    if cluster is None:
+        raise SystemExit("--postgres needs Debian's postgresql package (apt-get install -y postgresql)")
+    postmaster = (cluster.data / "postmaster.pid").read_text().split()[0]
+    if two_cores():  # backends fork from the postmaster: they inherit CPU 0
+        subprocess.run(["taskset", "-a", "-p", "-c", "0", postmaster], check=False, capture_output=True)
+    return cluster, cluster.create_database("bench")
 
 
 def sample_dict(sample: Sample) -> dict:

@@ -62,6 +62,15 @@ PARTS = {
 # "flushstats" the moves of the log into the ledger
 
 
+
+def _run_now(coroutine):
+    """Run a coroutine that never waits (the in-memory book store) to its end, without an event loop."""
+    try:
+        coroutine.send(None)
+    except StopIteration as done:
+        return done.value
+    raise RuntimeError("the coroutine waited")
+
 def _switch_off(parts: set[str]) -> None:
 
     from tokenward.proxy import forward, metrics, recorder, relay, server
@@ -716,7 +725,10 @@ def micro(args: argparse.Namespace) -> None:
                 rec.catalog, model="gpt-4o-mini", provider="openai", at=at, input_tokens=30, max_output_tokens=16384
             ),
         )
-        step("budget: guard.admit + release", lambda: guard.release(guard.admit(attributes, Decimal_one, at)))
+        step(
+            "budget: guard.admit + release",
+            lambda: guard.release(_run_now(guard.admit(attributes, Decimal_one, at))),
+        )
         step(
             "budget: guard.tightest + budget headers", lambda: forward._budget_headers(*guard.tightest(attributes, at))
         )

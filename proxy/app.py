@@ -11,8 +11,12 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import logging
+import os
+import secrets
+import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import IO, TYPE_CHECKING
 
 from litestar import Litestar
@@ -35,8 +39,11 @@ from tokenward.proxy.routes import MetricsAccess, build_routes
 from tokenward.proxy.routing import Router
 from tokenward.proxy.run_budgets import DynamicBudgets
 from tokenward.proxy.scheduler import (
+    RECONCILE_S,
     add_alert_jobs,
     create_scheduler,
+    on_one_replica,
+    reconcile_books,
     refresh_prices,
     reload_keys,
     run_budget_check_soon,
@@ -53,9 +60,12 @@ from tokenward.proxy.upstream import AiohttpUpstream, HttpxUpstream, UpstreamCli
 from tokenward.proxy.velocity_books import VelocityBooks
 from tokenward.reports.alerts import Notifier
 from tokenward.reports.ledger import DuckLedger
+from tokenward.reports.ledger.spend import SpendSource
 
 if TYPE_CHECKING:
     import httpx
+
+    from tokenward.reports.ledger.pg_books import PgBooks
 
 __all__ = ["create_app"]
 
@@ -95,16 +105,27 @@ def create_app(
     policies = [config.auth.runs, *(k.runs for k in config.virtual_keys if k.runs is not None)]
     runs_on = runs_allowed(config)
     scheduler = create_scheduler()
+    ledger = config.open_ledger()
+    books: PgBooks | None = None  # shared budget books (Postgres); None: in this process's memory
+    blocking = any(b.blocking for b in [*budgets, *templates])
+    if ledger.shared and (blocking or runs_on):
+        from tokenward.reports.ledger.pg_books import PgBooks  # the Postgres driver, only for Postgres
+
+        replica = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+        books = PgBooks(ledger.url, replica, config.ledger.lease_s)  # type: ignore[attr-defined]
     guard = dynamic = velocity = None
     if budgets or templates or runs_on:
         delay = config.ledger.flush_interval_s + 0.5  # after the row that crossed is in the ledger
-        guard = BudgetGuard(budgets, dt.datetime.now(dt.UTC), lambda _: run_budget_check_soon(scheduler, delay))
+        guard = BudgetGuard(
+            budgets, dt.datetime.now(dt.UTC), lambda _: run_budget_check_soon(scheduler, delay), store=books
+        )
         horizon = max(p.policy("").max_ttl_s for p in policies)
         dynamic = DynamicBudgets(guard, templates, horizon_s=horizon)
+        if books is not None:
+            books.run_horizon_s = horizon  # runs are forgotten in the database as in each replica
         velocity = VelocityBooks(budgets)
         if velocity:
             guard.listeners.append(velocity.observe)
-    ledger = DuckLedger(config.ledger.path)
     recorder = Recorder(catalog, ledger, config.ledger.flush_interval_s, guard=guard, fsync=config.ledger.fsync)
     if upstream is not None:
         client: UpstreamClient = upstream
@@ -141,36 +162,62 @@ def create_app(
                 upstream_config.catalog_provider,
             )
 
-    def spend() -> BooksSpend:
+    def spend() -> SpendSource:
+        if ledger.shared:  # every replica's spend: the shared ledger, not these books
+            from tokenward.reports.ledger.pg_spend import PgSpend
+
+            return PgSpend(ledger.pool)  # type: ignore[attr-defined]
         return BooksSpend(guard, dt.datetime.now(dt.UTC), recorder.unpriced_seen)
 
     sender = recorder.metrics.counting(notifier or Notifier(config.alerts))  # failed deliveries feed /metrics
-    rates = (lambda: velocity.snapshot(dt.datetime.now(dt.UTC))) if velocity else None
+    # velocity rules: this process's per-minute books, or on a shared ledger every replica's rows
+    rates = (lambda: velocity.snapshot(dt.datetime.now(dt.UTC))) if velocity and books is None else None
     add_alert_jobs(scheduler, ledger, spend, budgets, config.alerts, sender, auth, rates)  # type: ignore[arg-type]
     dashboard = Dashboard(recorder.live, guard, ledger, AdminAuth(config))
     refresh = config.pricing.refresh
     if refresh is not None:
         scheduler.add_job(
-            refresh_prices,
+            on_one_replica,
             "interval",
             hours=refresh.every_hours,
             next_run_time=dt.datetime.now(dt.UTC) + dt.timedelta(seconds=5),
-            kwargs={
-                "settings": refresh,
-                "refresh_file": config.refresh_file(),
-                "current": lambda: recorder.catalog,
-                "rebuild": lambda: build_catalog(config.pricing, refresh_file=config.refresh_file()),
-                "install": lambda new: setattr(recorder, "catalog", new),
-            },
+            args=[
+                ledger,
+                "price-refresh",
+                partial(
+                    refresh_prices,
+                    refresh,
+                    config.refresh_file(),
+                    lambda: recorder.catalog,
+                    lambda: build_catalog(config.pricing, refresh_file=config.refresh_file()),
+                    lambda new: setattr(recorder, "catalog", new),
+                ),
+            ],
             id="price-refresh",
+        )
+    if books is not None and guard is not None:
+        windows = partial(lambda g: g.book_windows(dt.datetime.now(dt.UTC)), guard)
+        scheduler.add_job(
+            on_one_replica,
+            "interval",
+            seconds=RECONCILE_S,
+            args=[ledger, "books-reconcile", reconcile_books, ledger, windows],
+            id="books-reconcile",
+        )
+        # books made while serving (runs, per-user budgets) differ by replica: each reconciles its own
+        # (one transaction per book, its row locked first, so replicas doing the same book agree)
+        made = partial(lambda g: g.book_windows(dt.datetime.now(dt.UTC), made=True), guard)
+        scheduler.add_job(
+            reconcile_books, "interval", seconds=RECONCILE_S, args=[ledger, made], id="books-reconcile-made"
         )
 
     @asynccontextmanager
     async def lifespan(_: Litestar) -> AsyncIterator[None]:
         lock = proxy_lock
-        if lock is None and needs_single_proxy(config):
+        duck = isinstance(ledger, DuckLedger)  # one proxy per DuckDB ledger; Postgres replicas share PgBooks
+        if lock is None and duck and needs_single_proxy(config):
             lock = await asyncio.to_thread(single_proxy_lock, ledger)
-        elif lock is None and dynamic is not None and runs_on:  # a run is a hard limit too
+        elif lock is None and duck and dynamic is not None and runs_on:  # a run is a hard limit too
             try:
                 lock = await asyncio.to_thread(single_proxy_lock, ledger)
             except (StartupError, OSError):
@@ -182,6 +229,8 @@ def create_app(
             await reload_keys(ledger.state, auth)
             if isolation is not None:
                 await isolation.owners.load()
+            if books is not None:
+                await books.start()
             if guard is not None:
                 loaders = [loader.load for loader in (dynamic, velocity) if loader]
                 await asyncio.to_thread(load_books, ledger, guard, recorder.wal, loaders=loaders)
@@ -189,8 +238,10 @@ def create_app(
         except BaseException:
             if lock is not None:
                 lock.close()
+            if books is not None:
+                await books.stop()
             raise
-        log.info("ledger %s, %d upstream(s), auth %s", config.ledger.path, len(config.upstreams), config.auth.mode)
+        log.info("ledger %s, %d upstream(s), auth %s", ledger.name, len(config.upstreams), config.auth.mode)
         try:
             yield
         finally:
@@ -200,6 +251,8 @@ def create_app(
             finally:
                 if isolation is not None:
                     isolation.owners.close()
+                if books is not None:
+                    await books.stop()
                 await client.aclose()
                 if lock is not None:
                     lock.close()

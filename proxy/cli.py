@@ -12,7 +12,7 @@ from tokenward.pricing.catalog import CatalogError
 from tokenward.proxy.access_log import ACCESS_LOGGER
 from tokenward.proxy.config import Config, ConfigError, config_from_args, load_config
 from tokenward.proxy.preflight import check_environment
-from tokenward.reports.ledger import DuckLedger, LedgerError, open_ledger
+from tokenward.reports.ledger import DuckLedger, LedgerError
 
 __all__ = ["LOG_LEVELS", "main"]
 
@@ -65,7 +65,7 @@ def main() -> None:
 @click.option(
     "--auth", type=click.Choice(["passthrough", "virtual_keys"]), default=None, help="Auth mode with --upstream."
 )
-@click.option("--db", help="Ledger DuckDB file (overrides the config's ledger.path).")
+@click.option("--db", help="Ledger DuckDB file or postgresql:// URL (overrides the config's ledger).")
 @click.option("--host", default=None, help="Interface to listen on (default 127.0.0.1).")
 @click.option("--port", type=_PORT, default=None, help="Port to listen on (default 4000).")
 @click.option("--log-level", type=click.Choice(LOG_LEVELS, case_sensitive=False), default="info", show_default=True)
@@ -94,7 +94,10 @@ def serve(
         raise click.UsageError("give either --config FILE or --upstream URL")
     config = _load(config_path, upstream, auth, provider)
     if db:
-        config.ledger.path = db
+        if db.startswith(("postgresql://", "postgres://")):
+            config.ledger.url = db
+        else:
+            config.ledger.path, config.ledger.url = db, None
     if host:
         config.server.host = host
     if port:
@@ -117,13 +120,14 @@ def serve(
         app = create_app(config, proxy_lock=lock)
     except CatalogError as exc:
         raise click.ClickException(str(exc)) from exc
+    store = config.open_ledger()
     try:
-        open_ledger(config.ledger.path, wait_s=10).close()
+        store.migrate()
     except (LedgerError, OSError) as exc:
-        raise click.ClickException(f"cannot open the ledger {config.ledger.path}: {exc}") from exc
+        raise click.ClickException(f"cannot open the ledger {store.name}: {exc}") from exc
     click.echo(
         f"starting tokenward on http://{config.server.host}:{config.server.port}/v1 "
-        f"(ledger {config.ledger.path}, auth {config.auth.mode})",
+        f"(ledger {store.name}, auth {config.auth.mode})",
         err=True,
     )
     try:

@@ -23,6 +23,8 @@ from tokenward.pricing.runs import RunPolicy, parse_duration
 from tokenward.pricing.settings import BudgetSettings, GuardSettings, PricingSettings, UnpricedPolicy
 from tokenward.proxy.edge import FREE_ENDPOINTS, UnmeteredPolicy, parse_base
 from tokenward.reports.alerts import AlertSettings
+from tokenward.reports.ledger import Ledger
+from tokenward.reports.ledger.factory import open_ledger_for, pick_url
 
 __all__ = [
     "AttributionRule",
@@ -84,22 +86,33 @@ class ServerConfig(_Section):
 
 
 class LedgerConfig(_Section):
-    """The DuckDB ledger file, and how its rows get there.
+    """The ledger (a DuckDB file, or a Postgres database for several replicas), and how its rows get there.
 
-    Every row is first made durable in the write-ahead log beside the file (``<path>.spool/``),
-    before the client sees its reply end; every ``flush_interval_s`` seconds (> 0) the log is
-    moved into the file (up to 5 s apart under load, when each move is costly). ``fsync``: also
-    ``fsync`` the log at each write (survives power loss, not only a crash of the process; costs
-    latency on every request).
+    Every row is first made durable in the write-ahead log (``spool_dir``: ``<path>.spool/``
+    beside a DuckDB file; ``tokenward.spool/`` beside the config for Postgres), before the client
+    sees its reply end; every ``flush_interval_s`` seconds (> 0) the log is moved into the ledger
+    (up to 5 s apart under load, when each move is costly). ``fsync``: also ``fsync`` the log at
+    each write (survives power loss, not only a crash of the process; costs latency on every
+    request). ``url``: a ``postgresql://`` URL puts the ledger, the state store and the budget
+    books in Postgres, shared by every replica (the ``TOKENWARD_LEDGER_URL`` environment variable
+    overrides it); ``path`` is then unused. ``lease_s``: Postgres only: a replica that stops
+    renewing its lease for this long (killed, cut off) loses its budget reservations.
     """
 
     path: str = "tokenward.duckdb"
+    url: str | None = None
+    spool_dir: str | None = None
     flush_interval_s: float = 1.0
     fsync: bool = False
+    lease_s: float = 15.0
 
     def __post_init__(self) -> None:
         if not self.flush_interval_s > 0:
             raise ValueError("flush_interval_s must be > 0 - at `$.ledger.flush_interval_s`")
+        if self.url is not None and not self.url.startswith(("postgresql://", "postgres://")):
+            raise ValueError("url must be a postgresql:// URL - at `$.ledger.url`")
+        if not self.lease_s >= 3:
+            raise ValueError("lease_s must be >= 3 - at `$.ledger.lease_s`")
 
 
 class AttributionRule(_Section):
@@ -431,6 +444,10 @@ class Config(_Section):
         """The unpriced-model policy that applies to requests routed to ``upstream``."""
         return upstream.unpriced or self.pricing.unpriced
 
+    def open_ledger(self) -> Ledger:
+        """The ledger this configuration names (nothing is opened yet): Postgres with ``ledger.url``, else DuckDB."""
+        return open_ledger_for(self.ledger.path, self.ledger.url, self.ledger.spool_dir)
+
     def refresh_file(self) -> str:
         """Where scheduled price refreshes append new versions (next to the ledger by default)."""
         refresh = self.pricing.refresh
@@ -454,6 +471,11 @@ def load_config(path: str | Path) -> Config:
         raise ConfigError(f"{path}: {exc}") from exc
     base = path.resolve().parent
     config.ledger.path = str(base / config.ledger.path)
+    config.ledger.url = pick_url(config.ledger.url)
+    if config.ledger.spool_dir is not None:
+        config.ledger.spool_dir = str(base / config.ledger.spool_dir)
+    elif config.ledger.url is not None:
+        config.ledger.spool_dir = str(base / "tokenward.spool")
     config.pricing.files = [str(base / f) for f in config.pricing.files]
     if config.pricing.refresh is not None and config.pricing.refresh.file is not None:
         config.pricing.refresh.file = str(base / config.pricing.refresh.file)
@@ -486,7 +508,7 @@ def config_from_args(
         return Config(
             upstreams=[UpstreamConfig(name=provider or "default", base_url=upstream, default=True, provider=provider)],
             server=ServerConfig(host=host, port=port),
-            ledger=LedgerConfig(path=db),
+            ledger=LedgerConfig(path=db, url=pick_url(None)),
             auth=AuthConfig(mode=auth),
         )
     except ValueError as exc:

@@ -50,7 +50,7 @@ from tokenward.proxy.guard import BudgetGuard
 from tokenward.proxy.limits import BodyLimits, read_body
 from tokenward.proxy.live import LiveFeed
 from tokenward.reports.dashboard_queries import RANGES, history
-from tokenward.reports.ledger import DuckLedger, LedgerError
+from tokenward.reports.ledger import Ledger, LedgerError
 
 __all__ = ["Dashboard", "budget_views", "dashboard_routes"]
 
@@ -183,7 +183,7 @@ class Dashboard:
         self,
         feed: LiveFeed,
         guard: BudgetGuard | None,
-        ledger: DuckLedger,
+        ledger: Ledger,
         auth: AdminAuth,
         *,
         cache_s: float = 5.0,

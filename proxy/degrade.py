@@ -89,7 +89,7 @@ async def degrade(
         if cheaper is not None and priced is not None:
             sent, scope = cheaper, _with_model(attributes, cheaper)
             try:
-                return Plan(guard.admit(scope, priced, now), priced, cheaper, None, first)
+                return Plan(await guard.admit(scope, priced, now), priced, cheaper, None, first)
             except BudgetRefusal:
                 pass  # still too dear: a smaller answer from the cheaper model, if allowed
     if not all(policy is not None and policy.clamp for policy in policies):
@@ -107,7 +107,7 @@ async def degrade(
     if priced is None:
         return None
     try:
-        reservation = guard.admit(scope, priced, now)
+        reservation = await guard.admit(scope, priced, now)
     except BudgetRefusal:
         return None  # the books moved while we priced: refuse as usual
     return Plan(reservation, priced, sent if sent != model else None, tokens, first)

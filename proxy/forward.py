@@ -34,7 +34,7 @@ from litestar.types import Scope
 
 from tokenward.pricing.budgets import CALENDAR_PERIODS, Budget
 from tokenward.pricing.quote import worst_case
-from tokenward.pricing.runs import RunRefused, parse_run_header
+from tokenward.pricing.runs import RunRefused, parse_run_header, run_budget_name
 from tokenward.pricing.settings import GuardSettings
 from tokenward.pricing.usage import UsageSource
 from tokenward.proxy import tokenizer
@@ -59,6 +59,7 @@ from tokenward.proxy.routing import Route, Router
 from tokenward.proxy.run_budgets import DynamicBudgets
 from tokenward.proxy.splice import find_member, set_member
 from tokenward.proxy.upstream import UpstreamClient, UpstreamError, UpstreamReply
+from tokenward.reports.ledger.books import BooksUnavailable
 
 __all__ = ["METERED_ENDPOINTS", "Endpoint", "Forwarder"]
 
@@ -312,7 +313,7 @@ class Forwarder:
             ex.end_user = user if user is not None else identity and identity.end_user
         assert inbound.identity is not None
         _settle_attribution(ex, inbound.identity, inbound.claimed)
-        self._join_run(ex, inbound)
+        await self._join_run(ex, inbound)
         isolation = self.isolation
         plan = isolation.plan_metered(endpoint.name, found, inbound.identity, body, head.store) if isolation else None
         if plan is not None:
@@ -357,7 +358,7 @@ class Forwarder:
             final_headers=self._final_headers,
         )
 
-    def _join_run(self, ex: Exchange, inbound: _Inbound) -> None:
+    async def _join_run(self, ex: Exchange, inbound: _Inbound) -> None:
         """Hold the request's ``X-Tokenward-Run`` to the caller's run policy; open the run's books.
 
         Raises:
@@ -378,6 +379,14 @@ class Forwarder:
                 if header is not None:
                     raise RunRefused(403, "Run budgets are off on this proxy: drop X-Tokenward-Run.", "run_not_allowed")
                 return
+            store = self.guard.store if self.guard is not None else None
+            run_started = getattr(store, "run_started", None)  # shared books (PgBooks) only
+            if header is not None and run_started is not None and self.dynamic.unknown(ex.key_id, header.id):
+                try:  # replicas share a run's age: its ttl counts from its first request on any of them
+                    first = await run_started(run_budget_name(ex.key_id, header.id), now)
+                except BooksUnavailable as exc:
+                    raise _books_unavailable() from exc
+                self.dynamic.started_elsewhere(ex.key_id, header.id, first)
             ex.run_id = self.dynamic.join(ex.key_id, ex.principal, identity.runs, header, now)
         except RunRefused as exc:
             raise ProxyError(exc.status, exc.message, exc.code, headers=[(b"x-should-retry", b"false")]) from None
@@ -447,26 +456,29 @@ class Forwarder:
             if worst is not None:
                 clamped = False
                 try:
-                    ex.reservation = guard.admit(attributes, worst, now, unbounded=unbounded)
-                    ex.reserved_usd = ex.reservation.amount
-                except BudgetRefusal as refusal:
-                    plan = None
-                    if not unbounded and media is None:
-                        plan = await self._degrade(
-                            ex, head, body, endpoint, route, explicit, now, attributes, worst, counts
-                        )
-                    if plan is None:
-                        headers = _budget_headers(refusal.budget, refusal.remaining) + _no_retry(refusal, now)
-                        raise ProxyError(
-                            429, str(refusal), "budget_exceeded", "insufficient_quota", headers
-                        ) from refusal
-                    body, extra = self._apply(ex, head, body, endpoint, route, plan)
-                    attributes = _attributes(ex)
-                    clamped = plan.max_output_tokens is not None
+                    try:
+                        ex.reservation = await guard.admit(attributes, worst, now, unbounded=unbounded)
+                        ex.reserved_usd = ex.reservation.amount
+                    except BudgetRefusal as refusal:
+                        plan = None
+                        if not unbounded and media is None:
+                            plan = await self._degrade(
+                                ex, head, body, endpoint, route, explicit, now, attributes, worst, counts
+                            )
+                        if plan is None:
+                            headers = _budget_headers(refusal.budget, refusal.remaining) + _no_retry(refusal, now)
+                            raise ProxyError(
+                                429, str(refusal), "budget_exceeded", "insufficient_quota", headers
+                            ) from refusal
+                        body, extra = self._apply(ex, head, body, endpoint, route, plan)
+                        attributes = _attributes(ex)
+                        clamped = plan.max_output_tokens is not None
+                except BooksUnavailable as exc:
+                    raise _books_unavailable() from exc
                 if media is None and not clamped:
                     body, extra = self._set_output_limit(head, body, endpoint, route, extra)
             else:
-                self._hold_unpriced(ex, attributes, now)
+                await self._hold_unpriced(ex, attributes, now)
         if not ex.stream:  # a whole reply gets them once it is recorded (Relay's final_headers)
             return extra, body
         return reply_headers(guard, attributes, now) + extra, body
@@ -629,7 +641,7 @@ class Forwarder:
             **media.bound_args(text, settings.default_max_output_tokens),
         )
 
-    def _hold_unpriced(self, ex: Exchange, attributes: dict[str, Any], now: dt.datetime) -> None:
+    async def _hold_unpriced(self, ex: Exchange, attributes: dict[str, Any], now: dt.datetime) -> None:
         """Refuse a request no price bounds under a blocking budget, or hold ``guard.unpriced_hold_usd`` for it.
 
         Raises:
@@ -648,11 +660,13 @@ class Forwarder:
                 "model_not_priced",
             )
         try:
-            ex.reservation = self.guard.admit(attributes, hold, now)
+            ex.reservation = await self.guard.admit(attributes, hold, now)
             ex.reserved_usd = ex.reservation.amount
         except BudgetRefusal as refusal:
             headers = _budget_headers(refusal.budget, refusal.remaining) + _no_retry(refusal, now)
             raise ProxyError(429, str(refusal), "budget_exceeded", "insufficient_quota", headers) from refusal
+        except BooksUnavailable as exc:
+            raise _books_unavailable() from exc
 
     def _inbound(self, scope: Scope, ex: Exchange, *, keep_length: bool) -> _Inbound:
         """One pass over the client's headers: what to forward, who is calling, what it asked.
@@ -1054,6 +1068,12 @@ def _count_for_bound(dialect: str, body: bytes, model: str | None) -> tuple[int,
     except (msgspec.DecodeError, RecursionError):
         decoded = None
     return count_input(dialect, decoded, model), scan(decoded)
+
+
+def _books_unavailable() -> ProxyError:
+    """503 ``budget_books_unavailable``: fail closed, no replica can know what the others hold."""
+    message = "A hard budget applies to this request and its books cannot be reached; try again soon."
+    return ProxyError(503, message, "budget_books_unavailable", "server_error", [(b"retry-after", b"5")])
 
 
 def _no_retry(refusal: BudgetRefusal, now: dt.datetime) -> list[tuple[bytes, bytes]]:

@@ -14,7 +14,13 @@ their own under their budget's name (:meth:`BudgetGuard.open_book`); the callabl
 :attr:`BudgetGuard.scopes` name those in scope of a request or row, so that admission, settling
 and headers treat them as any other budget.
 
-One process: replicas sharing a ledger each see only their own in-flight reservations.
+The books' two amounts (spent and held) live in a
+:class:`~tokenward.reports.ledger.books.BookStore`: in this process's memory by default, or
+in Postgres, shared by every replica (:class:`~tokenward.reports.ledger.books.PgBooks`), where
+the all-or-none reservation is one round trip. Books made while serving live there too, under
+the same names on every replica (a run's, ``template[value]``), so their limits hold across
+replicas. The guard keeps the policy (which budgets match, periods, worst case, refusals,
+crossings) and its own figures per model and key.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from typing import Any
 from zoneinfo import ZoneInfo
 
 from tokenward.pricing.budgets import Budget, evaluate
+from tokenward.reports.ledger.books import ROLLING_START, Ask, BookKey, BookStore, Hold, MemoryBooks, Refused
 from tokenward.reports.ledger.schema import HELD_STATUSES
 
 __all__ = ["BooksSpend", "BudgetGuard", "BudgetRefusal", "Reservation", "attributes_of_row", "spend_amount"]
@@ -39,8 +46,7 @@ class _Book:
     budget: Budget
     start: dt.datetime
     end: dt.datetime
-    spent: Decimal = Decimal(0)
-    reserved: Decimal = Decimal(0)
+    store: BookStore = field(default_factory=MemoryBooks)
     # rolling periods only: (started_at, amount, model, key) of each row in the window
     events: deque[tuple[dt.datetime, Decimal, str, str]] = field(default_factory=deque)
     crossed: set[int] = field(default_factory=set)
@@ -48,25 +54,37 @@ class _Book:
     by_key: dict[str, Decimal] = field(default_factory=dict)
     refused: int = 0
 
+    @property
+    def key(self) -> BookKey:
+        """The store's name for this book: the budget's name and the period start."""
+        return (self.budget.name, ROLLING_START if self.budget.period.kind == "rolling" else self.start)
+
+    @property
+    def spent(self) -> Decimal:
+        return self.store.spent(self.key)
+
+    @property
+    def reserved(self) -> Decimal:
+        return self.store.held(self.key)
+
     def roll(self, now: dt.datetime) -> None:
         """Move to the period containing ``now`` (spend restarts at 0 for calendar periods)."""
         if self.budget.period.kind == "rolling":
             self.start, self.end = self.budget.period.window(now)
             while self.events and self.events[0][0] < self.start:
                 _, amount, model, key = self.events.popleft()
-                self.spent -= amount
+                self.store.add(self.key, -amount)
                 _add(self.by_model, model, -amount)
                 _add(self.by_key, key, -amount)
         elif now >= self.end:
-            self.start, self.end = self.budget.period.window(now)
-            self.spent = Decimal(0)
+            self.start, self.end = self.budget.period.window(now)  # a new key: its books start at 0
             self.crossed.clear()
             self.by_model.clear()
             self.by_key.clear()
             self.refused = 0
 
     def count(self, started: dt.datetime, amount: Decimal, model: str, key: str) -> None:
-        self.spent += amount
+        self.store.add(self.key, amount)
         _add(self.by_model, model, amount)
         _add(self.by_key, key, amount)
         if self.budget.period.kind == "rolling":
@@ -99,6 +117,7 @@ class Reservation:
 
     holds: list[tuple[_Book, Decimal]]
     id: int = 0
+    hold: Hold | None = None
 
     @property
     def amount(self) -> Decimal | None:
@@ -160,12 +179,20 @@ class BudgetGuard:
         now: the instant the books open at.
         on_crossing: called with a budget whose spend just crossed one of its thresholds (the
             proxy uses it to run the alert check soon rather than at the next scheduled pass).
+        store: the books of blocking budgets (default: this process's memory); other budgets'
+            books stay in memory.
     """
 
     def __init__(
-        self, budgets: Iterable[Budget], now: dt.datetime, on_crossing: Callable[[Budget], None] | None = None
+        self,
+        budgets: Iterable[Budget],
+        now: dt.datetime,
+        on_crossing: Callable[[Budget], None] | None = None,
+        store: BookStore | None = None,
     ) -> None:
-        self._books = [_Book(b, *b.period.window(now)) for b in budgets]
+        self.local = MemoryBooks()
+        self.store: BookStore = store if store is not None else self.local
+        self._books = [self._new_book(b, now) for b in budgets]
         self.on_crossing = on_crossing
         self._ids = itertools.count(1)
         self._by_name = {book.budget.name: book for book in self._books}
@@ -187,7 +214,8 @@ class BudgetGuard:
         if book is not None:
             book.budget = budget
             return
-        book = self._dynamic[budget.name] = _Book(budget, *budget.period.window(now), spent=spent)
+        book = self._dynamic[budget.name] = self._new_book(budget, now)
+        book.store.set_spent(book.key, spent)  # a shared store: its view until the next renewal
         book.crossed = {t for t in budget.thresholds if spent * 100 >= budget.limit_usd * t}
 
     def close_book(self, name: str) -> bool:
@@ -196,11 +224,15 @@ class BudgetGuard:
         if book is None or book.reserved:
             return False
         del self._dynamic[name]
+        book.store.forget(book.key)
         return True
 
     def has_book(self, name: str) -> bool:
         """Whether a budget made while serving has books under ``name``."""
         return name in self._dynamic
+
+    def _new_book(self, budget: Budget, now: dt.datetime) -> _Book:
+        return _Book(budget, *budget.period.window(now), store=self.store if budget.blocking else self.local)
 
     @property
     def budgets(self) -> list[Budget]:
@@ -211,19 +243,19 @@ class BudgetGuard:
         """Set each budget's books for its current period from the ledger, at start.
 
         Args:
-            source: a :class:`~tokenward.reports.ledger.spend.DuckSpend` on the ledger.
+            source: a spend source on the ledger (``DuckSpend``, or ``PgSpend`` on Postgres).
             now: the instant the books are opened at.
             unflushed: rows not in the ledger yet (still in the write-ahead log), counted on top.
         """
         for book in self._books:
             book.start, book.end = book.budget.period.window(now)
             book.by_model, book.by_key, book.events = {}, {}, deque()
-            book.spent = Decimal(0)
+            book.store.set_spent(book.key, Decimal(0))
             if book.budget.period.kind == "rolling":
                 for started, amount, model, key in source.rolling_events(book.budget, book.start):
                     book.count(started, amount, model, key)
             else:
-                book.spent = source.spend_in(book.budget, book.start, book.end)
+                book.store.set_spent(book.key, source.spend_in(book.budget, book.start, book.end))
                 for name, amount in source.top_spenders(book.budget, book.start, book.end, "model", 1000):
                     book.by_model[name] = amount
                 for name, amount in source.top_spenders(book.budget, book.start, book.end, "key", 1000):
@@ -233,6 +265,23 @@ class BudgetGuard:
             self.observe(row, crossing=False)
         for book in self._books:
             book.crossed = {t for t in book.budget.thresholds if book.spent * 100 >= book.budget.limit_usd * t}
+
+    def book_windows(
+        self, now: dt.datetime, *, made: bool = False
+    ) -> list[tuple[Budget, Any, dt.datetime, dt.datetime]]:
+        """``(budget, book key, start, end)`` of each blocking budget's book now: the rows ``[start, end)`` count.
+
+        What reconciling shared books from the ledger needs (a rolling budget's window ends now).
+        ``made``: the books made while serving (runs, per-value budgets) that this process has
+        open, instead of the configured budgets' (which every replica has).
+        """
+        windows = []
+        for book in self._dynamic.values() if made else self._books:
+            if book.budget.blocking:
+                book.roll(now)
+                end = now + dt.timedelta(seconds=1) if book.budget.period.kind == "rolling" else book.end
+                windows.append((book.budget, book.key, book.start, end))
+        return windows
 
     def in_scope(self, attributes: Mapping[str, Any], *, blocking_only: bool = False) -> list[Budget]:
         """Budgets whose scope covers a request or row with these attributes."""
@@ -247,40 +296,64 @@ class BudgetGuard:
                 books += [dynamic[name] for name in scope(attributes, at) if name in dynamic]
         return books
 
-    def admit(
+    async def admit(
         self, attributes: Mapping[str, Any], worst_case: Decimal, now: dt.datetime, *, unbounded: bool = False
     ) -> Reservation:
         """Reserve ``worst_case`` USD against every blocking budget in scope, or refuse.
 
         ``unbounded``: the request's input cannot be bounded (it points at stored files or an
         earlier response), so it reserves everything left in each budget: it runs alone, and
-        only when more than ``worst_case`` (the part that can be counted) is left.
+        only when more than ``worst_case`` (the part that can be counted) is left. All or none,
+        in one step of the book store (one round trip to a shared one).
 
         Raises:
             BudgetRefusal: a blocking budget in scope would go over its limit (the tightest one).
+            tokenward.reports.ledger.books.BooksUnavailable: shared books cannot be reached.
         """
         books = [book for book in self._matching(attributes, now) if book.budget.blocking]
         for book in books:
             book.roll(now)
-        holds = []
-        for book in books:
-            committed = book.spent + book.reserved
-            remaining = max(book.budget.limit_usd - committed, Decimal(0))
-            if committed + worst_case > book.budget.limit_usd or (unbounded and remaining <= worst_case):
-                book.refused += 1
-                raise BudgetRefusal(book.budget, remaining, worst_case, book.end, unbounded=unbounded)
-            holds.append((book, remaining if unbounded else worst_case))
-        for book, amount in holds:
-            book.reserved += amount
-        return Reservation(holds, next(self._ids))
+        asks = [Ask(book.key, book.budget.limit_usd, worst_case) for book in books]
+        try:
+            hold = await self.store.reserve(asks, all_left=unbounded) if asks else Hold([])
+        except Refused as refused:
+            book = books[refused.index]
+            book.refused += 1
+            raise BudgetRefusal(book.budget, refused.remaining, worst_case, book.end, unbounded=unbounded) from None
+        holds = [(book, amount) for book, (_, amount) in zip(books, hold.amounts, strict=True)]
+        return Reservation(holds, next(self._ids), hold)
 
     def release(self, reservation: Reservation | None) -> None:
         """Give back what ``reservation`` held (call once, when its request ends)."""
-        if reservation is None:
-            return
-        for book, amount in reservation.holds:
-            book.reserved -= amount
-        reservation.holds = []
+        self.settle(reservation, [])
+
+    def settle(self, reservation: Reservation | None, rows: Iterable[Mapping[str, Any]]) -> None:
+        """End a request: give back its reservation and count its rows (:meth:`observe`), at once.
+
+        A shared store gets both in one call (its hold released, each row's amount counted
+        against the blocking budgets in scope and period).
+        """
+        rows = list(rows)
+        spends: dict[BookKey, Decimal] = {}
+        started = None
+        if self.store.shared:
+            for row in rows:
+                amount = spend_amount(row)
+                if not amount:
+                    continue
+                started = dt.datetime.fromtimestamp(row["started_at"], dt.UTC)
+                for book in self._matching(attributes_of_row(row), started):
+                    rolling = book.budget.period.kind == "rolling"
+                    if book.budget.blocking and (rolling or book.start <= started < book.end):
+                        spends[book.key] = spends.get(book.key, Decimal(0)) + amount
+        hold = reservation.hold if reservation is not None else None
+        if hold is not None or spends:
+            request_id = str(rows[0].get("parent_request_id") or rows[0]["request_id"]) if rows else None
+            self.store.settle(hold, list(spends.items()), request_id, started or dt.datetime.now(dt.UTC))
+        if reservation is not None:
+            reservation.holds = []
+        for row in rows:
+            self.observe(row)
 
     def observe(self, row: Mapping[str, Any], *, crossing: bool = True) -> None:
         """Count a ledger row against the budgets in its scope and period (:func:`spend_amount`).

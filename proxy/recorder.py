@@ -35,7 +35,7 @@ from tokenward.proxy.exchange import Exchange, Outcome
 from tokenward.proxy.guard import BudgetGuard
 from tokenward.proxy.live import LiveFeed
 from tokenward.proxy.metrics import Metrics
-from tokenward.reports.ledger import DuckLedger, LedgerBusy, LedgerError, WriteAheadLog
+from tokenward.reports.ledger import DuckLedger, Ledger, LedgerBusy, LedgerError, WriteAheadLog
 from tokenward.reports.ledger.wal import encode_row
 
 __all__ = ["FLUSH_ROWS", "FLUSH_SHARE", "PriceStatus", "Recorder", "build_row", "build_rows", "fallback_row"]
@@ -254,7 +254,7 @@ class Recorder:
     def __init__(
         self,
         catalog: PriceCatalog,
-        ledger: DuckLedger | str,
+        ledger: Ledger | str,
         flush_interval_s: float = 1.0,
         metrics: Metrics | None = None,
         on_unpriced: Callable[[dict[str, Any]], None] | None = None,
@@ -263,7 +263,7 @@ class Recorder:
         fsync: bool = False,
     ) -> None:
         self.catalog = catalog
-        self.ledger = ledger if isinstance(ledger, DuckLedger) else DuckLedger(ledger)
+        self.ledger: Ledger = DuckLedger(ledger) if isinstance(ledger, str) else ledger
         self.metrics = metrics or Metrics()
         self.on_unpriced = on_unpriced or _log_unpriced
         self.guard = guard
@@ -357,9 +357,6 @@ class Recorder:
         except Exception:  # never lose the row over a pricing bug
             log.exception("pricing failed for %s; recording it unpriced", ex.request_id)
             rows = build_rows(ex, PriceCatalog())
-        if self.guard is not None:
-            self.guard.release(ex.reservation)
-            ex.reservation = None
         costs = [row["cost_usd"] for row in rows]
         ex.cost_usd = sum(costs, Decimal(0)) if None not in costs else None  # the request and its parts
         lines = []
@@ -372,6 +369,12 @@ class Recorder:
                 row["violations"] = f"{row.get('violations') or ''}; row not encodable: {exc}".strip("; ")
                 lines.append(encode_row(row))
             self._observe(row)
+        if self.guard is not None:  # the reservation given back and the rows counted, in one step
+            try:
+                self.guard.settle(ex.reservation, rows)
+            except Exception:
+                log.exception("budget books failed for request %s", ex.request_id)
+            ex.reservation = None
         self.rows_recorded += len(rows)
         self._logged_rows += len(rows)
         # rows a move under way takes do not count; and no early move while a reader holds the file
@@ -382,16 +385,11 @@ class Recorder:
         return b"".join(lines), [ex.request_id]
 
     def _observe(self, row: dict[str, Any]) -> None:
-        """Metrics, budget books and the unpriced-model hook: none of them may stop a row."""
+        """Metrics and the unpriced-model hook: none of them may stop a row."""
         try:
             self.metrics.observe(row)
         except Exception:
             log.exception("metrics failed for row %s", row["request_id"])
-        if self.guard is not None:
-            try:
-                self.guard.observe(row)
-            except Exception:
-                log.exception("budget books failed for row %s", row["request_id"])
         if row["price_status"] in (PriceStatus.UNPRICED, PriceStatus.USAGE_INVALID):
             key = (row["provider"], row["served_model"] or row["requested_model"], row["price_status"])
             seen = self.unpriced_seen.get(key)
@@ -423,7 +421,7 @@ class Recorder:
         deadline = time.monotonic() + 10
         while True:
             try:
-                self.ledger.session(lambda conn: None)
+                self.ledger.migrate()
                 return
             except LedgerBusy:
                 if time.monotonic() > deadline:

@@ -198,6 +198,17 @@ class DynamicBudgets:
             self.guard.open_book(self._budget(run, principal), now)
         return settled.id
 
+    def unknown(self, key_id: str | None, run_id: str) -> bool:
+        """Whether this proxy knows nothing of run ``run_id`` of key ``key_id`` yet (not served, not in the ledger)."""
+        name = run_budget_name(key_id, run_id)
+        return name not in self._runs and name not in self._earlier_runs
+
+    def started_elsewhere(self, key_id: str | None, run_id: str, first: dt.datetime) -> None:
+        """Count run ``run_id``'s ``ttl`` from ``first``, its first request on any replica (shared books)."""
+        name = run_budget_name(key_id, run_id)
+        if name not in self._runs:
+            self._earlier_runs.setdefault(name, (first.timestamp(), Decimal(0)))
+
     def _budget(self, run: Run, principal: str) -> Budget:
         return Budget(
             run.name,
@@ -242,7 +253,7 @@ class DynamicBudgets:
         templates' budgets as it opens them).
 
         Args:
-            source: a :class:`~tokenward.reports.ledger.spend.DuckSpend` on the ledger.
+            source: a spend source on the ledger (``DuckSpend``, or ``PgSpend`` on Postgres).
             now: the instant the books open at.
             unflushed: rows still in the write-ahead log (their run spend is counted here).
         """

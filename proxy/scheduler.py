@@ -9,7 +9,11 @@ jobs coalesce missed runs and never run twice at once (``max_instances=1``).
   claim and send the alerts due (:mod:`tokenward.reports.budget_check`).
 * Digest (``alerts.digest``): a daily or weekly spend summary by email.
 * Stored keys: keys created or revoked with ``tokenward keys`` take effect within 5 s (they live in
-  the state store, which no ledger reader can block).
+  the state store, which no ledger reader can block), on every replica.
+* Budget books (Postgres only): reconciled from the ledger every ``RECONCILE_S`` seconds.
+
+With a shared (Postgres) ledger, every job but the key reload runs on one replica at a time
+(:func:`on_one_replica`: an advisory lock; a replica that finds it taken skips that run).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import asyncio
 import datetime as dt
 import logging
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from zoneinfo import ZoneInfo
@@ -33,8 +38,8 @@ from tokenward.pricing.settings import RefreshSettings
 from tokenward.proxy.keys import Authenticator
 from tokenward.reports.alerts import Alert, AlertSettings, Notifier
 from tokenward.reports.budget_check import deliver, digest_alert, evaluate_and_notify, record_deliveries
-from tokenward.reports.ledger import DuckLedger
-from tokenward.reports.ledger.spend import DuckSpend, SpendSource
+from tokenward.reports.ledger import Ledger, LedgerError
+from tokenward.reports.ledger.spend import SpendSource
 from tokenward.reports.ledger.state import StateStore
 
 if TYPE_CHECKING:  # imported by the refresh job only: not in every proxy's memory
@@ -42,9 +47,12 @@ if TYPE_CHECKING:  # imported by the refresh job only: not in every proxy's memo
 
 __all__ = [
     "KEY_RELOAD_S",
+    "RECONCILE_S",
     "add_alert_jobs",
     "check_budgets",
     "create_scheduler",
+    "on_one_replica",
+    "reconcile_books",
     "refresh_prices",
     "reload_keys",
     "run_budget_check_soon",
@@ -55,6 +63,40 @@ log = logging.getLogger("tokenward.scheduler")
 
 KEY_RELOAD_S = 5
 """Seconds between reloads of stored keys and revocations (a revoked key stops working within this)."""
+
+RECONCILE_S = 30
+"""Seconds between reconciliations of shared budget books from the ledger (Postgres)."""
+
+
+async def on_one_replica(ledger: Ledger, name: str, job: Callable[..., Any], *args: Any) -> Any:
+    """Await ``job(*args)`` unless another replica of a shared ledger is running job ``name`` now.
+
+    Returns the job's result, or ``None`` when skipped (or the lock could not be asked for).
+    """
+    if not ledger.shared:
+        return await job(*args)
+    try:
+        lock = await asyncio.to_thread(ledger.job_lock, name)  # type: ignore[attr-defined]
+    except LedgerError as exc:
+        log.warning("job %s skipped: %s", name, exc)
+        return None
+    if lock is None:
+        return None
+    try:
+        return await job(*args)
+    finally:
+        await asyncio.to_thread(lock.close)
+
+
+async def reconcile_books(ledger: Ledger, windows: Callable[[], list[Any]]) -> int:
+    """Reconcile the shared books of blocking budgets from the ledger (the scheduled job); books done."""
+    from tokenward.reports.ledger.pg_books import reconcile  # the Postgres driver, only for Postgres
+
+    try:
+        return await asyncio.to_thread(reconcile, ledger.pool, windows())  # type: ignore[attr-defined]
+    except LedgerError as exc:
+        log.warning("budget books not reconciled this time: %s", exc)
+        return 0
 
 
 def create_scheduler() -> AsyncIOScheduler:
@@ -149,7 +191,7 @@ async def check_budgets(
 
 
 async def send_digest(
-    ledger: DuckLedger,
+    ledger: Ledger,
     budgets: list[Budget],
     settings: AlertSettings,
     notifier: Notifier,
@@ -167,11 +209,11 @@ async def send_digest(
     when = now or dt.datetime.now(dt.UTC)
     state = ledger.state
 
-    def claim(conn: Any) -> Alert | None:
-        return digest_alert(DuckSpend(conn), state, budgets, digest.to, digest.every, digest.timezone, when)
+    def claim(spend: SpendSource) -> Alert | None:
+        return digest_alert(spend, state, budgets, digest.to, digest.every, digest.timezone, when)
 
     try:
-        alert = await asyncio.to_thread(ledger.session, claim, read_only=True)
+        alert = await asyncio.to_thread(ledger.read_spend, claim)
         if alert is None:
             return False
         deliveries = await deliver(state, notifier, alert)
@@ -195,7 +237,7 @@ async def reload_keys(state: StateStore, auth: Authenticator) -> None:
 
 def add_alert_jobs(
     scheduler: AsyncIOScheduler,
-    ledger: DuckLedger,
+    ledger: Ledger,
     spend: SpendFactory,
     budgets: list[Budget],
     settings: AlertSettings,
@@ -205,13 +247,13 @@ def add_alert_jobs(
 ) -> None:
     """Register the budget check, the digest and the stored-key reload on ``scheduler``."""
     if budgets or settings.admins:
+        check = partial(check_budgets, rates=rates)
         scheduler.add_job(
-            check_budgets,
+            on_one_replica,
             "interval",
             seconds=settings.evaluate_every_s,
             id="budgets",
-            args=[spend, ledger.state, budgets, settings, notifier],
-            kwargs={"rates": rates},
+            args=[ledger, "budgets", check, spend, ledger.state, budgets, settings, notifier],
         )
     if settings.digest is not None:
         hour, minute = (int(part) for part in settings.digest.at.split(":"))
@@ -221,7 +263,8 @@ def add_alert_jobs(
             day_of_week="mon" if settings.digest.every == "weekly" else "*",
             timezone=ZoneInfo(settings.digest.timezone),
         )
-        scheduler.add_job(send_digest, trigger, id="digest", args=[ledger, budgets, settings, notifier])
+        digest_args = [ledger, "digest", send_digest, ledger, budgets, settings, notifier]
+        scheduler.add_job(on_one_replica, trigger, id="digest", args=digest_args)
     scheduler.add_job(reload_keys, "interval", seconds=KEY_RELOAD_S, id="keys", args=[ledger.state, auth])
 
 

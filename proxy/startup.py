@@ -23,7 +23,7 @@ from typing import IO, Any
 
 from tokenward.proxy.config import Config
 from tokenward.proxy.guard import BudgetGuard
-from tokenward.reports.ledger import DuckLedger, LedgerBusy, LedgerError, WriteAheadLog
+from tokenward.reports.ledger import DuckLedger, Ledger, LedgerBusy, LedgerError, WriteAheadLog
 from tokenward.reports.ledger.legacy import import_legacy_state as _import
 from tokenward.reports.ledger.spend import DuckSpend
 
@@ -40,8 +40,11 @@ def needs_single_proxy(config: Config) -> bool:
     """Whether ``config`` keeps hard-limit books in this process (blocking budgets on a DuckDB ledger).
 
     Per-value budgets (``per``) count. Run budgets do not make a second proxy refuse to start:
-    a proxy that cannot hold the lock serves no runs instead (:func:`runs_allowed`).
+    a proxy that cannot hold the lock serves no runs instead (:func:`runs_allowed`). A Postgres
+    ledger (``ledger.url``) never does: its replicas share the books there.
     """
+    if config.ledger.url:
+        return False
     return any(budget.blocking for budget in [*config.budget_list(), *config.budget_templates()])
 
 
@@ -78,8 +81,10 @@ def single_proxy_lock(ledger: DuckLedger) -> IO[str]:
     return handle
 
 
-def import_legacy_state(ledger: DuckLedger) -> None:
+def import_legacy_state(ledger: Ledger) -> None:
     """Move keys and alert claims from an earlier version's DuckDB tables into the state store (once)."""
+    if not isinstance(ledger, DuckLedger):
+        return  # a Postgres ledger never had them
     try:
         copied = ledger.session(lambda conn: _import(conn, ledger.state), read_only=True)
     except LedgerError as exc:
@@ -90,27 +95,36 @@ def import_legacy_state(ledger: DuckLedger) -> None:
 
 
 Loader = Callable[[Any, dt.datetime, list[dict[str, Any]]], None]
-"""``loader(spend, now, unflushed)``: more books to open from the ledger (``DuckSpend``) at start."""
+"""``loader(spend, now, unflushed)``: more books to open from the ledger (a ``SpendSource``) at start."""
 
 
 def load_books(
-    ledger: DuckLedger, guard: BudgetGuard, wal: WriteAheadLog, wait_s: float = 30.0, loaders: Sequence[Loader] = ()
+    ledger: Ledger, guard: BudgetGuard, wal: WriteAheadLog, wait_s: float = 30.0, loaders: Sequence[Loader] = ()
 ) -> None:
     """Open the budget books from the ledger (read-only) plus the rows not yet moved into it.
 
     ``loaders`` open more books in the same session, before the guard's (runs, per-user budgets,
-    velocity books).
+    velocity books). A shared ledger (Postgres): this process's figures from the ledger, and the
+    shared books of blocking budgets (those the loaders opened too) reconciled from it (rows in
+    the period plus settlements not yet in it).
 
     Raises:
         LedgerError: the ledger could not be read within ``wait_s`` seconds (another process kept
             writing it): serving without the books would let hard limits be overshot.
     """
+    if ledger.shared:
+        from tokenward.reports.ledger.pg_books import reconcile
+
+        now = dt.datetime.now(dt.UTC)
+        ledger.read_spend(partial(_load, guard, now, [], loaders))
+        reconcile(ledger.pool, guard.book_windows(now))  # type: ignore[attr-defined]
+        return
     deadline = time.monotonic() + wait_s
     while True:
         try:
             unflushed = ledger.unflushed_rows(wal)
             now = dt.datetime.now(dt.UTC)
-            ledger.session(partial(_load, guard, now, unflushed, loaders), read_only=True)
+            ledger.session(partial(_load_duck, guard, now, unflushed, loaders), read_only=True)
             if unflushed:
                 log.info("budget books count %d rows not yet in the ledger", len(unflushed))
             return
@@ -121,9 +135,14 @@ def load_books(
 
 
 def _load(
-    guard: BudgetGuard, now: dt.datetime, unflushed: list[dict[str, Any]], loaders: Sequence[Loader], conn: Any
+    guard: BudgetGuard, now: dt.datetime, unflushed: list[dict[str, Any]], loaders: Sequence[Loader], spend: Any
 ) -> None:
-    spend = DuckSpend(conn)
     for loader in loaders:
         loader(spend, now, unflushed)
     guard.load(spend, now, unflushed)
+
+
+def _load_duck(
+    guard: BudgetGuard, now: dt.datetime, unflushed: list[dict[str, Any]], loaders: Sequence[Loader], conn: Any
+) -> None:
+    _load(guard, now, unflushed, loaders, DuckSpend(conn))

@@ -22,9 +22,8 @@ from rich.text import Text
 from tokenward.pricing.budgets import Budget
 from tokenward.reports.alerts import Alert, AlertSettings, Notifier, html_text
 from tokenward.reports.budget_check import evaluate_and_notify, status_of, usd, velocity_of
-from tokenward.reports.cli_common import ledger_path, open_named, parse_when
+from tokenward.reports.cli_common import ledger_named, open_named, parse_when
 from tokenward.reports.keys import create_key, list_keys, revoke_key
-from tokenward.reports.ledger import DuckLedger
 from tokenward.reports.ledger.spend import DuckSpend
 
 __all__ = ["alerts", "budgets", "keys"]
@@ -147,7 +146,7 @@ def check(config: str | None, db: str | None, wait: float, dry_run: bool, at_tex
     """Evaluate budgets now and send the alerts due (as the proxy does on its schedule)."""
     configured, settings = load_sections(config)
     now = _instant(at_text)
-    state = DuckLedger(ledger_path(db, config)).state
+    state = ledger_named(db, config).state
     conn = open_named(db, config, wait, read_only=True)  # claims go to the state store, not the file
     try:
         sent = asyncio.run(
@@ -176,7 +175,7 @@ def alerts() -> None:
 @click.option("--limit", default=50, show_default=True)
 def history(config: str | None, db: str | None, wait: float, limit: int) -> None:
     """Alerts claimed, newest first, with every delivery attempt and its result."""
-    state = DuckLedger(ledger_path(db, config)).state
+    state = ledger_named(db, config).state
     claims = sorted(state.claims(), key=lambda c: c.created_at, reverse=True)[:limit]
     table = Table("claimed at", "budget", "kind", "threshold", "status", "attempts", "deliveries", "last error")
     for claim in claims:
@@ -235,7 +234,7 @@ def create(config: str | None, db: str | None, wait: float, name: str, team: str
             raise click.BadParameter(str(exc), param_hint="--config") from exc
         if name in configured:
             raise click.ClickException(f"the config already has a key named {name!r}; choose another name")
-    state = DuckLedger(ledger_path(db, config)).state
+    state = ledger_named(db, config).state
     try:
         key = create_key(state, name, team=team, project=project, now=dt.datetime.now(dt.UTC))
     except ValueError as exc:
@@ -252,7 +251,7 @@ def create(config: str | None, db: str | None, wait: float, name: str, team: str
 @_options
 def list_command(config: str | None, db: str | None, wait: float) -> None:
     """Stored keys (names, attribution, state; never the keys)."""
-    rows = list_keys(DuckLedger(ledger_path(db, config)).state)
+    rows = list_keys(ledger_named(db, config).state)
     table = Table("name", "team", "project", "created", "state")
     for key in rows:
         table.add_row(
@@ -282,7 +281,7 @@ def revoke(config: str | None, db: str | None, wait: float, name: str) -> None:
                 configured[key.name] = digest.lower()
         except ConfigError as exc:
             raise click.BadParameter(str(exc), param_hint="--config") from exc
-    state = DuckLedger(ledger_path(db, config)).state
+    state = ledger_named(db, config).state
     done = revoke_key(state, name, now=dt.datetime.now(dt.UTC), configured=configured)
     if not done:
         raise click.ClickException(f"no live key named {name!r}")

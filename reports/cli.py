@@ -19,15 +19,16 @@ import click
 
 from tokenward.reports import queries, render
 from tokenward.reports.cli_common import (
+    ledger_named,
     ledger_options,
     ledger_path,
-    open_named,
     open_read_only,
     parse_when,
     range_options,
     zone_named,
 )
-from tokenward.reports.ledger import LedgerError, migrations, open_ledger
+from tokenward.reports.ledger import LedgerError
+from tokenward.reports.ledger.wal import copy_row
 from tokenward.reports.report_cli import report
 
 __all__ = ["export", "ledger", "ledger_path", "parse_when", "report"]
@@ -84,33 +85,63 @@ def ledger() -> None:
 
 
 @ledger.command("migrate")
-@click.option("--db", type=click.Path(dir_okay=False), help="Ledger DuckDB file.")
+@click.option("--db", help="Ledger DuckDB file, or a postgresql:// URL.")
 @click.option("--config", "config", type=click.Path(dir_okay=False), help="Config file naming the ledger.")
 def migrate_command(db: str | None, config: str | None) -> None:
     """Create the ledger or bring its schema up to date (the proxy does this on start)."""
-    path = ledger_path(db, config)
-    existed = Path(path).exists()
+    target = ledger_named(db, config)
+    existed = target.engine != "duckdb" or Path(target.name).exists()
     try:
-        conn = open_ledger(path, wait_s=10, migrate_schema=False)
-        try:
-            applied = migrations.migrate(conn)
-        finally:
-            conn.close()
+        applied = target.migrate()
     except (LedgerError, OSError) as exc:
         raise click.ClickException(str(exc)) from exc
-    if not existed:
-        click.echo(f"created ledger {path} ({len(applied)} migrations applied)")
+    if not existed or (target.engine != "duckdb" and "m001_requests" in applied):
+        click.echo(f"created ledger {target.name} ({len(applied)} migrations applied)")
     elif applied:
-        click.echo(f"ledger {path}: applied {', '.join(applied)}")
+        click.echo(f"ledger {target.name}: applied {', '.join(applied)}")
     else:
-        click.echo(f"ledger {path} is up to date")
+        click.echo(f"ledger {target.name} is up to date")
+
+
+@ledger.command("copy")
+@click.option("--from", "source", required=True, help="Ledger to read: a DuckDB file or a postgresql:// URL.")
+@click.option("--to", "target", required=True, help="Ledger to write: a DuckDB file or a postgresql:// URL.")
+@click.option("--wait", default=10.0, show_default=True, help="Seconds to wait while a proxy holds a DuckDB file.")
+def copy_command(source: str, target: str, wait: float) -> None:
+    """Copy every row of one ledger into another (DuckDB to Postgres or back); idempotent.
+
+    Rows whose request id the target has already are skipped, so a copy interrupted or run
+    twice leaves exactly one row per request. Keys, alert claims and budget books are not
+    copied (the target's own state store keeps them).
+    """
+    reader, writer = ledger_named(source, None), ledger_named(target, None)
+    try:
+        writer.migrate()
+        conn = reader.connect(read_only=True, wait_s=wait)
+    except LedgerError as exc:
+        raise click.ClickException(str(exc)) from exc
+    read = written = 0
+    try:
+        batch: list[dict[str, object]] = []
+        for row in queries.export_rows(conn):
+            batch.append(copy_row(row))
+            if len(batch) >= 10_000:
+                read, written = read + len(batch), written + writer.write_rows(batch)
+                batch = []
+        if batch:
+            read, written = read + len(batch), written + writer.write_rows(batch)
+    except LedgerError as exc:
+        raise click.ClickException(f"{exc} ({written} rows copied before)") from exc
+    finally:
+        conn.close()
+    click.echo(f"copied {written} rows from {reader.name} to {writer.name} ({read - written} were there already)")
 
 
 @ledger.command("reconcile")
 @click.argument("request_id")
 @click.option("--cost", "cost", help="What the provider billed for it (USD, exact decimal).")
 @click.option("--not-billed", is_flag=True, help="The provider did not bill it.")
-@click.option("--db", type=click.Path(dir_okay=False), help="Ledger DuckDB file.")
+@click.option("--db", type=click.Path(dir_okay=False), help="Ledger DuckDB file, or a postgresql:// URL.")
 @click.option("--config", "config", type=click.Path(dir_okay=False), help="Config file naming the ledger.")
 @click.option("--wait", default=10.0, show_default=True, help="Seconds to wait while the proxy is writing.")
 def reconcile_command(
@@ -130,10 +161,14 @@ def reconcile_command(
         amount = None if not_billed else Decimal(str(cost))
     except InvalidOperation as exc:
         raise click.BadParameter(f"{cost!r} is not a decimal amount", param_hint="--cost") from exc
-    conn = open_named(db, config, wait, read_only=False)
+    store = ledger_named(db, config)
     try:
-        status = reconcile(conn, request_id, amount)
-    except ValueError as exc:
+        conn = store.connect(read_only=False, wait_s=wait)
+    except LedgerError as exc:
+        raise click.ClickException(str(exc)) from exc
+    try:
+        status = reconcile(conn, request_id, amount, store.apply_prices)
+    except (ValueError, LedgerError) as exc:
         raise click.ClickException(str(exc)) from exc
     finally:
         conn.close()

@@ -12,11 +12,13 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 import click
 import yaml
 
-from tokenward.reports.ledger import LedgerError, open_ledger
+from tokenward.reports.ledger import Ledger, LedgerError
 from tokenward.reports.ledger.duck import include_unflushed
+from tokenward.reports.ledger.factory import is_postgres_url, open_ledger_for, pick_url
 
 __all__ = [
     "DEFAULT_LEDGER",
+    "ledger_named",
     "ledger_options",
     "ledger_path",
     "open_named",
@@ -48,6 +50,34 @@ def ledger_path(db: str | None, config: str | None) -> str:
         path = (document.get("ledger") or {}).get("path") or DEFAULT_LEDGER
         return str(Path(config).resolve().parent / path)
     return DEFAULT_LEDGER
+
+
+def ledger_named(db: str | None, config: str | None) -> Ledger:
+    """The ledger named by ``--db`` (a file or a ``postgresql://`` URL), else ``TOKENWARD_LEDGER_URL``, else the config.
+
+    From the config: ``ledger.url`` (a Postgres ledger; its local files in ``ledger.spool_dir``,
+    default ``tokenward.spool`` beside the config), else the DuckDB file ``ledger.path``.
+
+    Raises:
+        click.BadParameter: the config file cannot be read, or its ``ledger.url`` is not a Postgres URL.
+    """
+    document: dict[str, Any] = {}
+    base = Path.cwd()
+    if config:
+        try:
+            document = (yaml.safe_load(Path(config).read_text(encoding="utf-8")) or {}).get("ledger") or {}
+        except (OSError, yaml.YAMLError, AttributeError) as exc:
+            raise click.BadParameter(f"cannot read {config}: {exc}", param_hint="--config") from exc
+        base = Path(config).resolve().parent
+    spool = document.get("spool_dir")
+    url = db if is_postgres_url(db) else (None if db else pick_url(document.get("url")))
+    try:
+        if url:
+            default = base / "tokenward.spool" if config else None
+            return open_ledger_for(url=url, spool_dir=base / spool if spool else default)
+        return open_ledger_for(path=ledger_path(db, config), spool_dir=base / spool if spool else None)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--config") from exc
 
 
 def parse_when(text: str | None, tz: ZoneInfo, now: dt.datetime | None = None) -> dt.datetime | None:
@@ -88,7 +118,7 @@ def ledger_options(fn: F) -> F:
     """Add ``--db``, ``--config`` and ``--wait`` (which ledger, and how long to wait for the proxy's flush)."""
     fn = click.option("--wait", default=10.0, show_default=True, help="Seconds to wait while the proxy is writing.")(fn)
     fn = click.option("--config", "config", type=click.Path(dir_okay=False), help="Config file naming the ledger.")(fn)
-    fn = click.option("--db", type=click.Path(dir_okay=False), help="Ledger DuckDB file.")(fn)
+    fn = click.option("--db", type=click.Path(dir_okay=False), help="Ledger DuckDB file, or a postgresql:// URL.")(fn)
     return fn
 
 
@@ -105,18 +135,19 @@ def open_named(db: str | None, config: str | None, wait: float, *, read_only: bo
 
     Read-only, ``requests`` also shows the rows still in the write-ahead log
     (:func:`~tokenward.reports.ledger.duck.include_unflushed`), so a report is current to the
-    last finished request.
+    last finished request: the DuckDB file's log, or for a Postgres ledger (a local report copy)
+    this host's log in ``ledger.spool_dir`` (other replicas' logs are on their own disks).
 
     Raises:
         click.ClickException: no ledger there (when ``read_only``), or it stayed locked.
     """
-    path = ledger_path(db, config)
+    ledger = ledger_named(db, config)
     try:
-        conn = open_ledger(path, read_only=read_only, wait_s=wait)
+        conn = ledger.connect(read_only=read_only, wait_s=wait)
     except LedgerError as exc:
         raise click.ClickException(str(exc)) from exc
-    if read_only:  # what the proxy has logged but not moved into the file yet counts too
-        include_unflushed(conn, Path(path + ".spool"))
+    if read_only:  # what the proxy has logged but not moved into the ledger yet counts too
+        include_unflushed(conn, ledger.spool_dir)
     return conn
 
 

@@ -24,7 +24,7 @@ from rich.table import Table
 from tokenward.pricing.catalog import CatalogError, PriceCatalog, PriceEntry, read_file
 from tokenward.pricing.imports import from_litellm, from_sheet, to_yaml
 from tokenward.pricing.settings import PricingSettings, build_catalog
-from tokenward.reports.cli_common import DEFAULT_LEDGER, open_named, parse_when
+from tokenward.reports.cli_common import DEFAULT_LEDGER, ledger_named, open_named, parse_when
 from tokenward.reports.reprice import reprice
 
 __all__ = ["pricing"]
@@ -157,7 +157,7 @@ def _adjustment(adjustment: Any) -> str:
 
 def _ledger_options(fn: F) -> F:
     fn = click.option("--wait", default=10.0, show_default=True, help="Seconds to wait while the proxy is writing.")(fn)
-    fn = click.option("--db", type=click.Path(dir_okay=False), help="Ledger DuckDB file.")(fn)
+    fn = click.option("--db", type=click.Path(dir_okay=False), help="Ledger DuckDB file, or a postgresql:// URL.")(fn)
     return fn
 
 
@@ -329,6 +329,7 @@ def reprice_command(
         if bound is not None:
             clauses.append(f"started_at {op} ?")
             params.append(bound)
+    ledger = ledger_named(db, config)
     conn = open_named(db, config, wait, read_only=dry_run)
     try:
         result = reprice(
@@ -338,6 +339,7 @@ def reprice_command(
             params=params,
             fallback=settings.unpriced == "fallback",
             dry_run=dry_run,
+            apply=ledger.apply_prices,
         )
     finally:
         conn.close()

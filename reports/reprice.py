@@ -10,9 +10,8 @@ Nothing else in a row is touched, and a dry run changes nothing.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
@@ -23,6 +22,7 @@ import msgspec
 from tokenward.pricing.catalog import PriceCatalog
 from tokenward.pricing.quote import PriceStatus, quote
 from tokenward.pricing.usage import TOKEN_FIELDS, Usage, UsageSource
+from tokenward.reports.ledger.duck import apply_prices
 
 __all__ = ["RepriceResult", "reprice"]
 
@@ -57,6 +57,7 @@ def reprice(
     params: list[Any] | None = None,
     fallback: bool = False,
     dry_run: bool = False,
+    apply: Callable[[duckdb.DuckDBPyConnection, list[dict[str, Any]]], None] | None = None,
 ) -> RepriceResult:
     """Price metered rows again and store what changed.
 
@@ -67,6 +68,8 @@ def reprice(
         params: the values of ``where``'s placeholders.
         fallback: whether the catalog's fallback rates may price otherwise unpriced rows.
         dry_run: compute and report, but update nothing.
+        apply: stores the changed cost columns (the ledger's ``apply_prices``; default: an
+            UPDATE of the DuckDB file behind ``conn``).
 
     Returns:
         The counts and totals before and after.
@@ -130,7 +133,7 @@ def reprice(
             }
         )
     if updates and not dry_run:
-        _apply(conn, updates)
+        (apply or apply_prices)(conn, updates)
     return result
 
 
@@ -141,33 +144,3 @@ def _tally(result: RepriceResult, model: str | None, before: Decimal | None, aft
     entry[2] += after or 0
     result.before += before or 0
     result.after += after or 0
-
-
-def _apply(conn: duckdb.DuckDBPyConnection, updates: list[dict[str, Any]]) -> None:
-    fd, name = tempfile.mkstemp(suffix=".jsonl")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(_encoder.encode_lines(updates))
-        conn.execute("BEGIN TRANSACTION")
-        try:
-            conn.execute(
-                "CREATE TEMP TABLE repriced AS SELECT * FROM read_json(?, format = 'newline_delimited', columns = "
-                "{'request_id': 'VARCHAR', 'price_status': 'VARCHAR', 'cost_usd': 'DECIMAL(38,12)', "
-                "'price_entry_id': 'VARCHAR', 'price_resolved_by': 'VARCHAR', 'cost_lines': 'JSON', "
-                "'output_cost_usd': 'DECIMAL(38,12)', 'cache_savings_usd': 'DECIMAL(38,12)'})",
-                [name],
-            )
-            conn.execute(
-                "UPDATE requests SET price_status = r.price_status, cost_usd = r.cost_usd, "
-                "price_entry_id = r.price_entry_id, price_resolved_by = r.price_resolved_by, "
-                "cost_lines = r.cost_lines, output_cost_usd = r.output_cost_usd, "
-                "cache_savings_usd = r.cache_savings_usd "
-                "FROM repriced AS r WHERE requests.request_id = r.request_id"
-            )
-            conn.execute("DROP TABLE repriced")
-            conn.execute("COMMIT")
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
-    finally:
-        os.unlink(name)

@@ -223,3 +223,25 @@ def start_proxy(tmp_path: Path, simulator: SimulatorServer) -> Iterator[ProxyFac
     factory = ProxyFactory(tmp_path, simulator)
     yield factory
     factory.stop_all()
+
+
+@pytest.fixture(scope="session")
+def pg_cluster() -> Iterator[Any]:
+    """A throwaway Postgres cluster (tests/pgcluster.py) for the session; skips when Postgres is not installed."""
+    from .pgcluster import start_cluster
+
+    cluster = start_cluster()
+    if cluster is None:
+        pytest.skip("Postgres is not installed (apt-get install postgresql): Postgres tests skipped")
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def pg_url(pg_cluster: Any) -> str:
+    """A new, empty database on the session's cluster, as a ``postgresql://`` URL."""
+    import uuid
+
+    return str(pg_cluster.create_database(f"t_{uuid.uuid4().hex[:12]}"))

@@ -232,7 +232,7 @@ def test_no_sequence_of_requests_spends_past_a_limit(steps, limit, mini_limit, m
             attributes = {"model": (model,)}
             worst = _worst(model, input_tokens, output)
             try:
-                flight.append((guard.admit(attributes, worst, NOW), model, input_tokens, output, used))
+                flight.append((await guard.admit(attributes, worst, NOW), model, input_tokens, output, used))
                 continue
             except BudgetRefusal:
                 pass

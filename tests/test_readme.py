@@ -267,7 +267,8 @@ def check_yaml(text: str, directory: Path) -> None:
         assert any(entry.model == "mistral-large-latest" for entry in catalog.entries.values())
         return
     path = directory / "readme-config.yaml"
-    path.write_text("upstreams: [{name: a, base_url: 'http://127.0.0.1:9/v1'}]\n" + text)
+    upstreams = "" if "upstreams" in document else "upstreams: [{name: a, base_url: 'http://127.0.0.1:9/v1'}]\n"
+    path.write_text(upstreams + text)  # a fragment, or a whole config
     config = load_config(path)  # every fragment is valid configuration
     if "budgets" in document:
         assert config.budgets and len(config.budgets) == len(document["budgets"]), text[:40]

@@ -2,19 +2,29 @@
 
 Map of the package (each engine's SQL lives in its own module; the rest is engine-neutral):
 
+* :mod:`~tokenward.reports.ledger.base`: :class:`Ledger`, the interface every engine implements;
+* :mod:`~tokenward.reports.ledger.factory`: which engine a configuration names;
 * :mod:`~tokenward.reports.ledger.schema`: the row every engine stores (:data:`ROW_COLUMNS`) and
   what a row counts against a budget;
 * :mod:`~tokenward.reports.ledger.wal`: the write-ahead log that makes each row durable before
   the client hears back, and recovers what a dead process left;
 * :mod:`~tokenward.reports.ledger.duck`: the DuckDB engine (the default, one file);
 * :mod:`~tokenward.reports.ledger.migrations`: the DuckDB schema's versioned migrations;
+* :mod:`~tokenward.reports.ledger.postgres`, :mod:`~tokenward.reports.ledger.pg_migrations`,
+  :mod:`~tokenward.reports.ledger.pg_state`, :mod:`~tokenward.reports.ledger.pg_spend`: the
+  Postgres engine (several replicas), its schema, state and spend SQL;
+* :mod:`~tokenward.reports.ledger.mirror`: the local DuckDB copy of a Postgres ledger that
+  reports run on (the same SQL, so the same numbers);
+* :mod:`~tokenward.reports.ledger.books`: the budget books (spent and held per budget and
+  period): in memory for one process, in Postgres for replicas;
+* :mod:`~tokenward.reports.ledger.isolate`: setting aside the rows an engine refuses;
 * :mod:`~tokenward.reports.ledger.state`: alert claims and deliveries, stored keys, provider
   object owners (SQLite beside a DuckDB file, so that no reader can block them);
 * :mod:`~tokenward.reports.ledger.spend`: what budget evaluation reads;
 * :mod:`~tokenward.reports.ledger.legacy`: the one-time move of older versions' state.
 
 :class:`DuckLedger` ties a DuckDB file to its log directory and state store; the proxy and the
-CLI reach storage through it.
+CLI reach storage through the :class:`Ledger` interface it implements.
 """
 
 from __future__ import annotations
@@ -29,7 +39,9 @@ from typing import Any, TypeVar
 
 import duckdb
 
-from tokenward.reports.ledger.duck import insert_lines, open_ledger
+from tokenward.reports.ledger import spooled
+from tokenward.reports.ledger.base import Ledger
+from tokenward.reports.ledger.duck import apply_prices, insert_lines, open_ledger
 from tokenward.reports.ledger.errors import LedgerBusy, LedgerError
 from tokenward.reports.ledger.schema import ROW_COLUMNS, SPEND_EXPRESSION
 from tokenward.reports.ledger.state import SqliteState, StateStore
@@ -39,6 +51,7 @@ __all__ = [
     "ROW_COLUMNS",
     "SPEND_EXPRESSION",
     "DuckLedger",
+    "Ledger",
     "LedgerBusy",
     "LedgerError",
     "StateStore",
@@ -54,19 +67,55 @@ T = TypeVar("T")
 class DuckLedger:
     """A DuckDB ledger file, its write-ahead log directory (``<file>.spool``) and its state (``<file>.state.sqlite``).
 
-    Sessions in this process are serialised (DuckDB lets one connection configuration hold a file).
+    Implements :class:`Ledger`. Sessions in this process are serialised (DuckDB lets one
+    connection configuration hold a file). One proxy process per file (``shared`` is false).
 
     Args:
         path: the DuckDB file.
+        spool_dir: the write-ahead log directory (default ``<path>.spool``).
     """
 
     engine = "duckdb"
+    shared = False
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, spool_dir: str | Path | None = None) -> None:
         self.path = str(path)
-        self.spool_dir = Path(self.path + ".spool")
+        self.spool_dir = Path(spool_dir) if spool_dir else Path(self.path + ".spool")
         self.state = SqliteState(self.path + ".state.sqlite")
         self._lock = threading.Lock()
+
+    @property
+    def name(self) -> str:
+        """The file's path."""
+        return self.path
+
+    def connect(self, *, read_only: bool, wait_s: float = 0.0) -> duckdb.DuckDBPyConnection:
+        """See :meth:`Ledger.connect`: the file itself."""
+        return open_ledger(self.path, read_only=read_only, wait_s=wait_s)
+
+    def read_spend(self, work: Callable[[Any], T]) -> T:
+        """See :meth:`Ledger.read_spend`: :class:`~tokenward.reports.ledger.spend.DuckSpend` on the file."""
+        from tokenward.reports.ledger.spend import DuckSpend
+
+        return self.session(lambda conn: work(DuckSpend(conn)), read_only=True)
+
+    def migrate(self) -> list[str]:
+        """See :meth:`Ledger.migrate`."""
+        from tokenward.reports.ledger import migrations
+
+        conn = open_ledger(self.path, wait_s=10, migrate_schema=False)
+        try:
+            return migrations.migrate(conn)
+        finally:
+            conn.close()
+
+    def write_rows(self, rows: Iterable[Mapping[str, Any]]) -> int:
+        """See :meth:`Ledger.write_rows` (:func:`write_rows` on the file, de-duplicated)."""
+        return write_rows(self.path, rows, dedupe=True)
+
+    def apply_prices(self, conn: duckdb.DuckDBPyConnection, updates: list[dict[str, Any]]) -> None:
+        """See :meth:`Ledger.apply_prices`: an UPDATE of the file behind ``conn``."""
+        apply_prices(conn, updates)
 
     @property
     def quarantine(self) -> Path:
@@ -134,17 +183,7 @@ class DuckLedger:
 
     def waiting_segments(self, wal: WriteAheadLog | None = None) -> int:
         """Log files waiting to go into the ledger: ``wal``'s closed rows files and dead writers' files."""
-        if not self.spool_dir.exists():
-            return 0
-        own = wal.writer_id if wal is not None else None
-        count = 0
-        for path in self.spool_dir.iterdir():
-            name = path.name
-            if name.endswith(".rows.jsonl") and not name.startswith(f"{own}-"):
-                count += 1
-            elif name.endswith((".jsonl", ".part")) and name[:1].isdigit():
-                count += 1
-        return count + (len(wal.closed_rows()) if wal is not None else 0)
+        return spooled.waiting_segments(self.spool_dir, wal)
 
     def unflushed_rows(self, wal: WriteAheadLog | None = None) -> list[dict[str, Any]]:
         """Rows in the log that are not in the file yet: ``wal``'s and dead writers' (with their in-flight rows).
@@ -153,26 +192,9 @@ class DuckLedger:
         written. Rows a dead writer had inserted already (it died before its cleanup) are left
         out when the file can be read.
         """
-        rows: list[dict[str, Any]] = []
-        if wal is not None:
-            from tokenward.reports.ledger.wal import read_rows
-
-            for path in wal.closed_rows():
-                rows += read_rows(path)
-        dead = dead_writers(self.spool_dir, own=wal.writer_id if wal is not None else None)
-        try:
-            recovered = [row for writer in dead for row in writer.rows()]
-        finally:
-            for writer in dead:
-                writer.release()
-        if recovered:
-            ids = [str(row.get("request_id")) for row in recovered]
-            try:
-                present = self.session(lambda conn: _present(conn, ids), read_only=True)
-            except LedgerError:
-                present = set()
-            rows += [row for row in recovered if row.get("request_id") not in present]
-        return rows
+        return spooled.unflushed_rows(
+            self.spool_dir, wal, lambda ids: self.session(lambda conn: _present(conn, ids), read_only=True)
+        )
 
 
 def _present(conn: duckdb.DuckDBPyConnection, ids: list[str]) -> set[str]:
@@ -180,10 +202,11 @@ def _present(conn: duckdb.DuckDBPyConnection, ids: list[str]) -> set[str]:
     return {r[0] for r in found}
 
 
-def write_rows(path: str | Path, rows: Iterable[Mapping[str, Any]]) -> int:
+def write_rows(path: str | Path, rows: Iterable[Mapping[str, Any]], *, dedupe: bool = False) -> int:
     """Insert ``rows`` (dicts keyed by :data:`ROW_COLUMNS`) into the ledger at ``path`` at once.
 
-    For tools and tests that seed a ledger; the proxy writes through its log instead.
+    For tools and tests that seed a ledger; the proxy writes through its log instead. With
+    ``dedupe``, rows whose ``request_id`` is present already are skipped.
 
     Raises:
         LedgerBusy: another process holds the file.
@@ -200,7 +223,7 @@ def write_rows(path: str | Path, rows: Iterable[Mapping[str, Any]]) -> int:
         conn = open_ledger(path)
         try:
             return insert_lines(
-                conn, [Path(name)], dedupe=False, quarantine=directory / "quarantine.jsonl", scratch=directory
+                conn, [Path(name)], dedupe=dedupe, quarantine=directory / "quarantine.jsonl", scratch=directory
             )
         finally:
             conn.close()

@@ -21,20 +21,25 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import duckdb
+import msgspec
 
 from tokenward.reports.ledger.errors import LedgerBusy, LedgerError
+from tokenward.reports.ledger.isolate import insert_isolating
 from tokenward.reports.ledger.migrations import migrate, pending
 from tokenward.reports.ledger.schema import ROW_COLUMNS
 
-__all__ = ["connect", "include_unflushed", "insert_lines", "open_ledger"]
+__all__ = ["apply_prices", "connect", "include_unflushed", "insert_lines", "open_ledger"]
 
 log = logging.getLogger("tokenward.ledger")
 
 # DuckDB's messages when another process holds the file, or (inside one process) when a
 # connection with another configuration (read-only against read-write) is open on it.
 _BUSY_MARKERS = ("Could not set lock", "Conflicting lock", "different configuration")
+_encoder = msgspec.json.Encoder(decimal_format="string")
+_REFUSED = (duckdb.ConversionException, duckdb.InvalidInputException, duckdb.ConstraintException)
 _COLUMNS_SPEC = "{" + ", ".join(f"'{name}': '{kind}'" for name, kind in ROW_COLUMNS.items()) + "}"
 _SOURCE = (
     "SELECT * REPLACE (to_timestamp(started_at) AS started_at, to_timestamp(ended_at) AS ended_at) "
@@ -150,7 +155,7 @@ def insert_lines(
     """
     try:
         return _insert(conn, [str(f) for f in files], dedupe)
-    except (duckdb.ConversionException, duckdb.InvalidInputException, duckdb.ConstraintException) as exc:
+    except _REFUSED as exc:
         log.error("a write-ahead segment holds rows DuckDB refuses (%s); isolating them", exc)
     lines = [line for f in files for line in _lines(f)]
     return _insert_searching(conn, lines, dedupe, quarantine, scratch)
@@ -179,30 +184,54 @@ def _insert_searching(
     conn: duckdb.DuckDBPyConnection, lines: list[bytes], dedupe: bool, quarantine: Path, scratch: Path
 ) -> int:
     """Insert ``lines``, halving any group DuckDB refuses until the refused lines stand alone."""
-    if not lines:
-        return 0
-    handle, name = tempfile.mkstemp(suffix=".jsonl", dir=scratch)
-    try:
-        with os.fdopen(handle, "wb") as out:
-            out.write(b"\n".join(lines) + b"\n")
+
+    def insert(group: list[bytes]) -> int:
+        handle, name = tempfile.mkstemp(suffix=".jsonl", dir=scratch)
         try:
+            with os.fdopen(handle, "wb") as out:
+                out.write(b"\n".join(group) + b"\n")
             return _insert(conn, [name], dedupe)
-        except (duckdb.ConversionException, duckdb.InvalidInputException, duckdb.ConstraintException) as exc:
-            if len(lines) == 1:
-                _quarantine(quarantine, lines[0], str(exc))
-                return 0
+        finally:
+            os.unlink(name)
+
+    return insert_isolating(lines, insert, _REFUSED, quarantine)
+
+
+_PRICE_COLUMNS = (
+    "{'request_id': 'VARCHAR', 'price_status': 'VARCHAR', 'cost_usd': 'DECIMAL(38,12)', "
+    "'price_entry_id': 'VARCHAR', 'price_resolved_by': 'VARCHAR', 'cost_lines': 'JSON', "
+    "'output_cost_usd': 'DECIMAL(38,12)', 'cache_savings_usd': 'DECIMAL(38,12)'}"
+)
+
+
+def apply_prices(conn: duckdb.DuckDBPyConnection, updates: list[dict[str, Any]]) -> None:
+    """Store re-priced cost columns for the request ids of ``updates`` in one transaction.
+
+    Each update holds ``request_id``, ``price_status``, ``cost_usd``, ``price_entry_id``,
+    ``price_resolved_by``, ``cost_lines``, ``output_cost_usd`` and ``cache_savings_usd``.
+    """
+    fd, name = tempfile.mkstemp(suffix=".jsonl")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(_encoder.encode_lines(updates))
+        conn.execute("BEGIN TRANSACTION")
+        try:
+            conn.execute(
+                "CREATE TEMP TABLE repriced AS SELECT * FROM read_json(?, format = 'newline_delimited', "
+                f"columns = {_PRICE_COLUMNS})",
+                [name],
+            )
+            conn.execute(
+                "UPDATE requests SET price_status = r.price_status, cost_usd = r.cost_usd, "
+                "price_entry_id = r.price_entry_id, price_resolved_by = r.price_resolved_by, "
+                "cost_lines = r.cost_lines, output_cost_usd = r.output_cost_usd, "
+                "cache_savings_usd = r.cache_savings_usd "
+                "FROM repriced AS r WHERE requests.request_id = r.request_id"
+            )
+            conn.execute("DROP TABLE repriced")
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
     finally:
         os.unlink(name)
-    middle = len(lines) // 2
-    return _insert_searching(conn, lines[:middle], dedupe, quarantine, scratch) + _insert_searching(
-        conn, lines[middle:], dedupe, quarantine, scratch
-    )
-
-
-def _quarantine(path: Path, line: bytes, reason: str) -> None:
-    import msgspec
-
-    record = msgspec.json.encode({"reason": reason[:500], "at": time.time(), "line": line.decode("utf-8", "replace")})
-    with open(path, "ab") as out:
-        out.write(record + b"\n")
-    log.error("quarantined one ledger row in %s: %s", path, reason[:200])

@@ -10,16 +10,27 @@ cost line ``reconciled``), or ``not_billed`` at $0.
 
 from __future__ import annotations
 
-import json
+from collections.abc import Callable
 from decimal import Decimal
+from typing import Any
 
 import duckdb
 
+from tokenward.reports.ledger.duck import apply_prices
+
 __all__ = ["reconcile"]
 
+Apply = Callable[[duckdb.DuckDBPyConnection, list[dict[str, Any]]], None]
+"""``apply(conn, updates)``: store price columns (``Ledger.apply_prices``: the DuckDB file, or Postgres)."""
 
-def reconcile(conn: duckdb.DuckDBPyConnection, request_id: str, cost_usd: Decimal | None) -> str:
+
+def reconcile(
+    conn: duckdb.DuckDBPyConnection, request_id: str, cost_usd: Decimal | None, apply: Apply = apply_prices
+) -> str:
     """Settle the ``usage_unknown`` row ``request_id`` at ``cost_usd`` (``None``: not billed).
+
+    The row is read on ``conn`` and written through ``apply`` (the ledger's engine: for a
+    Postgres ledger ``conn`` is its report copy and ``apply`` writes the server's row too).
 
     Returns:
         The row's new price status (``priced`` or ``not_billed``).
@@ -27,7 +38,10 @@ def reconcile(conn: duckdb.DuckDBPyConnection, request_id: str, cost_usd: Decima
     Raises:
         ValueError: no such row, the row is not ``usage_unknown``, or a negative cost.
     """
-    found = conn.execute("SELECT price_status FROM requests WHERE request_id = ?", [request_id]).fetchone()
+    found = conn.execute(
+        "SELECT price_status, price_entry_id, output_cost_usd, cache_savings_usd FROM requests WHERE request_id = ?",
+        [request_id],
+    ).fetchone()
     if found is None:
         raise ValueError(f"no ledger row has request_id {request_id!r}")
     if found[0] != "usage_unknown":
@@ -37,9 +51,15 @@ def reconcile(conn: duckdb.DuckDBPyConnection, request_id: str, cost_usd: Decima
     status = "not_billed" if cost_usd is None else "priced"
     amount = Decimal(0) if cost_usd is None else cost_usd
     line = [{"component": "reconciled", "quantity": 1, "rate": str(amount), "amount": str(amount), "rule": "bill"}]
-    conn.execute(
-        "UPDATE requests SET price_status = ?, cost_usd = ?, price_resolved_by = 'reconciled', cost_lines = ? "
-        "WHERE request_id = ?",
-        [status, amount, json.dumps(line), request_id],
-    )
+    update = {
+        "request_id": request_id,
+        "price_status": status,
+        "cost_usd": amount,
+        "price_entry_id": found[1],
+        "price_resolved_by": "reconciled",
+        "cost_lines": line,
+        "output_cost_usd": found[2],
+        "cache_savings_usd": found[3],
+    }
+    apply(conn, [update])
     return status

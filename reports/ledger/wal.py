@@ -40,7 +40,7 @@ import msgspec
 
 from tokenward.reports.ledger.schema import ROW_COLUMNS
 
-__all__ = ["DeadWriter", "WriteAheadLog", "dead_writers", "encode_row", "fill_row", "read_rows"]
+__all__ = ["DeadWriter", "WriteAheadLog", "copy_row", "dead_writers", "encode_row", "fill_row", "read_rows"]
 
 log = logging.getLogger("tokenward.ledger")
 
@@ -65,6 +65,23 @@ def fill_row(partial: dict[str, Any]) -> dict[str, Any]:
     if row.get("ended_at") is None:
         row["ended_at"] = row.get("started_at")
     return row
+
+
+def copy_row(row: dict[str, Any]) -> dict[str, Any]:
+    """A row as a ledger returns it (``export_rows``: datetimes, JSON text) in the log's form (epoch seconds, JSON).
+
+    What ``tokenward ledger copy`` hands the target ledger's ``write_rows``.
+    """
+    out = dict(row)
+    for name in ("started_at", "ended_at"):
+        value = out.get(name)
+        if value is not None and not isinstance(value, int | float):
+            out[name] = value.timestamp()
+    for name, kind in ROW_COLUMNS.items():
+        value = out.get(name)
+        if kind == "JSON" and isinstance(value, str):
+            out[name] = msgspec.json.decode(value)
+    return out
 
 
 def read_rows(path: Path) -> list[dict[str, Any]]:
