@@ -49,10 +49,12 @@ from tokenward.proxy.scheduler import (
     run_budget_check_soon,
 )
 from tokenward.proxy.startup import (
+    LOCAL_REFRESH_S,
     StartupError,
     import_legacy_state,
     load_books,
     needs_single_proxy,
+    refresh_local_books,
     runs_allowed,
     single_proxy_lock,
 )
@@ -209,6 +211,12 @@ def create_app(
         made = partial(lambda g: g.book_windows(dt.datetime.now(dt.UTC), made=True), guard)
         scheduler.add_job(
             reconcile_books, "interval", seconds=RECONCILE_S, args=[ledger, made], id="books-reconcile-made"
+        )
+
+    if ledger.shared and guard is not None and any(not b.blocking for b in guard.budgets):
+        # budgets that do not block are counted in each replica's memory: read every replica's rows
+        scheduler.add_job(
+            refresh_local_books, "interval", seconds=LOCAL_REFRESH_S, args=[ledger, guard], id="local-books-refresh"
         )
 
     @asynccontextmanager

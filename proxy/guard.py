@@ -266,6 +266,45 @@ class BudgetGuard:
         for book in self._books:
             book.crossed = {t for t in book.budget.thresholds if book.spent * 100 >= book.budget.limit_usd * t}
 
+    def read_local(self, source: Any, now: dt.datetime) -> list[tuple[_Book, Any]]:
+        """What the ledger holds now for each configured budget kept in this process's memory.
+
+        On a shared ledger (Postgres) a budget that does not block is counted per replica in
+        memory: each replica sees only the rows it served. This reads every replica's rows (off
+        the event loop: ``source`` is a spend source); :meth:`apply_local` sets the books to them.
+        """
+        figures = []
+        for book in self._books:
+            if book.store is not self.local or book.budget.blocking:
+                continue
+            start, end = book.budget.period.window(now)
+            if book.budget.period.kind == "rolling":
+                figures.append((book, ("rolling", start, list(source.rolling_events(book.budget, start)))))
+            else:
+                spent = source.spend_in(book.budget, start, end)
+                models = source.top_spenders(book.budget, start, end, "model", 1000)
+                keys = source.top_spenders(book.budget, start, end, "key", 1000)
+                figures.append((book, ("calendar", start, end, spent, models, keys)))
+        return figures
+
+    def apply_local(self, figures: list[tuple[_Book, Any]]) -> None:
+        """Set books to what :meth:`read_local` read (on the event loop); thresholds already crossed stay so."""
+        for book, figure in figures:
+            if figure[0] == "rolling":
+                _, start, events = figure
+                book.start, book.events, book.by_model, book.by_key = start, deque(), {}, {}
+                book.store.set_spent(book.key, Decimal(0))
+                for started, amount, model, key in events:
+                    book.count(started, amount, model, key)
+            else:
+                _, start, end, spent, models, keys = figure
+                if start != book.start:  # the period turned meanwhile: the next pass reads the new one
+                    continue
+                book.store.set_spent(book.key, spent)
+                book.by_model, book.by_key = dict(models), dict(keys)
+            limit = book.budget.limit_usd
+            book.crossed |= {t for t in book.budget.thresholds if book.spent * 100 >= limit * t}
+
     def book_windows(
         self, now: dt.datetime, *, made: bool = False
     ) -> list[tuple[Budget, Any, dt.datetime, dt.datetime]]:

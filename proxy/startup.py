@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import fcntl
 import logging
@@ -27,7 +28,18 @@ from tokenward.reports.ledger import DuckLedger, Ledger, LedgerBusy, LedgerError
 from tokenward.reports.ledger.legacy import import_legacy_state as _import
 from tokenward.reports.ledger.spend import DuckSpend
 
-__all__ = ["StartupError", "import_legacy_state", "load_books", "needs_single_proxy", "single_proxy_lock"]
+__all__ = [
+    "LOCAL_REFRESH_S",
+    "StartupError",
+    "import_legacy_state",
+    "load_books",
+    "needs_single_proxy",
+    "refresh_local_books",
+    "single_proxy_lock",
+]
+
+LOCAL_REFRESH_S = 10.0
+"""How often (s) each replica on a shared ledger reads every replica's spend for the budgets it counts in memory."""
 
 log = logging.getLogger("tokenward.proxy")
 
@@ -132,6 +144,23 @@ def load_books(
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.1)
+
+
+async def refresh_local_books(ledger: Ledger, guard: BudgetGuard) -> None:
+    """Set the books of budgets that do not block to every replica's rows in a shared ledger.
+
+    Those books are kept in each replica's memory (only blocking budgets need the shared store's
+    round trips), so without this each replica's budget headers, ``GET /v1/tokenward/budget`` and
+    threshold checks would count only its own traffic. Rows this replica has not moved yet show
+    at the next pass (within a flush interval).
+    """
+    now = dt.datetime.now(dt.UTC)
+    try:
+        figures = await asyncio.to_thread(ledger.read_spend, partial(guard.read_local, now=now))
+    except LedgerError as exc:
+        log.warning("cannot read the ledger to refresh the budgets counted in memory: %s", exc)
+        return
+    guard.apply_local(figures)
 
 
 def _load(

@@ -45,6 +45,8 @@ def test_healthz_reports_the_ledger_and_answers_503_while_it_cannot_be_written(s
     assert 0 <= body["last_write_age_s"] < 1  # flushes every 0.05 s here, even with nothing to write
     httpx.post(f"{proxy.url}/v1/chat/completions", json=CHAT_BODY, headers={RECORD_HEADER: CHAT})
     assert len(proxy.rows(1)) == 1
+    # and the proxy's own log holds nothing more (a move of its own may still be finishing)
+    assert wait_until(lambda: httpx.get(f"{proxy.url}/healthz").json()["spool_rows"] == 0)
 
     recorder = proxy.app.state.recorder
     recorder.stale_after_s = 0.5

@@ -321,3 +321,27 @@ def test_a_runs_ttl_is_one_clock_for_every_replica(tmp_path, pg_url):
         finally:
             for proc in procs:
                 proc.stop()
+
+
+def test_a_budget_that_does_not_block_counts_every_replicas_rows(tmp_path, pg_url):
+    # kept in each replica's memory (no shared book: nothing to reserve), read back from the ledger
+    # every LOCAL_REFRESH_S: 3 requests on one replica and 2 on the other are 5 x $4.2e-6 on both
+    extra = f"budgets:\n  - {{name: watch, limit_usd: {ONE * 100}, period: day, thresholds: [50]}}\n"
+    body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+    auth = {"authorization": "Bearer sk-client"}
+    with CountingUpstream(wait_s=0.01) as upstream:
+        procs = replicas(tmp_path, upstream.url, pg_url, extra, count=2)
+        try:
+            for i in range(5):
+                reply = httpx.post(f"{procs[i % 2].url}/v1/chat/completions", json=body, headers=auth, timeout=10)
+                assert reply.status_code == 200
+
+            def spent() -> list[Decimal]:
+                views = [httpx.get(f"{p.url}/v1/tokenward/budget", headers=auth, timeout=10).json() for p in procs]
+                return [Decimal(b["spent_usd"]) for view in views for b in view["budgets"] if b["name"] == "watch"]
+
+            assert spent() != [ONE * 5] * 2  # each replica has counted only its own rows so far
+            assert wait_until(lambda: spent() == [Decimal("0.000021")] * 2, timeout=30), spent()
+        finally:
+            for proc in procs:
+                proc.stop()
