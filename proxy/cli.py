@@ -216,7 +216,7 @@ def config_check(config_path: str) -> None:
         click.echo(f"warning: {warning}", err=True)
     click.echo(
         f"{config_path}: ok ({len(config.upstreams)} upstreams, {len(config.budgets)} budgets, "
-        f"auth {config.auth.mode}, ledger {config.ledger.path})"
+        f"auth {config.auth.mode}, ledger {config.open_ledger().name})"
     )
 
 
