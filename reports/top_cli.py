@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import datetime as dt
 import os
-import time
+import signal
+import threading
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -258,18 +259,30 @@ def top(url: str, token: str | None, interval: float, tz: str | None, once: bool
             console.print(render(first, url, width=console.width))
             return
         state: dict[str, Any] | None = None
+        stop = _stop_on_ctrl_c()
         with Live(console=console, auto_refresh=False, transient=False) as live:
-            try:
-                while True:
-                    error = None
-                    try:
-                        state = fetch_state(client, url, zone)
-                    except httpx.HTTPError as exc:
-                        error = f"cannot reach the proxy at {url}: {exc}; retrying every {interval:g} s"
-                    if state is not None:
-                        live.update(render(state, url, width=console.width, error=error), refresh=True)
-                    else:
-                        live.update(Text(error or "", style="bold red"), refresh=True)
-                    time.sleep(interval)
-            except KeyboardInterrupt:
-                return
+            while not stop.is_set():
+                error = None
+                try:
+                    state = fetch_state(client, url, zone)
+                except httpx.HTTPError as exc:
+                    error = f"cannot reach the proxy at {url}: {exc}; retrying every {interval:g} s"
+                if state is not None:
+                    live.update(render(state, url, width=console.width, error=error), refresh=True)
+                else:
+                    live.update(Text(error or "", style="bold red"), refresh=True)
+                stop.wait(interval)
+
+
+def _stop_on_ctrl_c() -> threading.Event:
+    """An event Ctrl-C (SIGINT) sets, instead of a ``KeyboardInterrupt`` raised wherever the loop is.
+
+    Raised inside an HTTP request, the interrupt can leave httpcore's pool lock taken and the
+    client's close then waits on it for ever (encode/httpcore#990, #996): Ctrl-C would not quit.
+    SIGINT is also unblocked and given a handler even if the parent ignored or blocked it (both
+    are inherited across exec), since a terminal view must quit on Ctrl-C.
+    """
+    stop = threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    return stop

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import sys
 import time
 from decimal import Decimal
@@ -73,6 +74,9 @@ def test_top_shows_figures_and_refreshes(tmp_path, simulator, sample, monkeypatc
                 dimensions=(45, 110),
                 encoding="utf-8",
                 codec_errors="replace",
+                # a parent that ignores Ctrl-C (nohup, some CI runners): inherited across exec,
+                # so `top` must take SIGINT back to quit on it
+                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
             )
             try:
                 screen = Screen(child)
