@@ -501,8 +501,7 @@ class Forwarder:
         if (
             not settings.set_output_limit
             or endpoint.name not in _GENERATING
-            or _output_limit(head, 0) != 0
-            or any(getattr(head, name) is not None for name in _OUTPUT_LIMITS)  # sent, even if invalid
+            or _sent_limits(head)  # sent, even if invalid: the upstream judges it
         ):
             return body, extra
         name = _limit_field(endpoint, route)
@@ -563,7 +562,7 @@ class Forwarder:
             ex.sent_model = plan.model
         if plan.max_output_tokens is not None:
             was = _output_limit(head, self.guard_settings.default_max_output_tokens)
-            present = [name for name in _OUTPUT_LIMITS if getattr(head, name) is not None]
+            present = _sent_limits(head)
             if not present:  # none was sent: the field the endpoint (and upstream) reads
                 present = [_limit_field(endpoint, route)]
             value = str(plan.max_output_tokens).encode()
@@ -1045,6 +1044,11 @@ def _output_limit(head: _RequestHead, default: int) -> int:
         if isinstance(v, int) and not isinstance(v, bool) and v > 0
     ]
     return max(limits) if limits else default
+
+
+def _sent_limits(head: _RequestHead) -> list[str]:
+    """The output-limit fields the request sets (to any value but ``null``)."""
+    return [name for name in _OUTPUT_LIMITS if getattr(head, name) is not None]
 
 
 def _limit_field(endpoint: Endpoint, route: Route | None) -> str:
