@@ -2,7 +2,7 @@
 
 Same set-up as ``bench/bench_floor.py`` (nginx mock and wrk on CPU 0, the gateway on CPU 1):
 
-    profile_tokenward.py pyspy  [--gateway tokenward|relay] [--seconds 10] [--rate 200]
+    profile_tokenward.py pyspy  [--gateway tokenward|relay] [--seconds 10] [--rate 200] [--scenarios c64,c1]
         py-spy samples the pinned gateway under wrk at c=64 (50 ms upstream, then streamed);
         prints self and cumulative time per request by module group and by function, in us,
         scaled to the CPU per request measured in the same run (py-spy's pauses slow the run;
@@ -370,7 +370,7 @@ def pyspy(args: argparse.Namespace) -> None:
     with Bench() as bench:
         gateway = bench.gateway(args.gateway)
         bench.warm(gateway)
-        for scenario in ("c64", "c64_stream"):
+        for scenario in args.scenarios.split(","):
             raw = bench.tmp / f"{scenario}.txt"
             argv = [tool, "record", "-p", str(gateway.pid), "--rate", str(args.rate), "--format", "raw"]
             argv += ["-o", str(raw), "--duration", str(int(args.seconds)), "--threads"]
@@ -379,9 +379,11 @@ def pyspy(args: argparse.Namespace) -> None:
             time.sleep(0.5)
             result, cpu_ms = bench.load(gateway, scenario, args.seconds)
             spy.wait(60)
-            label = "streamed" if "stream" in scenario else "non-streamed, 50 ms upstream"
+            kind, concurrency, _ = floor.SCENARIOS[scenario]
+            label = {"stream": "streamed", "slow": "non-streamed, 50 ms upstream", "fast": "instant upstream"}[kind]
             print(
-                f"\n{args.gateway}, c=64 {label}: {result.rps:.0f} req/s under py-spy, {cpu_ms:.3f} ms CPU per request"
+                f"\n{args.gateway}, c={concurrency} {label}: {result.rps:.0f} req/s under py-spy,"
+                f" {cpu_ms:.3f} ms CPU per request"
             )
             print(summarise(_strip_threads(raw), cpu_ms, args.top))
             if args.keep:
@@ -839,6 +841,7 @@ def main() -> None:
     p.add_argument("--rate", type=int, default=200)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--native", action="store_true", help="sample native frames too (slower, pauses the process)")
+    p.add_argument("--scenarios", default="c64,c64_stream", help="of bench_floor.SCENARIOS (default c64,c64_stream)")
     p.add_argument("--keep", help="copy the raw py-spy stacks into this directory")
     p = sub.add_parser("ablate")
     p.add_argument("--seconds", type=float, default=5)

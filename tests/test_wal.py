@@ -25,9 +25,44 @@ def rows_in(path) -> dict[str, tuple]:
     return {r[0]: r[1:] for r in found}
 
 
-def test_concurrent_commits_are_all_written_in_few_batches(tmp_path):
+def test_each_append_is_in_the_file_when_the_call_returns(tmp_path):
     ledger = DuckLedger(tmp_path / "l.duckdb")
     wal = WriteAheadLog(ledger.spool_dir)
+    rows_file = admissions_file = None
+
+    async def run():
+        nonlocal rows_file, admissions_file
+        wal.open(asyncio.get_running_loop())
+        (rows_file,) = ledger.spool_dir.glob("*.rows.jsonl")
+        (admissions_file,) = ledger.spool_dir.glob("*.adm.jsonl")
+        wal.admit("a", {"request_id": "a"})
+        wal.admit("b", {"request_id": "b"})
+        assert admissions_file.read_bytes() == b""  # not awaited: written at the end of this turn
+        await asyncio.sleep(0)
+        assert [r["row"]["request_id"] for r in read_rows(admissions_file)] == ["a", "b"]
+        wal.admit("c", {"request_id": "c"})
+        waiter = wal.commit(["c"], encode_row(make_row("c")))  # no await yet: already written
+        assert [r["request_id"] for r in read_rows(rows_file)] == ["c"]
+        await waiter
+        await asyncio.sleep(0)
+        assert [r["row"]["request_id"] for r in read_rows(admissions_file)] == ["a", "b"]  # c ended: never admitted
+        await wal.forward("a", {"request_id": "a", "reserved_usd": Decimal("0.5")})
+        assert read_rows(admissions_file)[-1]["row"] == {"request_id": "a", "reserved_usd": "0.5"}
+        for i in range(200):
+            await wal.commit([f"r{i}"], encode_row(make_row(f"r{i}")))
+        assert len(read_rows(rows_file)) == 201
+
+    asyncio.run(run())
+    (segment,) = wal.rotate()
+    assert sorted(r["request_id"] for r in read_rows(segment)) == sorted(["c"] + [f"r{i}" for i in range(200)])
+    assert ledger.flush(wal) == 201
+    wal.close()
+    assert len(rows_in(ledger.path)) == 201
+
+
+def test_with_fsync_concurrent_commits_share_flushes(tmp_path):
+    ledger = DuckLedger(tmp_path / "l.duckdb")
+    wal = WriteAheadLog(ledger.spool_dir, fsync=True)
 
     async def run():
         wal.open(asyncio.get_running_loop())
@@ -36,13 +71,40 @@ def test_concurrent_commits_are_all_written_in_few_batches(tmp_path):
         await asyncio.gather(*futures)
         return len(distinct)
 
-    batches = asyncio.run(run())
-    assert batches < 200  # appended while a write was under way: they share a batch
-    (segment,) = wal.rotate()
-    assert sorted(r["request_id"] for r in read_rows(segment)) == sorted(f"r{i}" for i in range(200))
+    flushes = asyncio.run(run())
+    assert 1 <= flushes < 200  # appended while a flush was under way: they share the next one
     assert ledger.flush(wal) == 200
     wal.close()
     assert len(rows_in(ledger.path)) == 200
+
+
+def test_a_failed_write_is_queued_and_written_again(tmp_path):
+    ledger = DuckLedger(tmp_path / "l.duckdb")
+    wal = WriteAheadLog(ledger.spool_dir)
+
+    async def run():
+        wal.open(asyncio.get_running_loop())
+        real_fd = wal._rows_fd
+        wal._rows_fd = 10_000  # not an open descriptor: write() fails with EBADF
+        waiter = wal.commit(["x"], encode_row(make_row("x")))
+        try:
+            await waiter
+        except OSError:
+            pass
+        else:
+            raise AssertionError("the failed write was not reported")
+        assert wal.failing is not None and wal.queued == 1
+        wal._rows_fd = real_fd
+        for _ in range(50):  # retried every 0.2 s
+            await asyncio.sleep(0.05)
+            if wal.failing is None:
+                break
+        assert wal.failing is None and wal.queued == 0
+
+    asyncio.run(run())
+    assert ledger.flush(wal) == 1
+    wal.close()
+    assert set(rows_in(ledger.path)) == {"x"}
 
 
 def test_rotation_carries_open_admissions_and_drops_ended_ones(tmp_path):
@@ -169,3 +231,28 @@ def test_a_torn_last_line_is_skipped(tmp_path):
     path = tmp_path / "x.rows.jsonl"
     path.write_bytes(encode_row(make_row("whole")) + json.dumps({"request_id": "to"}).encode()[:9])
     assert [r["request_id"] for r in read_rows(path)] == ["whole"]
+
+
+def test_a_full_segment_starts_the_next_and_each_is_moved(tmp_path, monkeypatch):
+    from tokenward.reports.ledger import wal as wal_module
+
+    line = encode_row(make_row("r0"))
+    monkeypatch.setattr(wal_module, "SEGMENT_BYTES", 10 * len(line))  # ten rows a segment
+    ledger = DuckLedger(tmp_path / "l.duckdb")
+    wal = WriteAheadLog(ledger.spool_dir)
+
+    async def run():
+        wal.open(asyncio.get_running_loop())
+        await wal.forward("open", {"request_id": "open", "reserved_usd": Decimal("0.5")})
+        for i in range(35):
+            await wal.commit([f"r{i}"], encode_row(make_row(f"r{i}")))
+
+    asyncio.run(run())
+    closed = wal.closed_rows()
+    assert [len(read_rows(path)) for path in closed] == [10, 10, 10]  # the 5 rows left are in the open segment
+    (admissions,) = ledger.spool_dir.glob("*.adm.jsonl")  # the open request's admission moved with each rotation
+    assert [r["row"]["request_id"] for r in read_rows(admissions)] == ["open"]
+    assert ledger.flush(wal) == 35
+    assert wal.closed_rows() == []
+    wal.close()
+    assert len(rows_in(ledger.path)) == 35

@@ -83,6 +83,15 @@ class DuckLedger:
         self.spool_dir = Path(spool_dir) if spool_dir else Path(self.path + ".spool")
         self.state = SqliteState(self.path + ".state.sqlite")
         self._lock = threading.Lock()
+        self._migrated_file: tuple[int, int] | None = None  # (device, inode) this process last migrated
+
+    def _migrated(self) -> bool:
+        """Whether this process has opened the file now at :attr:`path` read-write (so migrated it) before.
+
+        Saves each move the migration check (~7 ms of a ~30 ms session); a file replaced since
+        (another inode) is checked again.
+        """
+        return self._migrated_file is not None and self._migrated_file == _identity(self.path)
 
     @property
     def name(self) -> str:
@@ -105,7 +114,9 @@ class DuckLedger:
 
         conn = open_ledger(self.path, wait_s=10, migrate_schema=False)
         try:
-            return migrations.migrate(conn)
+            applied = migrations.migrate(conn)
+            self._migrated_file = _identity(self.path)
+            return applied
         finally:
             conn.close()
 
@@ -158,15 +169,15 @@ class DuckLedger:
             try:
                 if not own and not dead:
                     return 0
-                conn = open_ledger(self.path)
+                conn = open_ledger(self.path, migrate_schema=not self._migrated())
                 try:
+                    self._migrated_file = _identity(self.path)
                     inserted = 0
-                    if own:
+                    for path in own:  # one statement per segment: what one insert holds is one segment
                         inserted += insert_lines(
-                            conn, own, dedupe=False, quarantine=self.quarantine, scratch=self.spool_dir
+                            conn, [path], dedupe=False, quarantine=self.quarantine, scratch=self.spool_dir
                         )
-                        for path in own:
-                            path.unlink()
+                        path.unlink()
                     for writer in dead:
                         recovered = writer.recovered_file()
                         inserted += insert_lines(
@@ -195,6 +206,14 @@ class DuckLedger:
         return spooled.unflushed_rows(
             self.spool_dir, wal, lambda ids: self.session(lambda conn: _present(conn, ids), read_only=True)
         )
+
+
+def _identity(path: str) -> tuple[int, int] | None:
+    try:
+        found = os.stat(path)
+    except OSError:
+        return None
+    return found.st_dev, found.st_ino
 
 
 def _present(conn: duckdb.DuckDBPyConnection, ids: list[str]) -> set[str]:

@@ -10,11 +10,11 @@ Design note. A proxy process is one *writer*. It appends JSON lines to two files
   while tokenward has not forwarded it, ``usage_unknown`` with its budget reservation once it
   has. A later admission for the same request supersedes the earlier one; a row ends it.
 
-Appends are group-committed by one thread (:class:`WriteAheadLog`): callers on the event loop
-hand over bytes and await the batch, which the thread writes as soon as the previous batch is
-done, so batches are a write apart, not a timer apart. ``write()`` to the page cache survives
-SIGKILL; ``fsync`` (power loss) is optional. Each flush rotates the segment: the closed rows
-file goes to the engine, the next admissions file starts with the admissions still open.
+Appends are written by the event loop itself, each ``write()`` done before the call returns
+(admissions, which nobody awaits, at the end of the loop's turn). ``write()`` to the page cache
+survives SIGKILL; ``fsync`` (power loss) is optional and group-committed by a thread. Each flush
+rotates the segment: the closed rows file goes to the engine, the next admissions file starts
+with the admissions still open.
 
 A writer holds an ``flock`` on ``<writer>.lock`` while it lives. Another process that can take
 that lock knows the writer is gone (whatever its PID became) and recovers its files
@@ -40,7 +40,16 @@ import msgspec
 
 from tokenward.reports.ledger.schema import ROW_COLUMNS
 
-__all__ = ["DeadWriter", "WriteAheadLog", "copy_row", "dead_writers", "encode_row", "fill_row", "read_rows"]
+__all__ = [
+    "SEGMENT_BYTES",
+    "DeadWriter",
+    "WriteAheadLog",
+    "copy_row",
+    "dead_writers",
+    "encode_row",
+    "fill_row",
+    "read_rows",
+]
 
 log = logging.getLogger("tokenward.ledger")
 
@@ -48,6 +57,10 @@ _encoder = msgspec.json.Encoder(decimal_format="string")
 _decoder = msgspec.json.Decoder(dict[str, Any])
 _ROWS = ".rows.jsonl"
 _ADMISSIONS = ".adm.jsonl"
+SEGMENT_BYTES = 1 << 20
+"""A rows file this large starts the next segment at once (on the loop): the engine inserts one
+segment per statement, so this bounds what one insert holds in memory (DuckDB's ``read_json``
+holds its whole input: ~5 MB per 1,000 rows), however many rows a move takes."""
 _TOKEN_COLUMNS = tuple(name for name, kind in ROW_COLUMNS.items() if kind == "BIGINT")
 _DEFAULTS: dict[str, Any] = {name: None for name in ROW_COLUMNS} | dict.fromkeys(_TOKEN_COLUMNS, 0)
 _DEFAULTS |= {"stream": False, "usage_source": "none", "row_kind": "request", "principal": "anonymous"}
@@ -105,14 +118,25 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 class WriteAheadLog:
-    """One process's log: admissions and rows, appended in group-committed batches by one thread.
+    """One process's log: admissions and rows appended by the event loop, each ``write()`` done before the call returns.
 
     Call :meth:`admit`, :meth:`forward` and :meth:`commit` on the event loop given to
-    :meth:`open`; :meth:`rotate` from a worker thread.
+    :meth:`open`; :meth:`rotate` from a worker thread (a lock keeps a rotation and an append
+    apart).
+
+    Why no writer thread: a ``write()`` of a few hundred bytes to the page cache costs a few
+    microseconds and survives SIGKILL once it returns, while handing the bytes to a thread and
+    awaiting it cost two thread hand-offs and a wake-up of the loop per request, tens of
+    microseconds of CPU and ~0.2 ms of latency at low load (``bench/PROFILE.md``). Admissions
+    (:meth:`admit`, not awaited) are written together at the end of the loop's turn, or with the
+    next :meth:`forward` or :meth:`commit`, whichever comes first; one that a row ends in the same
+    turn is never written. With ``fsync``, a thread flushes the files to the device after the
+    writes, group-committed: every caller waiting when a flush starts is covered by it.
 
     Args:
         directory: the spool directory (created if missing).
-        fsync: ``fsync`` every batch (survives power loss, not just a crash; costs latency).
+        fsync: ``fsync`` after every write a caller awaits (survives power loss, not just a crash;
+            costs latency).
     """
 
     def __init__(self, directory: Path, *, fsync: bool = False) -> None:
@@ -120,16 +144,18 @@ class WriteAheadLog:
         self.writer_id = f"w{time.time_ns():x}{secrets.token_hex(3)}"
         self._fsync = fsync
         self._seq = 0
-        self._cond = threading.Condition()
-        self._rows: list[bytes] = []
-        self._admissions: list[bytes] = []
-        self._open: dict[str, bytes] = {}
-        self._batch: asyncio.Future[None] | None = None
+        self._first_closed = 0  # no closed segment before this one is left on disk
+        self._rows_bytes = 0  # written to the current rows file
+        self._lock = threading.Lock()  # the files and queues: the loop's appends against rotate() and close()
+        self._open: dict[str, bytes] = {}  # request id -> its latest admission line
+        self._unwritten: dict[str, bytes] = {}  # admission lines not written yet (the rest of this turn)
+        self._rows: list[bytes] = []  # row lines not written yet (only while writes fail)
+        self._scheduled = False  # a write of the admissions is due at the end of this turn
+        self._retrying = False
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._rotate_asked = 0
-        self._rotated = 0
-        self._closing = False
-        self._thread: threading.Thread | None = None
+        self._done: asyncio.Future[None] | None = None
+        self._syncer: _Syncer | None = None
+        self._closed = True
         self._lock_fd = -1
         self._rows_fd = -1
         self._adm_fd = -1
@@ -139,13 +165,15 @@ class WriteAheadLog:
     # -- lifecycle ---------------------------------------------------------------------------
 
     def open(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Create the directory, take this writer's lock, open the first segment, start the thread.
+        """Create the directory, take this writer's lock, open the first segment (and the fsync thread).
 
         Raises:
             OSError: the directory or files cannot be created.
         """
         self.directory.mkdir(parents=True, exist_ok=True)
         self._loop = loop
+        self._done = loop.create_future()
+        self._done.set_result(None)
         # locked under a temporary name first: nobody can see the lock file unlocked
         staging = self.directory / f".{self.writer_id}.lock.new"
         self._lock_fd = os.open(staging, os.O_CREAT | os.O_RDWR, 0o644)
@@ -153,25 +181,30 @@ class WriteAheadLog:
         os.write(self._lock_fd, f"{os.getpid()}\n".encode())
         staging.replace(self.directory / f"{self.writer_id}.lock")
         self._open_segment()
-        self._thread = threading.Thread(target=self._run, name="tokenward-wal", daemon=True)
-        self._thread.start()
+        self._closed = False
+        if self._fsync:
+            self._syncer = _Syncer(self, loop)
 
     def close(self) -> None:
-        """Write what is pending, stop the thread, close the files and release the lock (blocking).
+        """Write what is pending, close the files and release the lock (blocking; any thread).
 
         The segments stay on disk for the engine to ingest (this process, or the next one).
         """
-        if self._thread is None:
+        if self._closed:
             return
-        with self._cond:
-            self._closing = True
-            self._cond.notify()
-        self._thread.join()
-        self._thread = None
-        for fd in (self._rows_fd, self._adm_fd):
-            os.close(fd)
-        if not self._open:
-            self._segment(self._seq, _ADMISSIONS).unlink(missing_ok=True)
+        if self._syncer is not None:
+            self._syncer.stop()
+            self._syncer = None
+        with self._lock:
+            self._write_pending()
+            self._closed = True
+            for fd in (self._rows_fd, self._adm_fd):
+                if self._fsync:
+                    _fsync_quietly(fd)
+                os.close(fd)
+            self._rows_fd = self._adm_fd = -1
+            if not self._open:
+                self._segment(self._seq, _ADMISSIONS).unlink(missing_ok=True)
         os.close(self._lock_fd)  # releases the flock: the files are now recoverable by anyone
         (self.directory / f"{self.writer_id}.lock").unlink(missing_ok=True)
 
@@ -180,41 +213,107 @@ class WriteAheadLog:
     def admit(self, request_id: str, row: dict[str, Any]) -> None:
         """Note that ``request_id`` is in flight; ``row`` is its row if the process dies now.
 
-        Not awaited: the admission is written with the next batch.
+        Not awaited: written at the end of this turn of the loop (or with the next forward or
+        commit), unless a row ends the request first.
         """
         line = _encoder.encode({"t": "A", "row": row}) + b"\n"
-        with self._cond:
+        with self._lock:
             self._open[request_id] = line
-            self._admissions.append(line)
-            self._cond.notify()
+            self._unwritten[request_id] = line
+        if not self._scheduled and self._loop is not None:
+            self._scheduled = True
+            self._loop.call_soon(self._write_admissions)
 
     def forward(self, request_id: str, row: dict[str, Any]) -> asyncio.Future[None]:
-        """Like :meth:`admit` (superseding it); await the result before the request leaves for the upstream."""
+        """Like :meth:`admit` (superseding it), written now; await the result before the request goes upstream.
+
+        The result is already done unless ``fsync`` is on; it fails with ``OSError`` when the
+        write failed (the line stays queued and is written again).
+        """
         line = _encoder.encode({"t": "A", "row": row}) + b"\n"
-        with self._cond:
+        with self._lock:
             self._open[request_id] = line
-            self._admissions.append(line)
-            return self._pending_batch()
+            self._unwritten[request_id] = line
+            return self._write_now()
 
     def commit(self, request_ids: list[str], data: bytes) -> asyncio.Future[None]:
-        """Append finished rows (:func:`encode_row` lines) ending ``request_ids``; await the result for durability.
+        """Append finished rows (:func:`encode_row` lines) ending ``request_ids``, written now; await the result.
 
-        The future fails with ``OSError`` when the write failed; the rows stay queued and are
-        written again with the next batch.
+        The result is already done unless ``fsync`` is on; it fails with ``OSError`` when the
+        write failed (the rows stay queued and are written again, first, with the next write).
         """
-        with self._cond:
+        with self._lock:
             for request_id in request_ids:
                 self._open.pop(request_id, None)
+                self._unwritten.pop(request_id, None)  # ended in the turn it arrived: no admission needed
             self._rows.append(data)
-            return self._pending_batch()
+            return self._write_now()
 
-    def _pending_batch(self) -> asyncio.Future[None]:
-        batch = self._batch
-        if batch is None:
-            assert self._loop is not None, "WriteAheadLog.open() was not called"
-            batch = self._batch = self._loop.create_future()
-        self._cond.notify()
-        return batch
+    def _write_now(self) -> asyncio.Future[None]:
+        """Write what is pending (the lock held); the future the caller awaits."""
+        error = self._write_pending()
+        if error is not None:
+            self._retry_later()
+            assert self._loop is not None
+            failed = self._loop.create_future()
+            failed.set_exception(error)
+            return failed
+        if self._syncer is not None:
+            return self._syncer.request()
+        assert self._done is not None, "WriteAheadLog.open() was not called"
+        return self._done
+
+    def _write_pending(self) -> OSError | None:
+        """Write the queued admissions, then the queued rows (the lock held); the error, if a write failed."""
+        if self._closed:
+            return OSError("the write-ahead log is closed")
+        try:
+            if self._unwritten:
+                _write_all(self._adm_fd, b"".join(self._unwritten.values()))
+                self._unwritten.clear()
+            if self._rows:
+                data = b"".join(self._rows)
+                _write_all(self._rows_fd, data)
+                self._rows.clear()
+                self._rows_bytes += len(data)
+                if self._rows_bytes >= SEGMENT_BYTES:
+                    self._rotate_now()
+        except OSError as exc:
+            if self.failing is None:
+                log.error("cannot write the write-ahead log in %s: %s; retrying", self.directory, exc)
+            self.failing = str(exc)
+            return exc
+        if self.failing is not None:
+            log.warning("write-ahead log writable again")
+            self.failing = None
+        return None
+
+    def _write_admissions(self) -> None:
+        """End of the loop's turn: write the admissions of the requests still open."""
+        self._scheduled = False
+        with self._lock:
+            if not self._unwritten:
+                return
+            error = self._write_pending()
+        if error is not None:
+            self._retry_later()
+
+    def _retry_later(self) -> None:
+        if self._retrying or self._loop is None or self._closed:
+            return
+        self._retrying = True
+
+        def retry() -> None:
+            self._retrying = False
+            with self._lock:
+                error = self._write_pending()  # also clears ``failing`` when a rotation wrote the queue meanwhile
+            if error is not None:
+                self._retry_later()
+
+        try:
+            self._loop.call_later(0.2, retry)
+        except RuntimeError:  # the loop is closed: close() writes what it can
+            self._retrying = False
 
     @property
     def in_flight(self) -> int:
@@ -223,7 +322,7 @@ class WriteAheadLog:
 
     @property
     def queued(self) -> int:
-        """Row batches handed over and not yet written (more than a few only while writes fail)."""
+        """Row batches not written yet (only while writes fail)."""
         return len(self._rows)
 
     # -- rotation (worker thread) ------------------------------------------------------------
@@ -235,32 +334,33 @@ class WriteAheadLog:
             This writer's closed rows files, oldest first (ready for the engine; remove each once
             its rows are in the ledger).
         """
-        with self._cond:
-            if self._thread is not None and not self._closing:
-                self._rotate_asked += 1
-                wanted = self._rotate_asked
-                self._cond.notify()
-                while self._rotated < wanted and self._thread is not None:
-                    self._cond.wait(1.0)
+        with self._lock:
+            if not self._closed:
+                try:
+                    self._rotate_now()
+                except OSError as exc:
+                    log.error("cannot rotate the write-ahead log: %s", exc)
         return self.closed_rows()
 
     def closed_rows(self) -> list[Path]:
         """The rows files of this writer's segments before the current one (empty ones removed)."""
         found = []
-        for seq in range(0, self._seq):
+        current = self._seq  # segments before it are closed, whatever the loop rotates meanwhile
+        first = current
+        for seq in range(self._first_closed, current):
             path = self._segment(seq, _ROWS)
             if path.exists():
                 if path.stat().st_size == 0:
                     path.unlink()
                 else:
                     found.append(path)
-        if self._thread is None:  # closed: the last segment is done too
+                    first = min(first, seq)
+        self._first_closed = first  # the engine removes what it inserts: the next look starts here
+        if self._closed:  # closed: the last segment is done too
             last = self._segment(self._seq, _ROWS)
             if last.exists():
                 found.append(last) if last.stat().st_size else last.unlink()
         return found
-
-    # -- the writer thread -------------------------------------------------------------------
 
     def _segment(self, seq: int, suffix: str) -> Path:
         return self.directory / f"{self.writer_id}-{seq:08d}{suffix}"
@@ -271,70 +371,89 @@ class WriteAheadLog:
         self._adm_fd = os.open(self._segment(self._seq, _ADMISSIONS), flags, 0o644)
 
     def _rotate_now(self) -> None:
+        """Close this segment, open the next with the open admissions carried over (the lock held)."""
+        if self._rows:
+            _write_all(self._rows_fd, b"".join(self._rows))  # queued rows belong to this segment
+            self._rows.clear()
+        if self._fsync:  # a caller may be waiting for a flush the syncer has not started
+            _fsync_quietly(self._rows_fd)
+            _fsync_quietly(self._adm_fd)
         os.close(self._rows_fd)
         os.close(self._adm_fd)
         previous = self._seq
         self._seq += 1
+        self._rows_bytes = 0
         self._open_segment()
-        with self._cond:
-            carried = b"".join(self._open.values())
+        carried = b"".join(self._open.values())
+        self._unwritten.clear()  # every open admission is in ``carried``
         if carried:
             _write_all(self._adm_fd, carried)
         self._segment(previous, _ADMISSIONS).unlink(missing_ok=True)
 
+
+def _fsync_quietly(fd: int) -> None:
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        log.error("cannot fsync the write-ahead log: %s", exc)
+
+
+class _Syncer:
+    """The ``fsync`` thread of a :class:`WriteAheadLog`: flushes its files to the device, group-committed.
+
+    :meth:`request` (event loop) returns the future of the next flush; the thread takes every
+    request waiting when it starts a flush, calls ``fsync`` on duplicates of the log's descriptors (so a
+    rotation meanwhile cannot close them under it), then settles the future on the loop.
+    """
+
+    def __init__(self, wal: WriteAheadLog, loop: asyncio.AbstractEventLoop) -> None:
+        self._wal = wal
+        self._loop = loop
+        self._cond = threading.Condition()
+        self._batch: asyncio.Future[None] | None = None
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="tokenward-wal-fsync", daemon=True)
+        self._thread.start()
+
+    def request(self) -> asyncio.Future[None]:
+        with self._cond:
+            if self._batch is None:
+                self._batch = self._loop.create_future()
+                self._cond.notify()
+            return self._batch
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join()
+
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not (self._rows or self._admissions or self._closing or self._rotate_asked > self._rotated):
+                while self._batch is None and not self._stopping:
                     self._cond.wait()
-                rows, self._rows = self._rows, []
-                admissions, self._admissions = self._admissions, []
                 batch, self._batch = self._batch, None
-                rotate = self._rotate_asked
-                closing = self._closing
-            error: OSError | None = None
-            try:
-                if admissions:
-                    _write_all(self._adm_fd, b"".join(admissions))
-                if rows:
-                    _write_all(self._rows_fd, b"".join(rows))
-                if self._fsync and (rows or admissions):
-                    os.fsync(self._rows_fd)
-                    os.fsync(self._adm_fd)
-                if self.failing is not None:
-                    log.warning("write-ahead log writable again")
-                self.failing = None
-            except OSError as exc:
-                error = exc
-                if self.failing is None:
-                    log.error("cannot write the write-ahead log in %s: %s; retrying", self.directory, exc)
-                self.failing = str(exc)
-                with self._cond:  # keep them for the next batch, in order
-                    self._rows[:0] = rows
-                    self._admissions[:0] = admissions
-            if batch is not None and self._loop is not None:
+                stopping = self._stopping
+            if batch is not None:
+                error: OSError | None = None
+                with self._wal._lock:
+                    fds = [os.dup(fd) for fd in (self._wal._rows_fd, self._wal._adm_fd) if fd >= 0]
+                try:
+                    for fd in fds:
+                        os.fsync(fd)
+                except OSError as exc:
+                    error = exc
+                    log.error("cannot fsync the write-ahead log: %s", exc)
+                finally:
+                    for fd in fds:
+                        os.close(fd)
                 try:
                     self._loop.call_soon_threadsafe(_settle, batch, error)
                 except RuntimeError:  # the loop is closed: nobody is waiting any more
                     pass
-            if error is not None:
-                time.sleep(0.2)
-                if not closing:
-                    continue
-            if rotate > self._rotated and error is None:
-                try:
-                    self._rotate_now()
-                except OSError as exc:
-                    log.error("cannot rotate the write-ahead log: %s", exc)
-                with self._cond:
-                    self._rotated = rotate
-                    self._cond.notify_all()
-            if closing:
-                with self._cond:
-                    if not (self._rows or self._admissions) or error is not None:
-                        self._rotated = self._rotate_asked
-                        self._cond.notify_all()
-                        return
+            if stopping:
+                return
 
 
 def _settle(future: asyncio.Future[None], error: OSError | None) -> None:
