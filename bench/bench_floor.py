@@ -19,7 +19,9 @@ The protocol of issue 13 (prints figures; asserts nothing):
 * latency figures are added over ``direct`` measured next to them; CPU per request is the
   gateway process's own user + system time (``/proc/<pid>/stat``, all threads) over the run,
   divided by the requests wrk completed; RSS idle is read after start (no request yet), peak is
-  the process's high-water mark (``VmHWM``) at the end.
+  the process's high-water mark (``VmHWM``) at the end; "private RSS" is ``RssAnon``, the part that
+  is not file-backed (DuckDB's shared library alone puts ~40 MB of code pages in RSS once a
+  connection has been opened: shared with every process using it, and reclaimable).
 
 Upstream replies: ``fast`` at once, ``slow`` after 50 ms, ``stream`` after 50 ms then 20 content
 events, a usage event and ``[DONE]``, each 20 ms after the one before. The client asks for
@@ -226,6 +228,7 @@ class Gateway:
     headers: Callable[[str], dict[str, str]]
     pid: int | None = None
     rss_idle: float = float("nan")
+    anon_idle: float = float("nan")  # RssAnon: the private part of rss_idle (no shared library code pages)
 
 
 def tokenward_config(tmp: Path, name: str, budget: bool, url: str | None = None) -> Path:
@@ -280,6 +283,7 @@ def start_gateways(procs: Processes, tmp: Path, names: list[str], pg_url: str | 
     for gateway in gateways:
         if gateway.pid is not None:
             gateway.rss_idle = memory_mb(gateway.pid, "VmRSS")
+            gateway.anon_idle = memory_mb(gateway.pid, "RssAnon")
     return gateways
 
 
@@ -439,6 +443,7 @@ class Sample:
     mock_cpu_ms: float = float("nan")
     core_busy: list[float] = field(default_factory=list)
     rss_mb: float = float("nan")  # the gateway's RSS right after the scenario
+    anon_mb: float = float("nan")  # its private part (RssAnon)
 
 
 SCENARIOS = {  # name: (kind, concurrency, body)
@@ -466,6 +471,7 @@ def measure(run_load, tmp: Path, gateway: Gateway, mock_pid: int, scenario: str,
     if gateway.pid:
         sample.cpu_ms = (cpu_seconds(gateway.pid) - before) / count * 1000
         sample.rss_mb = memory_mb(gateway.pid, "VmRSS")
+        sample.anon_mb = memory_mb(gateway.pid, "RssAnon")
     sample.mock_cpu_ms = (cpu_seconds(mock_pid) - before_mock) / count * 1000
     after_cores = core_busy()
     sample.core_busy = [
@@ -530,6 +536,13 @@ def rows(results: Results, gateways: list[Gateway]) -> list[tuple[str, str, Call
         ("100 streams: merged events (reads > 1 event)", ",.0f", lambda g, r: stream(g, r).merged, True),
         ("RSS idle (MB)", ".0f", lambda g, r: peak[g].rss_idle, False),
         ("RSS peak (MB)", ".0f", lambda g, r: memory_mb(peak[g].pid, "VmHWM") if peak[g].pid else float("nan"), False),
+        ("private RSS idle (MB, RssAnon)", ".0f", lambda g, r: peak[g].anon_idle, False),
+        (
+            "private RSS, largest after a scenario (MB)",
+            ".0f",
+            lambda g, r: max((v[r].anon_mb for v in results[g].values() if len(v) > r), default=float("nan")),
+            False,
+        ),
     ]
 
 
@@ -569,11 +582,14 @@ def direct_figures(results: Results, repeat: int) -> str:
 
 
 def rss_note(results: Results, gateways: list[Gateway]) -> str:
-    lines = ["RSS (MB) after each scenario of the first run:"]
+    lines = [
+        "RSS (MB; private RssAnon in brackets: the rest is shared library code, such as DuckDB's) after each"
+        " scenario of the first run:"
+    ]
     for gateway in gateways:
         if gateway.pid:
-            steps = ", ".join(f"{s} {v[0].rss_mb:.0f}" for s, v in results[gateway.name].items())
-            lines.append(f"  {gateway.name}: idle {gateway.rss_idle:.0f}, {steps}")
+            steps = ", ".join(f"{s} {v[0].rss_mb:.0f} [{v[0].anon_mb:.0f}]" for s, v in results[gateway.name].items())
+            lines.append(f"  {gateway.name}: idle {gateway.rss_idle:.0f} [{gateway.anon_idle:.0f}], {steps}")
     return "\n".join(lines)
 
 

@@ -25,6 +25,7 @@ import logging
 import time
 from collections.abc import Callable
 from decimal import Decimal
+from functools import partial
 from typing import Any
 
 from tokenward.pricing.catalog import PriceCatalog
@@ -297,7 +298,7 @@ class Recorder:
     def admit(self, ex: Exchange) -> None:
         """Note that ``ex`` arrived (written with the next batch; not awaited)."""
         self._open[ex.request_id] = ex
-        self.wal.admit(ex.request_id, fallback_row(ex, forwarded=False))
+        self.wal.admit(ex.request_id, partial(fallback_row, ex, forwarded=False))  # made only if written
 
     async def forwarding(self, ex: Exchange) -> None:
         """Make ``ex``'s in-flight record durable before it leaves for the upstream (await it)."""

@@ -256,3 +256,34 @@ def test_a_full_segment_starts_the_next_and_each_is_moved(tmp_path, monkeypatch)
     assert wal.closed_rows() == []
     wal.close()
     assert len(rows_in(ledger.path)) == 35
+
+
+def test_an_admission_is_made_only_when_it_is_written(tmp_path):
+    ledger = DuckLedger(tmp_path / "l.duckdb")
+    wal = WriteAheadLog(ledger.spool_dir)
+    made = []
+
+    def row(request_id):
+        def make():
+            made.append(request_id)
+            return {"request_id": request_id, "outcome": "interrupted"}
+
+        return make
+
+    async def run():
+        wal.open(asyncio.get_running_loop())
+        wal.admit("superseded", row("superseded"))
+        await wal.forward("superseded", {"request_id": "superseded", "price_status": "usage_unknown"})
+        wal.admit("ended", row("ended"))
+        await wal.commit(["ended"], encode_row(make_row("ended")))
+        wal.admit("waiting", row("waiting"))
+        await asyncio.sleep(0)  # the end of the turn writes it
+        assert made == ["waiting"]
+
+    asyncio.run(run())
+    (admissions,) = ledger.spool_dir.glob("*.adm.jsonl")
+    assert [r["row"] for r in read_rows(admissions)] == [
+        {"request_id": "superseded", "price_status": "usage_unknown"},
+        {"request_id": "waiting", "outcome": "interrupted"},
+    ]
+    wal.close()

@@ -32,6 +32,7 @@ import os
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,7 @@ SEGMENT_BYTES = 1 << 20
 """A rows file this large starts the next segment at once (on the loop): the engine inserts one
 segment per statement, so this bounds what one insert holds in memory (DuckDB's ``read_json``
 holds its whole input: ~5 MB per 1,000 rows), however many rows a move takes."""
+_Admission = bytes | dict[str, Any] | Callable[[], dict[str, Any]]
 _TOKEN_COLUMNS = tuple(name for name, kind in ROW_COLUMNS.items() if kind == "BIGINT")
 _DEFAULTS: dict[str, Any] = {name: None for name in ROW_COLUMNS} | dict.fromkeys(_TOKEN_COLUMNS, 0)
 _DEFAULTS |= {"stream": False, "usage_source": "none", "row_kind": "request", "principal": "anonymous"}
@@ -147,8 +149,9 @@ class WriteAheadLog:
         self._first_closed = 0  # no closed segment before this one is left on disk
         self._rows_bytes = 0  # written to the current rows file
         self._lock = threading.Lock()  # the files and queues: the loop's appends against rotate() and close()
-        self._open: dict[str, bytes] = {}  # request id -> its latest admission line
-        self._unwritten: dict[str, bytes] = {}  # admission lines not written yet (the rest of this turn)
+        # request id -> its latest admission: a line, or (not written yet) the row or what makes it
+        self._open: dict[str, _Admission] = {}
+        self._unwritten: dict[str, _Admission] = {}  # admissions not written yet (the rest of this turn)
         self._rows: list[bytes] = []  # row lines not written yet (only while writes fail)
         self._scheduled = False  # a write of the admissions is due at the end of this turn
         self._retrying = False
@@ -210,16 +213,16 @@ class WriteAheadLog:
 
     # -- appends (event loop) ----------------------------------------------------------------
 
-    def admit(self, request_id: str, row: dict[str, Any]) -> None:
+    def admit(self, request_id: str, row: dict[str, Any] | Callable[[], dict[str, Any]]) -> None:
         """Note that ``request_id`` is in flight; ``row`` is its row if the process dies now.
 
         Not awaited: written at the end of this turn of the loop (or with the next forward or
-        commit), unless a row ends the request first.
+        commit), unless a row ends the request first. ``row`` may be a function making it, called
+        only if the admission is written (most are superseded by :meth:`forward` in the same turn).
         """
-        line = _encoder.encode({"t": "A", "row": row}) + b"\n"
         with self._lock:
-            self._open[request_id] = line
-            self._unwritten[request_id] = line
+            self._open[request_id] = row
+            self._unwritten[request_id] = row
         if not self._scheduled and self._loop is not None:
             self._scheduled = True
             self._loop.call_soon(self._write_admissions)
@@ -269,7 +272,7 @@ class WriteAheadLog:
             return OSError("the write-ahead log is closed")
         try:
             if self._unwritten:
-                _write_all(self._adm_fd, b"".join(self._unwritten.values()))
+                _write_all(self._adm_fd, b"".join(map(_admission_line, self._unwritten.values())))
                 self._unwritten.clear()
             if self._rows:
                 data = b"".join(self._rows)
@@ -384,11 +387,19 @@ class WriteAheadLog:
         self._seq += 1
         self._rows_bytes = 0
         self._open_segment()
-        carried = b"".join(self._open.values())
+        carried = b"".join(map(_admission_line, self._open.values()))
         self._unwritten.clear()  # every open admission is in ``carried``
         if carried:
             _write_all(self._adm_fd, carried)
         self._segment(previous, _ADMISSIONS).unlink(missing_ok=True)
+
+
+def _admission_line(admission: _Admission) -> bytes:
+    """An admission's log line (made now if it was kept as a row or as what makes one)."""
+    if isinstance(admission, bytes):
+        return admission
+    row = admission() if callable(admission) else admission
+    return _encoder.encode({"t": "A", "row": row}) + b"\n"
 
 
 def _fsync_quietly(fd: int) -> None:
