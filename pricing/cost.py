@@ -24,6 +24,7 @@ rounded half-even only below 1e-12 USD (a multiplier can add decimal places).
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Iterable
 from dataclasses import dataclass
 from decimal import ROUND_HALF_EVEN, Decimal
 
@@ -31,7 +32,7 @@ from tokenward.pricing.catalog import Resolution
 from tokenward.pricing.rates import Rates
 from tokenward.pricing.usage import Usage
 
-__all__ = ["OUTPUT_COMPONENTS", "STANDARD_TIERS", "Cost", "CostLine", "price"]
+__all__ = ["OUTPUT_COMPONENTS", "STANDARD_TIERS", "Cost", "CostLine", "dearest_total", "price"]
 
 _PER_MILLION = Decimal(1_000_000)
 _PICO = Decimal("1e-12")
@@ -106,6 +107,58 @@ def price(
         A :class:`Cost` whose ``total`` is the exact sum of its line amounts.
     """
     entry = resolution.entry
+    rates, rules, notes = _applied_rates(usage, resolution, at, service_tier)
+    rule = "+".join(rules) or "base"
+    lines = [CostLine(name, tokens, rate, amount, rule) for name, tokens, rate, amount in _token_amounts(usage, rates)]
+    fixed, unpriced_calls = _fixed_lines(usage, resolution, notes)
+    lines += fixed
+    total = sum((line.amount for line in lines), Decimal(0))
+    cached = max(usage.cached_input_tokens, 0)
+    savings = _exact(cached * (rates.input - rates.cached_input) / _PER_MILLION) if cached else Decimal(0)
+    return Cost(
+        total, tuple(lines), entry.version_id, resolution.how, tuple(rules), unpriced_calls, tuple(notes), savings
+    )
+
+
+def dearest_total(
+    usages: Iterable[Usage],
+    resolution: Resolution,
+    *,
+    at: dt.datetime | None = None,
+    service_tiers: Iterable[str | None] = (None,),
+) -> Decimal:
+    """The largest ``price(usage, resolution, at=at, service_tier=tier).total`` over ``usages`` and ``service_tiers``.
+
+    The same rules and amounts as :func:`price` (the same helpers make them), without building a
+    :class:`Cost` per pair, and with each (context size, tier) table of rates made once: what a
+    budget's bound (:func:`tokenward.pricing.quote.worst_case`) prices on every request.
+
+    Raises:
+        ValueError: ``usages`` or ``service_tiers`` is empty.
+    """
+    tiers = tuple(service_tiers)
+    tables: dict[tuple[int, int, str | None], Rates] = {}
+    best: Decimal | None = None
+    for usage in usages:
+        fixed = sum((line.amount for line in _fixed_lines(usage, resolution, [])[0]), Decimal(0))
+        for tier in tiers:
+            key = (usage.input_tokens, usage.output_tokens, tier)  # what a context tier compares
+            rates = tables.get(key)
+            if rates is None:
+                rates = tables[key] = _applied_rates(usage, resolution, at, tier)[0]
+            total = sum((amount for *_, amount in _token_amounts(usage, rates)), fixed)
+            if best is None or total > best:
+                best = total
+    if best is None:
+        raise ValueError("dearest_total needs at least one usage and one service tier")
+    return best
+
+
+def _applied_rates(
+    usage: Usage, resolution: Resolution, at: dt.datetime | None, service_tier: str | None
+) -> tuple[Rates, list[str], list[str]]:
+    """The rates rules 1 to 4 of the module docstring give ``usage``; the rules applied and notes made."""
+    entry = resolution.entry
     rates: Rates = entry.rates
     rules: list[str] = []
     notes: list[str] = []
@@ -128,14 +181,17 @@ def price(
                 rates = window.adjustment.apply(rates)
                 rules.append(f"window:{window.name}")
                 break
-    rule = "+".join(rules) or "base"
+    return rates, rules, notes
 
+
+def _token_amounts(usage: Usage, rates: Rates) -> list[tuple[str, int, Decimal, Decimal]]:
+    """``(component, tokens, rate, amount)`` of each token class ``usage`` has (> 0), each priced once."""
     audio_in, image_in = max(usage.audio_input_tokens, 0), max(usage.image_input_tokens, 0)
     audio_out = max(usage.audio_output_tokens, 0)
     split_reasoning = rates.reasoning != rates.output
     reasoning = max(usage.reasoning_tokens, 0) if split_reasoning else 0
     write_1h = usage.cache_write_1h_tokens
-    candidates = [
+    candidates = (
         ("input", usage.uncached_input_tokens - audio_in - image_in, rates.input),
         ("audio_input", audio_in, rates.audio_input),
         ("image_input", image_in, rates.image_input),
@@ -145,12 +201,16 @@ def price(
         ("output", usage.output_tokens - audio_out - reasoning, rates.output),
         ("reasoning", reasoning, rates.reasoning),
         ("audio_output", audio_out, rates.audio_output),
+    )
+    return [
+        (name, tokens, rate, _exact(tokens * rate / _PER_MILLION)) for name, tokens, rate in candidates if tokens > 0
     ]
-    lines = [
-        CostLine(name, tokens, rate, _exact(tokens * rate / _PER_MILLION), rule)
-        for name, tokens, rate in candidates
-        if tokens > 0
-    ]
+
+
+def _fixed_lines(usage: Usage, resolution: Resolution, notes: list[str]) -> tuple[list[CostLine], int]:
+    """The lines no tier or window changes (web searches, the request fee, media units); web searches left unpriced."""
+    entry = resolution.entry
+    lines: list[CostLine] = []
     unpriced_calls = 0
     if usage.web_search_requests > 0:
         if entry.web_search is None:
@@ -161,12 +221,7 @@ def price(
     if entry.per_request:
         lines.append(CostLine("request", 1, entry.per_request, entry.per_request))
     lines += _unit_lines(usage, resolution, notes)
-    total = sum((line.amount for line in lines), Decimal(0))
-    cached = max(usage.cached_input_tokens, 0)
-    savings = _exact(cached * (rates.input - rates.cached_input) / _PER_MILLION) if cached else Decimal(0)
-    return Cost(
-        total, tuple(lines), entry.version_id, resolution.how, tuple(rules), unpriced_calls, tuple(notes), savings
-    )
+    return lines, unpriced_calls
 
 
 def _unit_lines(usage: Usage, resolution: Resolution, notes: list[str]) -> list[CostLine]:

@@ -13,7 +13,7 @@ from decimal import Decimal
 from typing import Any
 
 from tokenward.pricing.catalog import PriceCatalog
-from tokenward.pricing.cost import Cost, price
+from tokenward.pricing.cost import Cost, dearest_total, price
 from tokenward.pricing.usage import Usage
 
 __all__ = ["MAX_REQUEST_COST_USD", "PINNED_TIERS", "PriceStatus", "Quote", "quote", "worst_case"]
@@ -265,7 +265,7 @@ def worst_case(
     # the same counts priced once: a text-only request makes 6 distinct usages of these 8
     usages = dict.fromkeys(Usage(**i, **o, **units) for i in inputs for o in outputs)
     tiers = _servable_tiers(entry.service_tiers, service_tier, speed)
-    return max(price(usage, resolution, at=at, service_tier=tier).total for usage in usages for tier in tiers)
+    return dearest_total(usages, resolution, at=at, service_tiers=tiers)
 
 
 def _servable_tiers(

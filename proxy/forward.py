@@ -78,6 +78,10 @@ _ANTHROPIC_HEADERS = frozenset({b"anthropic-version", b"anthropic-beta"})
 # credential, so in virtual_keys mode (tokenward's credential) the client may not pick them.
 # https://platform.openai.com/docs/api-reference/authentication (checked 2026-12-01)
 _ACCOUNT_HEADERS = frozenset({b"openai-organization", b"openai-project"})
+COUNT_ON_LOOP_BYTES = 8 * 1024
+"""Request bodies up to this size are counted for a budget's bound on the event loop (at most
+~0.3 ms at 30 to 47 us per KB); larger ones in a worker thread. The hop to a thread and back
+costs ~80 us of CPU and ~0.1 to 0.2 ms of latency at low load (``bench/PROFILE.md``)."""
 _INCLUDE_USAGE = b'"stream_options":{"include_usage":true}'
 _JSON_SPACE = re.compile(rb"[ \t\r\n]*")
 _RAW_MEDIA = ("audio/", "application/octet-stream")  # binary speech replies: relayed as they arrive
@@ -596,7 +600,10 @@ class Forwarder:
         model = model or ex.requested_model
         cached = counts.get(model) if counts is not None else None
         if cached is None:
-            cached = await asyncio.to_thread(_count_for_bound, endpoint.dialect, body, model)
+            if len(body) <= COUNT_ON_LOOP_BYTES:  # the thread hop would cost more than the count
+                cached = _count_for_bound(endpoint.dialect, body, model)
+            else:
+                cached = await asyncio.to_thread(_count_for_bound, endpoint.dialect, body, model)
             if counts is not None:
                 counts[model] = cached
         counted, extra = cached

@@ -141,3 +141,52 @@ def test_a_quote_of_a_million_dollars_or_more_is_not_credible():
     below = quote(catalog, Usage(input_tokens=399_999_999_999), model="gpt-4o", provider="openai", at=at)
     assert below.status == PriceStatus.PRICED and below.cost_usd == Decimal("999999.9999975")
     assert below.cost_usd < MAX_REQUEST_COST_USD
+
+
+_BUILTIN = load_catalog()
+_TIERED = sorted(
+    (
+        entry
+        for versions in _BUILTIN.versions.values()
+        for entry in versions
+        if entry.context_tiers or entry.service_tiers or entry.windows or entry.per_request or entry.image
+    ),
+    key=lambda e: e.version_id,
+)
+_counts = st.integers(min_value=0, max_value=3_000_000)
+
+
+@given(
+    index=st.integers(min_value=0, max_value=len(_TIERED) - 1),
+    usages=st.lists(
+        st.builds(
+            Usage,
+            input_tokens=_counts,
+            output_tokens=_counts,
+            cached_input_tokens=_counts,
+            cache_write_tokens=_counts,
+            audio_input_tokens=_counts,
+            image_input_tokens=_counts,
+            reasoning_tokens=_counts,
+            audio_output_tokens=_counts,
+            output_images=st.integers(min_value=0, max_value=4),
+            input_audio_seconds=st.integers(min_value=0, max_value=600),
+            cache_write_1h_tokens=_counts,
+            web_search_requests=st.integers(min_value=0, max_value=3),
+            input_characters=st.integers(min_value=0, max_value=10_000),
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+    hour=st.integers(min_value=0, max_value=23),
+    tier_names=st.lists(st.sampled_from([None, "priority", "flex", "batch", "fast", "scale", "unknown"]), min_size=1),
+)
+def test_the_dearest_total_is_the_largest_price_of_any_pair(index, usages, hour, tier_names):
+    from tokenward.pricing.catalog import Resolution
+    from tokenward.pricing.cost import dearest_total
+
+    entry = _TIERED[index]
+    resolution = Resolution(entry, "exact")
+    at = dt.datetime(2026, 6, 3, hour, 30, tzinfo=dt.UTC)
+    expected = max(price(u, resolution, at=at, service_tier=t).total for u in usages for t in tier_names)
+    assert dearest_total(usages, resolution, at=at, service_tiers=tier_names) == expected
