@@ -603,3 +603,61 @@ def test_a_client_that_leaves_before_the_reply_keeps_its_reservation_as_spend(st
     assert left["reserved_usd"] == Decimal("0.0010425")
     refused = httpx.post(f"{proxy.url}/v1/chat/completions", json=request, headers=headers)
     assert refused.status_code == 429 and "$0.0004575 left" in refused.json()["error"]["message"]
+
+
+def test_far_from_its_limit_a_request_is_bounded_by_its_bytes_near_it_by_its_tokens(
+    start_proxy, simulator, monkeypatch
+):
+    import json
+
+    from tokenward.proxy import forward
+
+    counted = []
+    real = forward._count_for_bound
+    monkeypatch.setattr(forward, "_count_for_bound", lambda *args: counted.append(args) or real(*args))
+    request = long_prompt_request(10, 100)
+    body = json.dumps(request, separators=(",", ":")).encode()
+    register(simulator, "one", request, prompt_tokens=17, completion_tokens=100)
+    ample = BudgetSettings(name="ample", limit_usd="100", period="total", action="block")
+    proxy = budget_proxy(start_proxy, simulator, [ample])
+    headers = {"authorization": "Bearer tw-agent-key-0001", RECORD_HEADER: "one", "content-type": "application/json"}
+    ok = httpx.post(f"{proxy.url}/v1/chat/completions", content=body, headers=headers)
+    assert ok.status_code == 200, ok.text
+    (row,) = proxy.rows(1)
+    # $100 left: bounded by the body's 136 bytes, no token counted: (136 x $2.50 + 100 x $10.00) / 1M
+    # = $0.00134, under a hundredth of the headroom
+    assert len(body) == 136 and counted == []
+    assert row["reserved_usd"] == Decimal("0.00134")
+    assert row["cost_usd"] == Decimal("0.0010425")  # (17 x $2.50 + 100 x $10.00) / 1M, as billed
+    # $0.0015 left: $0.00134 is more than a hundredth of it, so the text is counted: 17 tokens
+    tight = BudgetSettings(name="tight", limit_usd="0.0015", period="total", action="block")
+    proxy = budget_proxy(start_proxy, simulator, [tight])
+    ok = httpx.post(f"{proxy.url}/v1/chat/completions", content=body, headers=headers)
+    assert ok.status_code == 200, ok.text
+    (row,) = proxy.rows(1)
+    assert len(counted) == 1 and row["reserved_usd"] == Decimal("0.0010425")
+
+
+def test_a_bytes_bound_refused_is_counted_before_the_request_is_refused(start_proxy, simulator, monkeypatch):
+    import json
+
+    from tokenward.proxy.guard import BudgetGuard
+
+    request = long_prompt_request(10, 100)
+    body = json.dumps(request, separators=(",", ":")).encode()
+    register(simulator, "one", request, prompt_tokens=17, completion_tokens=100)
+    # room for the counted bound ($0.0010425) but not the bytes bound ($0.00134)
+    budget = BudgetSettings(name="tight", limit_usd="0.0012", period="total", action="block")
+    real = BudgetGuard.tightest
+
+    def seen_ample(self, attributes, now):  # as when others' holds were released just after the look
+        found = real(self, attributes, now)
+        return (found[0], Decimal(1000)) if found else None
+
+    monkeypatch.setattr(BudgetGuard, "tightest", seen_ample)
+    proxy = budget_proxy(start_proxy, simulator, [budget])
+    headers = {"authorization": "Bearer tw-agent-key-0001", RECORD_HEADER: "one", "content-type": "application/json"}
+    ok = httpx.post(f"{proxy.url}/v1/chat/completions", content=body, headers=headers)
+    assert ok.status_code == 200, ok.text
+    (row,) = proxy.rows(1)
+    assert row["reserved_usd"] == Decimal("0.0010425")
