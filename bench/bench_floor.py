@@ -11,8 +11,10 @@ The protocol of issue 13 (prints figures; asserts nothing):
 * gateways, each measured on the same requests in turn, every scenario repeated ``--repeat``
   times: ``direct`` (no gateway), ``relay`` (``bench/bare_relay.py``: aiohttp client under
   uvicorn with uvloop and httptools, bytes relayed, no parsing), ``tokenward`` (metering on,
-  passthrough auth, no budgets) and ``tokenward+budget`` (one blocking budget covering all
-  traffic, so the worst-case count runs on every request); with ``--postgres``, the same two on a
+  passthrough auth, no budgets), ``tokenward+budget`` (one blocking budget covering all
+  traffic, far from its limit: every request is bounded by its bytes) and ``tokenward+count``
+  (the same with ``guard.bytes_bound_share: 0``, so the worst-case token count runs on every
+  request, as it does near a limit); with ``--postgres``, the first two on a
   Postgres ledger (``tokenward-pg``, ``tokenward+budget-pg``: rows COPYed in by the flush, the
   budget reserved and settled in the database, one round trip each) on a throwaway cluster whose
   server processes share CPU 0 with the mock;
@@ -56,7 +58,7 @@ from mock_upstream import DONE, REPLY, event  # noqa: E402
 
 TICKS = os.sysconf("SC_CLK_TCK")
 MOCK_PORT, PY_MOCK_PORT, RELAY_PORT, TW_PORT, TW_BUDGET_PORT = 9301, 9302, 9401, 9402, 9403
-TW_PG_PORT, TW_PG_BUDGET_PORT = 9404, 9405
+TW_PG_PORT, TW_PG_BUDGET_PORT, TW_COUNT_PORT = 9404, 9405, 9406
 ECHO_MODULE = Path("/usr/lib/nginx/modules/ngx_http_echo_module.so")
 EVENTS, GAP_S, DELAY_S = 20, 0.020, 0.050
 HEADERS = {"content-type": "application/json", "authorization": "Bearer sk-bench-0123456789"}
@@ -231,7 +233,9 @@ class Gateway:
     anon_idle: float = float("nan")  # RssAnon: the private part of rss_idle (no shared library code pages)
 
 
-def tokenward_config(tmp: Path, name: str, budget: bool, url: str | None = None) -> Path:
+def tokenward_config(tmp: Path, name: str, budget: bool | str, url: str | None = None) -> Path:
+    """A config for one tokenward; ``budget``: one blocking budget over all traffic (``"count"``: with
+    ``guard.bytes_bound_share: 0``, so the worst-case token count runs on every request)."""
     base = f"http://127.0.0.1:{MOCK_PORT}"
     lines = ["upstreams:"]
     for kind in ("fast", "slow", "stream"):
@@ -241,8 +245,10 @@ def tokenward_config(tmp: Path, name: str, budget: bool, url: str | None = None)
         lines.append(f"ledger: {{url: '{url}', spool_dir: '{tmp / (name + '.spool')}'}}")
     else:
         lines.append(f"ledger: {{path: '{tmp / (name + '.duckdb')}'}}")
-    if budget:  # never reached: the point is the worst-case count on every request
+    if budget:  # never reached: the point is the bound on every request
         lines += ["budgets:", "  - {name: bench-block, limit_usd: 1000000000, period: month, action: block}"]
+    if budget == "count":  # far from the limit the body's bytes bound it; this counts its tokens all the same
+        lines += ["guard: {bytes_bound_share: 0}"]
     path = tmp / f"{name}.yaml"
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -257,7 +263,11 @@ def start_gateways(procs: Processes, tmp: Path, names: list[str], pg_url: str | 
         proc = procs.start(pinned(1, argv), RELAY_PORT)
         relay = f"http://127.0.0.1:{RELAY_PORT}"
         gateways.append(Gateway("relay", lambda kind: f"{relay}/{kind}/v1/chat/completions", plain, proc.pid))
-    tokenwards = [("tokenward", TW_PORT, False, None), ("tokenward+budget", TW_BUDGET_PORT, True, None)]
+    tokenwards = [
+        ("tokenward", TW_PORT, False, None),
+        ("tokenward+budget", TW_BUDGET_PORT, True, None),
+        ("tokenward+count", TW_COUNT_PORT, "count", None),
+    ]
     if pg_url:
         tokenwards += [
             ("tokenward-pg", TW_PG_PORT, False, pg_url),
@@ -613,8 +623,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=2, help="runs of every scenario (default 2; medians printed)")
     parser.add_argument(
         "--gateways",
-        default="relay,tokenward,tokenward+budget",
-        help="comma-separated: relay, tokenward, tokenward+budget",
+        default="relay,tokenward,tokenward+budget,tokenward+count",
+        help="comma-separated: relay, tokenward, tokenward+budget, tokenward+count",
     )
     parser.add_argument(
         "--postgres",

@@ -62,7 +62,6 @@ PARTS = {
 # "flushstats" the moves of the log into the ledger
 
 
-
 def _run_now(coroutine):
     """Run a coroutine that never waits (the in-memory book store) to its end, without an event loop."""
     try:
@@ -70,6 +69,7 @@ def _run_now(coroutine):
     except StopIteration as done:
         return done.value
     raise RuntimeError("the coroutine waited")
+
 
 def _switch_off(parts: set[str]) -> None:
 
@@ -836,7 +836,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("pyspy")
-    p.add_argument("--gateway", default="tokenward", choices=["tokenward", "relay", "tokenward+budget"])
+    p.add_argument(
+        "--gateway", default="tokenward", choices=["tokenward", "relay", "tokenward+budget", "tokenward+count"]
+    )
     p.add_argument("--seconds", type=float, default=10)
     p.add_argument("--rate", type=int, default=200)
     p.add_argument("--top", type=int, default=25)

@@ -78,12 +78,6 @@ _ANTHROPIC_HEADERS = frozenset({b"anthropic-version", b"anthropic-beta"})
 # credential, so in virtual_keys mode (tokenward's credential) the client may not pick them.
 # https://platform.openai.com/docs/api-reference/authentication (checked 2026-12-01)
 _ACCOUNT_HEADERS = frozenset({b"openai-organization", b"openai-project"})
-BYTE_BOUND_SHARE = Decimal("0.01")
-"""A request's bound with its input bounded by its size in bytes is used, without counting its
-tokens, when it is at most this share of what is left in the tightest budget in scope: the
-reservation is then larger than need be, but it is settled when the request ends and is a
-hundredth of the headroom at most. It saves the tokenizer (30 to 47 us of CPU per KB, and its
-~70 MB of data) on every request that is far from a limit."""
 COUNT_ON_LOOP_BYTES = 8 * 1024
 """Request bodies up to this size are counted for a budget's bound on the event loop (at most
 ~0.3 ms at 30 to 47 us per KB); larger ones in a worker thread. The hop to a thread and back
@@ -616,15 +610,16 @@ class Forwarder:
         With ``headroom`` (USD left in the tightest budget in scope), the input is first bounded by
         the body's size in bytes, without the tokenizer: every token of every tokenizer tokenward
         prices is at least one byte of text, and a JSON body holds every byte of its text plus
-        its syntax. That bound is used when it is at most :data:`BYTE_BOUND_SHARE` of the
+        its syntax. That bound is used when it is at most ``guard.bytes_bound_share`` of the
         headroom, where over-reserving changes nothing; nearer the limit the text is counted.
         """
         model = model or ex.requested_model
         cached = counts.get(model) if counts is not None else None
-        if cached is None and headroom is not None and headroom > 0:
+        share = self.guard_settings.bytes_bound_share
+        if cached is None and headroom is not None and headroom > 0 and share > 0:
             by_bytes = (len(body), _scan_for_bound(body))
             bound = self._bound(ex, head, model, max_output, now, by_bytes)
-            if bound is not None and bound <= headroom * BYTE_BOUND_SHARE:
+            if bound is not None and bound <= headroom * Decimal(repr(share)):
                 return bound, by_bytes[1].unbounded
         if cached is None:
             if len(body) <= COUNT_ON_LOOP_BYTES:  # the thread hop would cost more than the count
