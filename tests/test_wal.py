@@ -287,3 +287,40 @@ def test_an_admission_is_made_only_when_it_is_written(tmp_path):
         {"request_id": "waiting", "outcome": "interrupted"},
     ]
     wal.close()
+
+
+def test_a_line_a_full_disk_cuts_is_completed_not_written_twice(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    ledger = DuckLedger(tmp_path / "l.duckdb")
+    wal = WriteAheadLog(ledger.spool_dir)
+    real_write = os.write
+    calls = []
+
+    async def run():
+        wal.open(asyncio.get_running_loop())
+        target = wal._rows_fd
+
+        def disk_filling(fd, data):
+            if fd == target and len(calls) < 2:
+                calls.append(len(data))
+                if len(calls) == 1:
+                    return real_write(fd, bytes(data[:100]))  # the disk takes 100 bytes, then is full
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real_write(fd, data)
+
+        monkeypatch.setattr(os, "write", disk_filling)
+        waiter = wal.commit(["a"], encode_row(make_row("a")))
+        assert waiter.done() and isinstance(waiter.exception(), OSError)
+        assert wal.failing is not None and wal.queued == 1
+        await wal.commit(["b"], encode_row(make_row("b")))  # the disk has room again
+        assert wal.failing is None and wal.queued == 0
+
+    asyncio.run(run())
+    monkeypatch.undo()
+    (segment,) = wal.rotate()
+    assert [r["request_id"] for r in read_rows(segment)] == ["a", "b"]  # "a" whole, once: its first 100 bytes kept
+    assert ledger.flush(wal) == 2
+    wal.close()
+    assert set(rows_in(ledger.path)) == {"a", "b"}

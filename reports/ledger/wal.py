@@ -113,9 +113,20 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
 
 
 def _write_all(fd: int, data: bytes) -> None:
+    """Write all of ``data`` to ``fd``.
+
+    Raises:
+        OSError: a write failed; its ``written`` attribute says how many bytes of ``data`` went
+            out before (a full disk can take part of a buffer), so the rest, and only the rest,
+            is written again.
+    """
     view = memoryview(data)
     while view:
-        written = os.write(fd, view)
+        try:
+            written = os.write(fd, view)
+        except OSError as exc:
+            exc.written = len(data) - len(view)  # type: ignore[attr-defined]
+            raise
         view = view[written:]
 
 
@@ -153,6 +164,9 @@ class WriteAheadLog:
         self._open: dict[str, _Admission] = {}
         self._unwritten: dict[str, _Admission] = {}  # admissions not written yet (the rest of this turn)
         self._rows: list[bytes] = []  # row lines not written yet (only while writes fail)
+        # what a failed write left of its buffer: written first, so a line cut by a full disk is completed
+        self._rows_tail = b""
+        self._adm_tail = b""
         self._scheduled = False  # a write of the admissions is due at the end of this turn
         self._retrying = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -271,16 +285,9 @@ class WriteAheadLog:
         if self._closed:
             return OSError("the write-ahead log is closed")
         try:
-            if self._unwritten:
-                _write_all(self._adm_fd, b"".join(map(_admission_line, self._unwritten.values())))
-                self._unwritten.clear()
-            if self._rows:
-                data = b"".join(self._rows)
-                _write_all(self._rows_fd, data)
-                self._rows.clear()
-                self._rows_bytes += len(data)
-                if self._rows_bytes >= SEGMENT_BYTES:
-                    self._rotate_now()
+            self._write_queues()
+            if self._rows_bytes >= SEGMENT_BYTES:
+                self._rotate_now()
         except OSError as exc:
             if self.failing is None:
                 log.error("cannot write the write-ahead log in %s: %s; retrying", self.directory, exc)
@@ -290,6 +297,35 @@ class WriteAheadLog:
             log.warning("write-ahead log writable again")
             self.failing = None
         return None
+
+    def _write_queues(self) -> None:
+        """Write the queued admissions, then the queued rows, each after what a failed write left (the lock held).
+
+        Raises:
+            OSError: a write failed; what it did not write stays queued, in order.
+        """
+        if self._unwritten:
+            self._adm_tail += b"".join(map(_admission_line, self._unwritten.values()))
+            self._unwritten.clear()
+        if self._adm_tail:
+            data, self._adm_tail = self._adm_tail, b""
+            try:
+                _write_all(self._adm_fd, data)
+            except OSError as exc:
+                self._adm_tail = data[getattr(exc, "written", 0) :]
+                raise
+        if self._rows:
+            self._rows_tail += b"".join(self._rows)
+            self._rows.clear()
+        if self._rows_tail:
+            data, self._rows_tail = self._rows_tail, b""
+            try:
+                _write_all(self._rows_fd, data)
+            except OSError as exc:
+                self._rows_tail = data[getattr(exc, "written", 0) :]
+                self._rows_bytes += getattr(exc, "written", 0)
+                raise
+            self._rows_bytes += len(data)
 
     def _write_admissions(self) -> None:
         """End of the loop's turn: write the admissions of the requests still open."""
@@ -326,7 +362,7 @@ class WriteAheadLog:
     @property
     def queued(self) -> int:
         """Row batches not written yet (only while writes fail)."""
-        return len(self._rows)
+        return len(self._rows) + (1 if self._rows_tail else 0)
 
     # -- rotation (worker thread) ------------------------------------------------------------
 
@@ -374,10 +410,13 @@ class WriteAheadLog:
         self._adm_fd = os.open(self._segment(self._seq, _ADMISSIONS), flags, 0o644)
 
     def _rotate_now(self) -> None:
-        """Close this segment, open the next with the open admissions carried over (the lock held)."""
-        if self._rows:
-            _write_all(self._rows_fd, b"".join(self._rows))  # queued rows belong to this segment
-            self._rows.clear()
+        """Close this segment, open the next with the open admissions carried over (the lock held).
+
+        Raises:
+            OSError: what is queued cannot be written: the segment stays open (a line a full disk
+                cut must be completed in its own file).
+        """
+        self._write_queues()  # queued rows belong to this segment
         if self._fsync:  # a caller may be waiting for a flush the syncer has not started
             _fsync_quietly(self._rows_fd)
             _fsync_quietly(self._adm_fd)
