@@ -500,9 +500,15 @@ def spread(values: list[float], fmt: str) -> str:
     return text
 
 
-def ratio(values: list[float], floor: list[float]) -> str:
-    pairs = [v / f for v, f in zip(values, floor, strict=False) if f and v == v and f == f]
-    return f"{statistics.median(pairs):.2f}x" if pairs else "-"
+def ratio(values: list[float], floor: list[float], fmt: str = ".2f") -> str:
+    """The median ratio to the relay, or, when the relay's figure is not above 0 (an added latency that
+    came out at or under calling directly, say), the median difference, signed, in the row's unit."""
+    pairs = [(v, f) for v, f in zip(values, floor, strict=False) if v == v and f == f]
+    if not pairs:
+        return "-"
+    if all(f > 0 for _, f in pairs):
+        return f"{statistics.median(v / f for v, f in pairs):.2f}x"
+    return format(statistics.median(v - f for v, f in pairs), "+" + fmt.lstrip("+,"))
 
 
 Results = dict[str, dict[str, list[Sample]]]  # gateway -> scenario -> one sample per repeat
@@ -569,7 +575,7 @@ def table(results: Results, gateways: list[Gateway], repeat: int) -> str:
             values = [value(name, r) for r in range(repeat)] if (name != "direct" or for_direct) else []
             line.append(spread(values, fmt))
             if floor is not None and name not in ("direct", "relay"):
-                line.append(ratio(values, floor))
+                line.append(ratio(values, floor, fmt))
         lines.append(line)
     widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
     out = []
@@ -666,7 +672,8 @@ def main() -> None:
         print(
             f"tokenward floor benchmark: {mock_name} and {'wrk' if run_load is wrk_load else 'aiohttp'} on CPU 0, "
             f"each gateway on CPU 1; {args.seconds:g} s per load run, {args.repeat} run(s) of each, "
-            f"median [min..max]; ratios are to the bare relay\n"
+            f"median [min..max]; ratios are to the bare relay (a signed difference where the relay's figure"
+            f" is 0 or less)\n"
         )
         results: Results = {g.name: {} for g in gateways}
         for repeat in range(args.repeat):
