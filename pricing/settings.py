@@ -300,9 +300,10 @@ class GuardSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     bounded: it is refused (HTTP 400 ``model_not_priced``, naming the budget) unless this is set,
     in which case this amount (USD) is held for it and counted as its spend.
 
-    ``bytes_bound_share``: a request is first bounded with its input taken as its body's size in
-    bytes, without the tokenizer (every token of every tokenizer is at least one byte of text, and
-    a JSON body holds all of its text), and that bound is reserved when it is at most this share
+    ``bytes_bound_share``: a request is first bounded with its input taken as the UTF-8 size in
+    bytes of the texts the tokenizer would count, without the tokenizer (every token is at least one
+    byte of text; not the body's size, since tools are counted as their JSON re-encoded, which can be
+    longer: ``1e15`` is ``1000000000000000.0``), and that bound is reserved when it is at most this share
     of what the tightest budget in scope has left; otherwise, and when that reservation is
     refused, the text is counted (30 to 47 us of CPU per KB, and the tokenizer's ~70 MB).
     ``0`` counts every request.

@@ -52,7 +52,7 @@ from tokenward.proxy.keys import AUTH_HEADERS, Authenticator, Identity, presente
 from tokenward.proxy.limits import BodyLimits, body_stream, read_body
 from tokenward.proxy.media import MediaRequest, MediaRequestError, read_request
 from tokenward.proxy.media import estimate as media_estimate
-from tokenward.proxy.metering import Meter, count_input, estimate
+from tokenward.proxy.metering import Meter, count_input, estimate, input_bytes
 from tokenward.proxy.recorder import Recorder
 from tokenward.proxy.relay import HOP_BY_HOP, DisconnectWatch, Relay, header
 from tokenward.proxy.routing import Route, Router
@@ -608,16 +608,18 @@ class Forwarder:
         limit per choice (degrading); ``counts`` caches the token count across such calls.
 
         With ``headroom`` (USD left in the tightest budget in scope), the input is first bounded by
-        the body's size in bytes, without the tokenizer: every token of every tokenizer tokenward
-        prices is at least one byte of text, and a JSON body holds every byte of its text plus
-        its syntax. That bound is used when it is at most ``guard.bytes_bound_share`` of the
-        headroom, where over-reserving changes nothing; nearer the limit the text is counted.
+        the UTF-8 size of the texts the tokenizer would count
+        (:func:`~tokenward.proxy.metering.input_bytes`), without the tokenizer: every token is at
+        least one byte of text. (Not the body's size: the tools are counted as their JSON
+        re-encoded, which can be longer.) That bound is used when it is at most
+        ``guard.bytes_bound_share`` of the headroom, where over-reserving changes nothing; nearer
+        the limit the text is counted.
         """
         model = model or ex.requested_model
         cached = counts.get(model) if counts is not None else None
         share = self.guard_settings.bytes_bound_share
         if cached is None and headroom is not None and headroom > 0 and share > 0:
-            by_bytes = (len(body), _scan_for_bound(body))
+            by_bytes = _bytes_for_bound(endpoint.dialect, body)
             bound = self._bound(ex, head, model, max_output, now, by_bytes)
             if bound is not None and bound <= headroom * Decimal(repr(share)):
                 return bound, by_bytes[1].unbounded
@@ -1116,13 +1118,13 @@ def _count_for_bound(dialect: str, body: bytes, model: str | None) -> tuple[int,
     return count_input(dialect, decoded, model), scan(decoded)
 
 
-def _scan_for_bound(body: bytes) -> Unmetered:
-    """What text counting misses in the request (images, audio, stored inputs), from one decode; no tokenizer."""
+def _bytes_for_bound(dialect: str, body: bytes) -> tuple[int, Unmetered]:
+    """:func:`_count_for_bound` without the tokenizer: the UTF-8 bytes of the texts it counts (never fewer)."""
     try:
         decoded = msgspec.json.decode(body)
     except (msgspec.DecodeError, RecursionError):
         decoded = None
-    return scan(decoded)
+    return input_bytes(dialect, decoded), scan(decoded)
 
 
 def _books_unavailable() -> ProxyError:

@@ -335,6 +335,21 @@ def count_input(dialect: str, body: Any, model: str | None) -> int:
     return tokens + 3 * messages + 3 if messages else tokens
 
 
+def input_bytes(dialect: str, body: Any) -> int:
+    """An upper bound of :func:`count_input` for every encoding, without the tokenizer (0 if not a JSON object).
+
+    The UTF-8 bytes of the same texts plus the same per-message overhead: every token of a
+    byte-level BPE encoding (both of tiktoken's) is at least one byte of its text. Not the body's
+    size: the texts counted include re-encoded JSON (tools, tool inputs), which can be longer
+    than the body wrote it (``1e15`` is ``1000000000000000.0``).
+    """
+    if not isinstance(body, dict):
+        return 0
+    texts, messages = DIALECTS[dialect].request_texts(body)
+    size = sum(len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass")) for text in texts)
+    return size + 3 * messages + 3 if messages else size
+
+
 def _count_long(text: str, encoding: str) -> int:
     """Tokens of a long ``text``, tokenized in pieces of at most :data:`_PIECE` characters.
 

@@ -624,12 +624,13 @@ def test_far_from_its_limit_a_request_is_bounded_by_its_bytes_near_it_by_its_tok
     ok = httpx.post(f"{proxy.url}/v1/chat/completions", content=body, headers=headers)
     assert ok.status_code == 200, ok.text
     (row,) = proxy.rows(1)
-    # $100 left: bounded by the body's 136 bytes, no token counted: (136 x $2.50 + 100 x $10.00) / 1M
-    # = $0.00134, under a hundredth of the headroom
-    assert len(body) == 136 and counted == []
-    assert row["reserved_usd"] == Decimal("0.00134")
+    # $100 left: bounded by the bytes of the texts it would count ("user" 4, the content 59) + 6 of
+    # overhead, no token counted: (69 x $2.50 + 100 x $10.00) / 1M = $0.0011725, under a hundredth
+    # of the headroom
+    assert counted == []
+    assert row["reserved_usd"] == Decimal("0.0011725")
     assert row["cost_usd"] == Decimal("0.0010425")  # (17 x $2.50 + 100 x $10.00) / 1M, as billed
-    # $0.0015 left: $0.00134 is more than a hundredth of it, so the text is counted: 17 tokens
+    # $0.0015 left: $0.0011725 is more than a hundredth of it, so the text is counted: 17 tokens
     tight = BudgetSettings(name="tight", limit_usd="0.0015", period="total", action="block")
     proxy = budget_proxy(start_proxy, simulator, [tight])
     ok = httpx.post(f"{proxy.url}/v1/chat/completions", content=body, headers=headers)
@@ -646,8 +647,8 @@ def test_a_bytes_bound_refused_is_counted_before_the_request_is_refused(start_pr
     request = long_prompt_request(10, 100)
     body = json.dumps(request, separators=(",", ":")).encode()
     register(simulator, "one", request, prompt_tokens=17, completion_tokens=100)
-    # room for the counted bound ($0.0010425) but not the bytes bound ($0.00134)
-    budget = BudgetSettings(name="tight", limit_usd="0.0012", period="total", action="block")
+    # room for the counted bound ($0.0010425) but not the bytes bound ($0.0011725)
+    budget = BudgetSettings(name="tight", limit_usd="0.0011", period="total", action="block")
     real = BudgetGuard.tightest
 
     def seen_ample(self, attributes, now):  # as when others' holds were released just after the look
@@ -661,3 +662,44 @@ def test_a_bytes_bound_refused_is_counted_before_the_request_is_refused(start_pr
     assert ok.status_code == 200, ok.text
     (row,) = proxy.rows(1)
     assert row["reserved_usd"] == Decimal("0.0010425")
+
+
+def test_a_bytes_bound_is_never_below_the_counted_bound_numbers_in_a_tool_schema(start_proxy, simulator):
+    import msgspec
+
+    # A tool schema's numbers written short: "1e15" is 4 bytes in the body, but the counter reads
+    # the tools as their JSON re-encoded, where it is "1000000000000000.0" (9 tokens with its
+    # comma, o200k_base). 1000 of them: the body is 5,208 bytes, its count 9,039 tokens (9 x 1000
+    # - 1 for the last comma + 31 for the rest of the tools' JSON, + 1 "user" + 1 "hi" + 3 for the
+    # message + 3 for the reply's priming).
+    request = long_prompt_request(1, 1)
+    request["messages"][0]["content"] = "hi"
+    request["tools"] = [
+        {
+            "type": "function",
+            "function": {
+                "name": "f",
+                "parameters": {"type": "object", "properties": {"x": {"type": "number", "enum": ["N"]}}},
+            },
+        }
+    ]
+    text = json.dumps(request, separators=(",", ":")).replace('["N"]', "[" + ",".join(["1e15"] * 1000) + "]")
+    body = text.encode()
+    assert len(body) == 5208
+    register(simulator, "tools", msgspec.json.decode(body), prompt_tokens=9039, completion_tokens=1)
+    headers = {"authorization": "Bearer tw-agent-key-0001", RECORD_HEADER: "tools", "content-type": "application/json"}
+    reserved = {}
+    for share in (0, 0.01):  # 0: every request counted; 0.01: $100 left, so bounded without the tokenizer
+        ample = BudgetSettings(name="ample", limit_usd="100", period="total", action="block")
+        guard = GuardSettings(input_margin=1, input_margin_tokens=0, bytes_bound_share=share)
+        proxy = budget_proxy(start_proxy, simulator, [ample], guard=guard)
+        ok = httpx.post(f"{proxy.url}/v1/chat/completions", content=body, headers=headers)
+        assert ok.status_code == 200, ok.text
+        (row,) = proxy.rows(1)
+        reserved[share] = row["reserved_usd"]
+    # counted: (9,039 x $2.50 + 1 x $10.00) / 1M
+    assert reserved[0] == Decimal("0.0226075")
+    # without the tokenizer, the texts the counter reads are bounded by their UTF-8 bytes (19,122 for
+    # the tools' JSON, 4 "user", 2 "hi") + the same 6 of overhead: (19,134 x $2.50 + $10.00) / 1M.
+    # (Bounded by the body's 5,208 bytes it was $0.01303: 42 % under what the count says.)
+    assert reserved[0.01] == Decimal("0.047845") and reserved[0.01] >= reserved[0]

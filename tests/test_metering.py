@@ -286,3 +286,60 @@ def test_web_search_calls_in_a_stream_are_counted_once_however_split():
     for offset in range(0, len(data), 7):
         result = meter_stream(data, [offset])
         assert (result.usage.web_search_requests, result.web_search_calls, result.complete) == (2, 2, True), offset
+
+
+def _json_values():
+    from hypothesis import strategies as st
+
+    scalars = st.one_of(
+        st.none(), st.booleans(), st.integers(-(10**18), 10**18), st.floats(allow_nan=False, allow_infinity=False),
+        st.text(max_size=40),
+    )  # fmt: skip
+    return st.recursive(
+        scalars,
+        lambda inner: st.lists(inner, max_size=6) | st.dictionaries(st.text(max_size=8), inner, max_size=6),
+        max_leaves=30,
+    )
+
+
+def _request_bodies():
+    from hypothesis import strategies as st
+
+    value = _json_values()
+    text = st.text(max_size=60) | st.lists(st.integers(0, 200_000), max_size=8) | value
+    message = st.fixed_dictionaries(
+        {"role": st.sampled_from(["user", "assistant", "system"]), "content": text},
+        optional={"name": st.text(max_size=8), "tool_calls": value},
+    )
+    block = st.fixed_dictionaries({}, optional={"text": st.text(max_size=40), "input": value, "content": value})
+    return st.fixed_dictionaries(
+        {"model": st.sampled_from(["gpt-4o", "gpt-4", "claude-sonnet-4", "house-model"])},
+        optional={
+            "messages": st.lists(message | st.lists(block, max_size=3) | value, max_size=5),
+            "input": text,
+            "prompt": text,
+            "instructions": text,
+            "system": text | st.lists(block, max_size=3),
+            "tools": st.lists(value, max_size=3),
+        },
+    )
+
+
+def test_the_texts_bytes_bound_their_count_for_every_dialect_and_encoding():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from tokenward.proxy.metering import input_bytes
+
+    @settings(max_examples=300, deadline=None)
+    @given(_request_bodies(), st.sampled_from(["openai", "anthropic"]))
+    def check(body, dialect):
+        # the budget bound without the tokenizer must never be below the counted one
+        assert input_bytes(dialect, body) >= count_input(dialect, body, body["model"])
+
+    check()
+    # the case the body's size missed: a tool schema's 1e15 re-encoded as 1000000000000000.0
+    tools = {"model": "gpt-4o", "tools": [{"enum": [1e15] * 100}]}
+    # 9 tokens a number with its comma, less the last comma; '[{"enum":[' 4 tokens, ']}]' 2
+    assert count_input("openai", tools, "gpt-4o") == 9 * 100 - 1 + 6
+    assert input_bytes("openai", tools) == 19 * 100 - 1 + 13  # 19 bytes a number and comma; 13 of syntax

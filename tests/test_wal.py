@@ -6,6 +6,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import time
 from decimal import Decimal
 
 from tokenward.reports.ledger import DuckLedger, WriteAheadLog, open_ledger
@@ -324,3 +325,250 @@ def test_a_line_a_full_disk_cuts_is_completed_not_written_twice(tmp_path, monkey
     assert ledger.flush(wal) == 2
     wal.close()
     assert set(rows_in(ledger.path)) == {"a", "b"}
+
+# A writer whose disk fills in the middle of a write: RLIMIT_FSIZE makes the kernel write part of it
+# (a short write, as on a full file system) and fail the rest (EFBIG); then the space comes back.
+FILLING_WRITER = """
+import asyncio, os, resource, signal, sys
+from decimal import Decimal
+from pathlib import Path
+sys.path.insert(0, sys.argv[3])
+from tokenward.reports.ledger import DuckLedger, WriteAheadLog
+from tokenward.reports.ledger.wal import encode_row
+from test_ledger import make_row
+
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of death past the limit
+_, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+
+def full_after(fd, room):  # the file may grow by `room` bytes more
+    resource.setrlimit(resource.RLIMIT_FSIZE, (os.fstat(fd).st_size + room, hard))
+
+async def main(mode):
+    ledger = DuckLedger(Path(sys.argv[1]))
+    wal = WriteAheadLog(ledger.spool_dir)
+    wal.open(asyncio.get_running_loop())
+    await wal.commit(["r0"], encode_row(make_row("r0")))
+    lines = [encode_row(make_row(f"r{i}")) for i in (1, 2, 3)]
+    if mode == "admission":
+        await wal.forward("held", {"request_id": "held", "started_at": 1780000000.0, "outcome": "interrupted"})
+        line = b'{"t":"A","row":{"request_id":"at-upstream","started_at":1780000000.0,"principal":"bob",'
+        full_after(wal._adm_fd, len(line) // 2)
+        waiter = wal.forward("at-upstream", {"request_id": "at-upstream", "started_at": 1780000000.0,
+                                             "principal": "bob", "method": "POST", "path": "/v1/chat/completions",
+                                             "endpoint": "chat_completions", "outcome": "interrupted",
+                                             "price_status": "usage_unknown", "reserved_usd": Decimal("0.25")})
+        try:
+            await wal.commit(["held"], encode_row(make_row("held")))  # queued behind the failed write
+        except OSError:
+            pass
+    elif mode == "first-row":
+        full_after(wal._rows_fd, len(lines[0]) // 2)  # half of r1 fits
+        waiter = wal.commit(["r1", "r2", "r3"], b"".join(lines))
+    else:
+        full_after(wal._rows_fd, len(lines[0]) + len(lines[1]) + len(lines[2]) // 2)  # r1, r2, half of r3 fit
+        waiter = wal.commit(["r1", "r2", "r3"], b"".join(lines))
+    try:
+        await waiter
+    except OSError:
+        pass
+    else:
+        raise SystemExit("the write did not fail")
+    assert wal.failing is not None
+    resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))  # space freed
+    for _ in range(100):  # retried every 0.2 s
+        await asyncio.sleep(0.05)
+        if wal.failing is None and wal.queued == 0:
+            break
+    assert wal.failing is None and wal.queued == 0, (wal.failing, wal.queued)
+    if sys.argv[2] == "flush":
+        ledger.flush(wal)  # the live writer moves its own segment (no de-duplication)
+        wal.close()
+        ledger.flush(wal)
+        print("written", flush=True)
+        return
+    print("written", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+asyncio.run(main(sys.argv[4]))
+"""
+
+
+def fill_the_disk(tmp_path, tests_dir, ending, mode):
+    ledger = DuckLedger(tmp_path / "l.duckdb")
+    result = subprocess.run(
+        [sys.executable, "-c", FILLING_WRITER, ledger.path, ending, str(tests_dir), mode],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.stdout.strip() == "written", result.stderr
+    assert result.returncode == (-9 if ending == "kill" else 0), result.stderr
+    if ending == "kill":
+        ledger.flush()
+    conn = open_ledger(ledger.path, read_only=True)
+    try:
+        ids = [r[0] for r in conn.execute("SELECT request_id FROM requests ORDER BY request_id").fetchall()]
+        status = dict(conn.execute("SELECT request_id, price_status FROM requests").fetchall())
+    finally:
+        conn.close()
+    quarantined = ledger.quarantine.read_text() if ledger.quarantine.exists() else ""
+    return ids, status, quarantined
+
+
+def test_a_row_cut_short_by_a_full_disk_is_written_once_when_space_returns(tmp_path, request):
+    # r1, r2 and half of r3 reach the file before it is full: the retry must finish r3, not write
+    # r1 and r2 again (glued to the half r3, r1 is unreadable; r2 gets a second row)
+    ids, _, quarantined = fill_the_disk(tmp_path, request.path.parent, "flush", "middle")
+    assert ids == ["r0", "r1", "r2", "r3"] and quarantined == ""
+
+
+def test_a_killed_writer_whose_disk_filled_mid_row_keeps_that_row(tmp_path, request):
+    ids, _, _ = fill_the_disk(tmp_path, request.path.parent, "kill", "first-row")
+    assert ids == ["r0", "r1", "r2", "r3"]
+
+
+def test_an_admission_cut_short_by_a_full_disk_still_gives_its_row(tmp_path, request):
+    # the record that the request went upstream is half written when the disk fills; once space
+    # is back it must be readable, or a kill loses the request's row (and its held $0.25)
+    ids, status, _ = fill_the_disk(tmp_path, request.path.parent, "kill", "admission")
+    assert ids == ["at-upstream", "held", "r0"]
+    assert status["at-upstream"] == "usage_unknown"
+
+
+# A rotation that cannot open the next segment (no descriptor free: the loop took the two the
+# rotation closed; or no inode left): the log must go on in the segment it has, not write rows
+# into whatever file or socket is given the descriptors it closed.
+STARVED_ROTATION = """
+import asyncio, os, resource, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[2])
+from tokenward.reports.ledger import DuckLedger, WriteAheadLog
+from tokenward.reports.ledger.wal import encode_row
+from test_ledger import make_row
+
+async def main():
+    ledger = DuckLedger(Path(sys.argv[1]))
+    wal = WriteAheadLog(ledger.spool_dir)
+    wal.open(asyncio.get_running_loop())
+    await wal.commit(["r0"], encode_row(make_row("r0")))
+    await wal.forward("open", {"request_id": "open", "started_at": 1780000000.0, "outcome": "interrupted",
+                               "price_status": "usage_unknown"})
+    await asyncio.to_thread(lambda: None)  # the worker thread exists before descriptors run out
+    first = min(wal._rows_fd, wal._adm_fd)
+    spare = []
+    while (fd := os.dup(0)) < first:  # every descriptor below the log's is taken
+        spare.append(fd)
+    os.close(fd)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (first, hard))  # none free at or above it either
+    await asyncio.to_thread(wal.rotate)  # from a worker thread, as the ledger's flush does
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    other = Path(sys.argv[1] + ".other")
+    decoy = os.open(other, os.O_CREAT | os.O_WRONLY, 0o644)  # the next file (or socket) opened
+    for fd in spare:
+        os.close(fd)
+    try:
+        await wal.commit(["r1"], encode_row(make_row("r1")))
+    except OSError:
+        pass
+    try:
+        await wal.commit(["open"], encode_row(make_row("open")))
+    except OSError:
+        pass
+    print(os.fstat(decoy).st_size, flush=True)
+    os.close(decoy)
+    ledger.flush(wal)
+    wal.close()
+    ledger.flush(wal)
+
+asyncio.run(main())
+"""
+
+
+def test_a_rotation_that_cannot_open_the_next_segment_keeps_writing_the_current_one(tmp_path, request):
+    ledger = DuckLedger(tmp_path / "l.duckdb")
+    result = subprocess.run(
+        [sys.executable, "-c", STARVED_ROTATION, ledger.path, str(request.path.parent)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.stdout.strip() == "0", "rows were written into another file"
+    assert result.returncode == 0, result.stderr
+    assert sorted(rows_in(ledger.path)) == ["open", "r0", "r1"]
+    assert list(ledger.spool_dir.glob("*.jsonl")) == []
+
+
+# Many requests in flight on the loop, segments rotating on the loop (every few rows) and from a
+# worker thread (a flush every few milliseconds, inserting what it closed), until SIGKILL.
+RACING_WRITER = """
+import asyncio, random, sys, threading
+from decimal import Decimal
+from pathlib import Path
+sys.path.insert(0, sys.argv[2])
+from tokenward.reports.ledger import DuckLedger, WriteAheadLog
+from tokenward.reports.ledger import wal as wal_module
+from tokenward.reports.ledger.wal import encode_row
+from test_ledger import make_row
+
+wal_module.SEGMENT_BYTES = 8 * len(encode_row(make_row("q0")))  # a loop rotation every ~8 rows
+
+def fallback(rid):
+    return {"request_id": rid, "started_at": 1780000000.0, "method": "POST", "path": "/v1/chat/completions",
+            "endpoint": "chat_completions", "outcome": "interrupted", "price_status": "not_billed"}
+
+async def request(wal, i):
+    rid = f"q{i:06d}"
+    wal.admit(rid, lambda: fallback(rid))
+    await asyncio.sleep(random.random() * 0.004)
+    await wal.forward(rid, fallback(rid) | {"price_status": "usage_unknown", "reserved_usd": Decimal("0.01")})
+    await asyncio.sleep(random.random() * 0.004)
+    await wal.commit([rid], encode_row(make_row(rid)))
+
+def flushing(ledger, wal):
+    while True:
+        ledger.flush(wal)
+
+async def main():
+    ledger = DuckLedger(Path(sys.argv[1]))
+    wal = WriteAheadLog(ledger.spool_dir)
+    wal.open(asyncio.get_running_loop())
+    threading.Thread(target=flushing, args=(ledger, wal), daemon=True).start()
+    tasks, i = set(), 0
+    while True:
+        while len(tasks) < 40:
+            task = asyncio.ensure_future(request(wal, i))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+            i += 1
+            if i == 300:
+                print("running", flush=True)
+        await asyncio.sleep(0)
+
+asyncio.run(main())
+"""
+
+
+def test_rotations_racing_appends_until_sigkill_leave_each_request_one_row(tmp_path, request):
+    for attempt in range(3):
+        ledger = DuckLedger(tmp_path / f"l{attempt}.duckdb")
+        with subprocess.Popen(
+            [sys.executable, "-c", RACING_WRITER, ledger.path, str(request.path.parent)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        ) as writer:
+            assert writer.stdout.readline().strip() == "running", writer.stderr.read()
+            time.sleep(0.3 + 0.3 * attempt)
+            writer.kill()
+            writer.wait()
+        ledger.flush()
+        conn = open_ledger(ledger.path, read_only=True)
+        try:
+            ids = [r[0] for r in conn.execute("SELECT request_id FROM requests ORDER BY request_id").fetchall()]
+        finally:
+            conn.close()
+        assert len(ids) >= 300 and not ledger.quarantine.exists()
+        # requests start in order: every one up to the last that left a trace has exactly one row
+        assert ids == [f"q{i:06d}" for i in range(len(ids))]
+        assert list(ledger.spool_dir.glob("*.jsonl")) == []

@@ -112,21 +112,33 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
+class _ShortWrite(OSError):
+    """A write that failed part way: ``unwritten`` is what did not reach the file (the rest did)."""
+
+    def __init__(self, error: OSError, unwritten: bytes) -> None:
+        super().__init__(error.errno, error.strerror, error.filename)
+        self.unwritten = unwritten
+
+
+def _unwritten(error: OSError, data: bytes) -> bytes:
+    """What of ``data`` a failed :func:`_write_all` left unwritten (all of it unless it says)."""
+    return error.unwritten if isinstance(error, _ShortWrite) else data
+
+
 def _write_all(fd: int, data: bytes) -> None:
-    """Write all of ``data`` to ``fd``.
+    """Write all of ``data``.
 
     Raises:
-        OSError: a write failed; its ``written`` attribute says how many bytes of ``data`` went
-            out before (a full disk can take part of a buffer), so the rest, and only the rest,
-            is written again.
+        _ShortWrite: a write failed (a full disk writes what fits, then fails); what reached the
+            file stays there, so a retry must write only ``unwritten`` or it tears a line (a line
+            cut short glued to its whole copy is unreadable) and doubles the lines before it.
     """
     view = memoryview(data)
     while view:
         try:
             written = os.write(fd, view)
         except OSError as exc:
-            exc.written = len(data) - len(view)  # type: ignore[attr-defined]
-            raise
+            raise _ShortWrite(exc, bytes(view)) from exc
         view = view[written:]
 
 
@@ -163,10 +175,9 @@ class WriteAheadLog:
         # request id -> its latest admission: a line, or (not written yet) the row or what makes it
         self._open: dict[str, _Admission] = {}
         self._unwritten: dict[str, _Admission] = {}  # admissions not written yet (the rest of this turn)
+        self._adm_tail = b""  # the end of admission lines a failed write left unwritten (first next time)
+        self._rotation_failing = False  # a rotation on the loop failed (logged once)
         self._rows: list[bytes] = []  # row lines not written yet (only while writes fail)
-        # what a failed write left of its buffer: written first, so a line cut by a full disk is completed
-        self._rows_tail = b""
-        self._adm_tail = b""
         self._scheduled = False  # a write of the admissions is due at the end of this turn
         self._retrying = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -285,9 +296,34 @@ class WriteAheadLog:
         if self._closed:
             return OSError("the write-ahead log is closed")
         try:
-            self._write_queues()
-            if self._rows_bytes >= SEGMENT_BYTES:
-                self._rotate_now()
+            if self._unwritten or self._adm_tail:
+                data = self._adm_tail + b"".join(map(_admission_line, self._unwritten.values()))
+                self._adm_tail = b""
+                self._unwritten.clear()
+                try:
+                    _write_all(self._adm_fd, data)
+                except OSError as exc:
+                    self._adm_tail = _unwritten(exc, data)  # the lines partly written are finished first
+                    raise
+            if self._rows:
+                data = b"".join(self._rows)
+                self._rows.clear()
+                try:
+                    _write_all(self._rows_fd, data)
+                except OSError as exc:
+                    self._rows[:] = [_unwritten(exc, data)]  # what reached the file is not written again
+                    self._rows_bytes += len(data) - len(self._rows[0])
+                    raise
+                self._rows_bytes += len(data)
+                if self._rows_bytes >= SEGMENT_BYTES:
+                    try:
+                        self._rotate_now()
+                    except OSError as exc:  # the rows are written: the segment grows until a rotation works
+                        if not self._rotation_failing:
+                            log.error("cannot start the next write-ahead segment: %s; the current one grows", exc)
+                        self._rotation_failing = True
+                    else:
+                        self._rotation_failing = False
         except OSError as exc:
             if self.failing is None:
                 log.error("cannot write the write-ahead log in %s: %s; retrying", self.directory, exc)
@@ -297,35 +333,6 @@ class WriteAheadLog:
             log.warning("write-ahead log writable again")
             self.failing = None
         return None
-
-    def _write_queues(self) -> None:
-        """Write the queued admissions, then the queued rows, each after what a failed write left (the lock held).
-
-        Raises:
-            OSError: a write failed; what it did not write stays queued, in order.
-        """
-        if self._unwritten:
-            self._adm_tail += b"".join(map(_admission_line, self._unwritten.values()))
-            self._unwritten.clear()
-        if self._adm_tail:
-            data, self._adm_tail = self._adm_tail, b""
-            try:
-                _write_all(self._adm_fd, data)
-            except OSError as exc:
-                self._adm_tail = data[getattr(exc, "written", 0) :]
-                raise
-        if self._rows:
-            self._rows_tail += b"".join(self._rows)
-            self._rows.clear()
-        if self._rows_tail:
-            data, self._rows_tail = self._rows_tail, b""
-            try:
-                _write_all(self._rows_fd, data)
-            except OSError as exc:
-                self._rows_tail = data[getattr(exc, "written", 0) :]
-                self._rows_bytes += getattr(exc, "written", 0)
-                raise
-            self._rows_bytes += len(data)
 
     def _write_admissions(self) -> None:
         """End of the loop's turn: write the admissions of the requests still open."""
@@ -362,7 +369,7 @@ class WriteAheadLog:
     @property
     def queued(self) -> int:
         """Row batches not written yet (only while writes fail)."""
-        return len(self._rows) + (1 if self._rows_tail else 0)
+        return len(self._rows)
 
     # -- rotation (worker thread) ------------------------------------------------------------
 
@@ -388,12 +395,15 @@ class WriteAheadLog:
         first = current
         for seq in range(self._first_closed, current):
             path = self._segment(seq, _ROWS)
-            if path.exists():
-                if path.stat().st_size == 0:
-                    path.unlink()
-                else:
-                    found.append(path)
-                    first = min(first, seq)
+            try:  # the loop (``/healthz``) and a flush's thread both look: either may remove a file
+                size = path.stat().st_size
+            except FileNotFoundError:
+                continue
+            if size == 0:
+                path.unlink(missing_ok=True)
+            else:
+                found.append(path)
+                first = min(first, seq)
         self._first_closed = first  # the engine removes what it inserts: the next look starts here
         if self._closed:  # closed: the last segment is done too
             last = self._segment(self._seq, _ROWS)
@@ -412,24 +422,51 @@ class WriteAheadLog:
     def _rotate_now(self) -> None:
         """Close this segment, open the next with the open admissions carried over (the lock held).
 
+        All or nothing: the next segment's files are opened and the open admissions written to
+        them before this segment's are closed, so a failure (no descriptor, inode or space left)
+        leaves the log writing this segment, and never on descriptors it closed (which the
+        process may since have given to another file or a socket).
+
         Raises:
-            OSError: what is queued cannot be written: the segment stays open (a line a full disk
-                cut must be completed in its own file).
+            OSError: the queued rows or the next segment could not be written (nothing changed).
         """
-        self._write_queues()  # queued rows belong to this segment
+        if self._rows:  # queued rows belong to this segment
+            data = b"".join(self._rows)
+            self._rows.clear()
+            try:
+                _write_all(self._rows_fd, data)
+            except OSError as exc:
+                self._rows[:] = [_unwritten(exc, data)]
+                raise
+        previous = self._seq
+        rows_path, adm_path = self._segment(previous + 1, _ROWS), self._segment(previous + 1, _ADMISSIONS)
+        flags = os.O_CREAT | os.O_WRONLY | os.O_APPEND | os.O_TRUNC  # a failed attempt left nothing to keep
+        rows_fd = adm_fd = -1
+        try:
+            rows_fd = os.open(rows_path, flags, 0o644)
+            adm_fd = os.open(adm_path, flags, 0o644)
+            carried = b"".join(map(_admission_line, self._open.values()))
+            if carried:
+                _write_all(adm_fd, carried)
+            if self._fsync:
+                os.fsync(adm_fd)  # the carried admissions are durable before the old file goes
+        except OSError:
+            for fd in (rows_fd, adm_fd):
+                if fd >= 0:
+                    os.close(fd)
+            rows_path.unlink(missing_ok=True)
+            adm_path.unlink(missing_ok=True)
+            raise
         if self._fsync:  # a caller may be waiting for a flush the syncer has not started
             _fsync_quietly(self._rows_fd)
             _fsync_quietly(self._adm_fd)
         os.close(self._rows_fd)
         os.close(self._adm_fd)
-        previous = self._seq
-        self._seq += 1
+        self._rows_fd, self._adm_fd = rows_fd, adm_fd
+        self._seq = previous + 1
         self._rows_bytes = 0
-        self._open_segment()
-        carried = b"".join(map(_admission_line, self._open.values()))
         self._unwritten.clear()  # every open admission is in ``carried``
-        if carried:
-            _write_all(self._adm_fd, carried)
+        self._adm_tail = b""  # the end of a line of the old admissions file, which goes
         self._segment(previous, _ADMISSIONS).unlink(missing_ok=True)
 
 
