@@ -572,3 +572,38 @@ def test_rotations_racing_appends_until_sigkill_leave_each_request_one_row(tmp_p
         # requests start in order: every one up to the last that left a trace has exactly one row
         assert ids == [f"q{i:06d}" for i in range(len(ids))]
         assert list(ledger.spool_dir.glob("*.jsonl")) == []
+
+
+def test_with_fsync_a_rotation_whose_fsync_fails_keeps_its_segment_and_tells_the_next_waiter(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    ledger = DuckLedger(tmp_path / "l.duckdb")
+    wal = WriteAheadLog(ledger.spool_dir, fsync=True)
+    real_fsync = os.fsync
+    current = []
+
+    def failing(fd):  # the device fails the current segment's rows file
+        if fd == current[0]:
+            raise OSError(errno.EIO, "Input/output error")
+        real_fsync(fd)
+
+    async def run():
+        wal.open(asyncio.get_running_loop())
+        await wal.commit(["a"], encode_row(make_row("a")))
+        current.append(wal._rows_fd)
+        monkeypatch.setattr(os, "fsync", failing)
+        assert await asyncio.to_thread(wal.rotate) == []  # the rotation failed: no segment was closed
+        monkeypatch.setattr(os, "fsync", real_fsync)
+        try:
+            await wal.commit(["b"], encode_row(make_row("b")))
+        except OSError as exc:  # its own fsync succeeded, but the pages the failed one held may be gone
+            assert exc.errno == errno.EIO
+        else:
+            raise AssertionError("a write after a failed fsync was reported durable")
+        await wal.commit(["c"], encode_row(make_row("c")))  # reported once
+
+    asyncio.run(run())
+    (segment,) = wal.rotate()
+    assert [r["request_id"] for r in read_rows(segment)] == ["a", "b", "c"]
+    wal.close()

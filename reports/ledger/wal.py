@@ -450,6 +450,13 @@ class WriteAheadLog:
                 _write_all(adm_fd, carried)
             if self._fsync:
                 os.fsync(adm_fd)  # the carried admissions are durable before the old file goes
+                try:  # a caller may be waiting for a flush the syncer has not started
+                    os.fsync(self._rows_fd)
+                    os.fsync(self._adm_fd)
+                except OSError as exc:
+                    if self._syncer is not None:  # the pages may be gone: the next flush must not say durable
+                        self._syncer.failed(exc)
+                    raise
         except OSError:
             for fd in (rows_fd, adm_fd):
                 if fd >= 0:
@@ -457,9 +464,6 @@ class WriteAheadLog:
             rows_path.unlink(missing_ok=True)
             adm_path.unlink(missing_ok=True)
             raise
-        if self._fsync:  # a caller may be waiting for a flush the syncer has not started
-            _fsync_quietly(self._rows_fd)
-            _fsync_quietly(self._adm_fd)
         os.close(self._rows_fd)
         os.close(self._adm_fd)
         self._rows_fd, self._adm_fd = rows_fd, adm_fd
@@ -498,6 +502,7 @@ class _Syncer:
         self._loop = loop
         self._cond = threading.Condition()
         self._batch: asyncio.Future[None] | None = None
+        self._lost: OSError | None = None  # an fsync elsewhere (a rotation) failed: the next flush reports it
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="tokenward-wal-fsync", daemon=True)
         self._thread.start()
@@ -508,6 +513,15 @@ class _Syncer:
                 self._batch = self._loop.create_future()
                 self._cond.notify()
             return self._batch
+
+    def failed(self, error: OSError) -> None:
+        """An ``fsync`` of the log's files failed outside this thread: fail the next flush's waiters with it.
+
+        After a failed ``fsync`` the kernel may have dropped the pages it could not write, and a
+        later ``fsync`` then succeeds: only the failure tells a waiter its write is not durable.
+        """
+        with self._cond:
+            self._lost = error
 
     def stop(self) -> None:
         with self._cond:
@@ -524,17 +538,22 @@ class _Syncer:
                 stopping = self._stopping
             if batch is not None:
                 error: OSError | None = None
-                with self._wal._lock:
-                    fds = [os.dup(fd) for fd in (self._wal._rows_fd, self._wal._adm_fd) if fd >= 0]
+                fds: list[int] = []
                 try:
+                    with self._wal._lock:
+                        for fd in (self._wal._rows_fd, self._wal._adm_fd):
+                            if fd >= 0:
+                                fds.append(os.dup(fd))
                     for fd in fds:
                         os.fsync(fd)
-                except OSError as exc:
+                except OSError as exc:  # no descriptor to dup, or the device failed
                     error = exc
                     log.error("cannot fsync the write-ahead log: %s", exc)
                 finally:
                     for fd in fds:
                         os.close(fd)
+                with self._cond:
+                    error, self._lost = error or self._lost, None
                 try:
                     self._loop.call_soon_threadsafe(_settle, batch, error)
                 except RuntimeError:  # the loop is closed: nobody is waiting any more
