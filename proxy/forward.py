@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from decimal import Decimal
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 from litestar import Request
@@ -78,8 +78,9 @@ _ANTHROPIC_HEADERS = frozenset({b"anthropic-version", b"anthropic-beta"})
 # credential, so in virtual_keys mode (tokenward's credential) the client may not pick them.
 # https://platform.openai.com/docs/api-reference/authentication (checked 2026-12-01)
 _ACCOUNT_HEADERS = frozenset({b"openai-organization", b"openai-project"})
+T = TypeVar("T")
 COUNT_ON_LOOP_BYTES = 8 * 1024
-"""Request bodies up to this size are counted for a budget's bound on the event loop (at most
+"""Request bodies up to this size are decoded and counted (or sized) for a budget's bound on the event loop (at most
 ~0.3 ms at 30 to 47 us per KB); larger ones in a worker thread. The hop to a thread and back
 costs ~80 us of CPU and ~0.1 to 0.2 ms of latency at low load (``bench/PROFILE.md``)."""
 _INCLUDE_USAGE = b'"stream_options":{"include_usage":true}'
@@ -456,7 +457,8 @@ class Forwarder:
             if media is not None:
                 worst, unbounded = await self._media_worst_case(ex, media, now), False
             else:
-                ample = guard.tightest(attributes, now)  # what is left in the budget in scope with least
+                # what is left in the budget in scope with least (the bytes bound is weighed against it)
+                ample = guard.tightest(attributes, now) if self.guard_settings.bytes_bound_share > 0 else None
                 worst, unbounded = await self._worst_case(
                     ex, head, body, endpoint, now, counts=counts, headroom=ample[1] if ample else None
                 )
@@ -619,15 +621,12 @@ class Forwarder:
         cached = counts.get(model) if counts is not None else None
         share = self.guard_settings.bytes_bound_share
         if cached is None and headroom is not None and headroom > 0 and share > 0:
-            by_bytes = _bytes_for_bound(endpoint.dialect, body)
+            by_bytes = await _off_the_loop_if_large(body, _bytes_for_bound, endpoint.dialect, body)
             bound = self._bound(ex, head, model, max_output, now, by_bytes)
             if bound is not None and bound <= headroom * Decimal(repr(share)):
                 return bound, by_bytes[1].unbounded
         if cached is None:
-            if len(body) <= COUNT_ON_LOOP_BYTES:  # the thread hop would cost more than the count
-                cached = _count_for_bound(endpoint.dialect, body, model)
-            else:
-                cached = await asyncio.to_thread(_count_for_bound, endpoint.dialect, body, model)
+            cached = await _off_the_loop_if_large(body, _count_for_bound, endpoint.dialect, body, model)
             if counts is not None:
                 counts[model] = cached
         return self._bound(ex, head, model, max_output, now, cached), cached[1].unbounded
@@ -1116,6 +1115,13 @@ def _count_for_bound(dialect: str, body: bytes, model: str | None) -> tuple[int,
     except (msgspec.DecodeError, RecursionError):
         decoded = None
     return count_input(dialect, decoded, model), scan(decoded)
+
+
+async def _off_the_loop_if_large(body: bytes, work: Callable[..., T], *args: Any) -> T:
+    """``work(*args)`` on the event loop for a body up to :data:`COUNT_ON_LOOP_BYTES`, else in a worker thread."""
+    if len(body) <= COUNT_ON_LOOP_BYTES:  # the thread hop would cost more than the work
+        return work(*args)
+    return await asyncio.to_thread(work, *args)
 
 
 def _bytes_for_bound(dialect: str, body: bytes) -> tuple[int, Unmetered]:

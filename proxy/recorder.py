@@ -49,20 +49,22 @@ FLUSH_SHARE = 0.01
 """The share of the time moves of the log into the ledger may take: after a move that took ``d``
 seconds the next waits ``d / FLUSH_SHARE`` seconds if that is longer than ``flush_interval_s``.
 
-A move costs ~26 ms of CPU whatever its size (DuckDB's connect, migration check and close) plus
-~9 us per row: at one a second it took 3 to 5 % of a core from a busy proxy, 40 to 70 us per
-request at 600 requests/s and ~250 us per streamed request at 115 streams/s. Rows are durable in
-the write-ahead log before their reply ends, and budgets and live figures count them at once, so
-a later move only delays what readers of the file (reports, the dashboard's history) see: by up
-to half of :attr:`Recorder.stale_after_s` (5 s by default) under load, while a quiet proxy still
-moves its rows within ``flush_interval_s``."""
+A move costs ~25 ms of CPU whatever its size (DuckDB's connect and the checkpoint at close; the
+migration check runs on the first move only) plus ~10 us per row: at one a second it took 3 to 5 %
+of a core from a busy proxy, 40 to 70 us per request at 600 requests/s and ~250 us per streamed
+request at 115 streams/s. Rows are durable in the write-ahead log before their reply ends, and
+budgets and live figures count them at once, so a later move only delays what readers of the file
+(reports, the dashboard's history) see: by up to half of :attr:`Recorder.stale_after_s` (5 s by
+default) under load, while a quiet proxy still moves its rows within ``flush_interval_s``."""
 
 FLUSH_ROWS = 20_000
 """Rows waiting in the log that start a move at once, so that a busy proxy's log (and the lag of
-reports behind it) stays bounded. Memory does not grow with it: the log starts a new segment
-every :data:`~tokenward.reports.ledger.wal.SEGMENT_BYTES` and the engine inserts one segment per
-statement. A move's fixed cost (~25 ms: DuckDB's connect and the checkpoint at close) is spread
-over up to this many rows (it was 2,000: ~15 us per row at 1,800 requests/s)."""
+reports behind it) stays bounded. A move's fixed cost (~25 ms: DuckDB's connect and the
+checkpoint at close) is spread over up to this many rows (it was 2,000: ~15 us per row at 1,800
+requests/s). Memory grows with the rows of one move far less than it did: each segment of the log
+(:data:`~tokenward.reports.ledger.wal.SEGMENT_BYTES`) is its own ``INSERT``, so ``read_json``
+holds one segment at a time; what remains is DuckDB's new row groups until the checkpoint, +16 to
++23 MB for 9,000 rows (``bench/PROFILE.md`` section 7)."""
 
 
 def build_rows(ex: Exchange, catalog: PriceCatalog) -> list[dict[str, Any]]:
@@ -296,7 +298,7 @@ class Recorder:
     # -- the three moments ---------------------------------------------------------------------
 
     def admit(self, ex: Exchange) -> None:
-        """Note that ``ex`` arrived (written with the next batch; not awaited)."""
+        """Note that ``ex`` arrived (not awaited: written at the end of this turn of the loop, unless superseded)."""
         self._open[ex.request_id] = ex
         self.wal.admit(ex.request_id, partial(fallback_row, ex, forwarded=False))  # made only if written
 

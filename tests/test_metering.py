@@ -292,9 +292,12 @@ def _json_values():
     from hypothesis import strategies as st
 
     scalars = st.one_of(
-        st.none(), st.booleans(), st.integers(-(10**18), 10**18), st.floats(allow_nan=False, allow_infinity=False),
+        st.none(),
+        st.booleans(),
+        st.integers(-(10**18), 10**18),
+        st.floats(allow_nan=False, allow_infinity=False),
         st.text(max_size=40),
-    )  # fmt: skip
+    )
     return st.recursive(
         scalars,
         lambda inner: st.lists(inner, max_size=6) | st.dictionaries(st.text(max_size=8), inner, max_size=6),

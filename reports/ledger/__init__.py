@@ -173,7 +173,7 @@ class DuckLedger:
                 try:
                     self._migrated_file = _identity(self.path)
                     inserted = 0
-                    for path in own:  # one statement per segment: what one insert holds is one segment
+                    for path in own:  # one statement per segment: read_json holds one segment at a time
                         inserted += insert_lines(
                             conn, [path], dedupe=False, quarantine=self.quarantine, scratch=self.spool_dir
                         )

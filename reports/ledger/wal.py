@@ -60,8 +60,8 @@ _ROWS = ".rows.jsonl"
 _ADMISSIONS = ".adm.jsonl"
 SEGMENT_BYTES = 1 << 20
 """A rows file this large starts the next segment at once (on the loop): the engine inserts one
-segment per statement, so this bounds what one insert holds in memory (DuckDB's ``read_json``
-holds its whole input: ~5 MB per 1,000 rows), however many rows a move takes."""
+segment per statement, so ``read_json``, which holds its whole input, holds at most one segment
+(~750 rows), however many rows a move takes."""
 _Admission = bytes | dict[str, Any] | Callable[[], dict[str, Any]]
 _TOKEN_COLUMNS = tuple(name for name, kind in ROW_COLUMNS.items() if kind == "BIGINT")
 _DEFAULTS: dict[str, Any] = {name: None for name in ROW_COLUMNS} | dict.fromkeys(_TOKEN_COLUMNS, 0)
