@@ -49,7 +49,7 @@ from tokenward.proxy.exchange import Exchange, Outcome
 from tokenward.proxy.guard import BudgetGuard, BudgetRefusal
 from tokenward.proxy.isolation import Isolation, ObjectNotFound
 from tokenward.proxy.keys import AUTH_HEADERS, Authenticator, Identity, presented_key, upstream_credential
-from tokenward.proxy.limits import BodyLimits, body_stream, read_body
+from tokenward.proxy.limits import CONNECTION_SCOPE_KEY, BodyLimits, body_stream, read_body
 from tokenward.proxy.media import MediaRequest, MediaRequestError, read_request
 from tokenward.proxy.media import estimate as media_estimate
 from tokenward.proxy.metering import Meter, count_input, estimate, input_bytes
@@ -340,7 +340,8 @@ class Forwarder:
         if plan is not None:
             plan.prepare(found, inbound.headers)
         budget_headers, body = await self._admit(ex, head, body, endpoint, media, route, inbound.upstream)
-        watch.append(DisconnectWatch(request.receive))  # the body is read: receive now only reports a disconnect
+        # the body is read: receive now only reports a disconnect, which the connection tells at no cost
+        watch.append(DisconnectWatch(request.receive, request.scope.get(CONNECTION_SCOPE_KEY)))
         await self.recorder.forwarding(ex)
         reply = await self._send_while_connected(route, found, inbound.headers, body, ex, watch[0])
         if plan is not None:

@@ -45,8 +45,10 @@ from tokenward.proxy.config import ServerConfig
 from tokenward.proxy.errors import ProxyError, error_body
 
 __all__ = [
+    "CONNECTION_SCOPE_KEY",
     "BodyLimits",
     "BodyStream",
+    "ClientConnection",
     "LimitedHttpTools",
     "body_stream",
     "decoded_size",
@@ -335,6 +337,53 @@ def _too_slow(limits: BodyLimits) -> ProxyError:
     )
 
 
+CONNECTION_SCOPE_KEY = "tokenward.connection"
+"""ASGI scope key of the request's :class:`ClientConnection` (set by :class:`LimitedHttpTools`)."""
+
+_DISCONNECT = {"type": "http.disconnect"}
+
+
+class ClientConnection:
+    """One request's client connection as the server sees it: whether it is lost, and a future for when.
+
+    :class:`LimitedHttpTools` puts one in each request's scope under :data:`CONNECTION_SCOPE_KEY`,
+    so that :class:`~tokenward.proxy.relay.DisconnectWatch` learns of a disconnect without a task
+    waiting in ``receive()`` for the whole request (a task, its two steps and its cancellation
+    cost ~3 us of CPU a request more than a future: ``uvloop``, Python 3.11).
+    """
+
+    __slots__ = ("_cycle", "_lost", "_protocol")
+
+    def __init__(self, protocol: LimitedHttpTools, cycle: Any) -> None:
+        self._protocol = protocol
+        self._cycle = cycle
+        self._lost: asyncio.Future[dict[str, str]] | None = None
+
+    @property
+    def gone(self) -> bool:
+        """Whether the client left before its reply was complete."""
+        return bool(self._cycle.disconnected)
+
+    def lost(self) -> asyncio.Future[dict[str, str]]:
+        """A future resolved with ``{"type": "http.disconnect"}`` once the connection is lost (made on first call)."""
+        if self._lost is None:
+            self._lost = self._protocol.loop.create_future()
+            if self._cycle.disconnected or self._protocol.transport.is_closing():
+                self._lost.set_result(_DISCONNECT)
+            else:
+                self._protocol.watched.add(self)
+        return self._lost
+
+    def release(self) -> None:
+        """Stop watching (the future stays as it is)."""
+        self._protocol.watched.discard(self)
+
+    def connection_lost(self) -> None:
+        """Resolve the future (called by the protocol)."""
+        if self._lost is not None and not self._lost.done():
+            self._lost.set_result(_DISCONNECT)
+
+
 class LimitedHttpTools(HttpToolsProtocol):
     """uvicorn's httptools protocol, with a deadline and a size cap for each request head.
 
@@ -351,19 +400,25 @@ class LimitedHttpTools(HttpToolsProtocol):
     _head_since: float | None
     _head_bytes: int
     _in_head: bool
+    watched: set[ClientConnection]
+    """The requests' :class:`ClientConnection` objects waiting for this connection to be lost."""
 
     def connection_made(self, transport: Any) -> None:
         """Start the first head's deadline (a connection that sends nothing is closed at its end)."""
         super().connection_made(transport)
+        self.watched = set()
         self._head_since = None
         self._head_bytes = 0
         self._in_head = True
         self._arm()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        """Stop the head deadline."""
+        """Stop the head deadline; tell the requests watching the connection."""
         self._disarm()
         super().connection_lost(exc)
+        watched, self.watched = self.watched, set()
+        for connection in watched:
+            connection.connection_lost()
 
     def data_received(self, data: bytes) -> None:
         """Feed the parser, counting head bytes; refuse a head past ``max_header_bytes``."""
@@ -393,7 +448,11 @@ class LimitedHttpTools(HttpToolsProtocol):
         self._disarm()
         size = len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
         if size <= self.max_header_bytes:
+            scope = self.scope
             super().on_headers_complete()
+            cycle = self.cycle
+            if cycle is not None and cycle.scope is scope:  # not an upgrade: the request's task runs later
+                scope[CONNECTION_SCOPE_KEY] = ClientConnection(self, cycle)  # type: ignore[literal-required]
             return
         app = self.app
         self.app = _head_too_large

@@ -27,6 +27,7 @@ from litestar.types import Receive, Scope, Send
 
 from tokenward.proxy.errors import ProxyError, error_body
 from tokenward.proxy.exchange import Exchange, Outcome
+from tokenward.proxy.limits import ClientConnection
 from tokenward.proxy.metering import Meter
 from tokenward.proxy.splice import remove_member
 from tokenward.proxy.sse import parse_event
@@ -92,20 +93,29 @@ def strip_usage(block: bytes) -> bytes:
 
 
 class DisconnectWatch:
-    """Watches an ASGI ``receive`` for ``http.disconnect`` without blocking the relay.
+    """Watches for the client's disconnect without blocking the relay.
 
-    Request body messages still arriving (an upstream that answered before reading the whole
-    upload) are consumed and the watch re-armed.
+    With the server's :class:`~tokenward.proxy.limits.ClientConnection` (``connection``; a
+    request served by tokenward's own server has one), it asks the connection itself, and
+    :attr:`pending` is a future the connection resolves when it is lost. Without one (another ASGI
+    server), a task waits in ``receive()`` for ``http.disconnect``; request body messages still
+    arriving (an upstream that answered before reading the whole upload) are consumed and the
+    watch re-armed.
     """
 
-    __slots__ = ("_receive", "_task")
+    __slots__ = ("_connection", "_receive", "_task")
 
-    def __init__(self, receive: Receive) -> None:
+    def __init__(self, receive: Receive, connection: ClientConnection | None = None) -> None:
         self._receive = receive
-        self._task: asyncio.Future[Any] = asyncio.ensure_future(receive())
+        self._connection = connection
+        self._task: asyncio.Future[Any] = (
+            connection.lost() if connection is not None else asyncio.ensure_future(receive())
+        )
 
     def gone(self) -> bool:
         """Whether the client has disconnected (as far as the event loop has seen so far)."""
+        if self._connection is not None:
+            return self._connection.gone
         task = self._task
         if not task.done():
             return False
@@ -118,12 +128,14 @@ class DisconnectWatch:
 
     @property
     def pending(self) -> asyncio.Future[Any]:
-        """The receive under way (done when the client sends something or disconnects)."""
+        """Done when the client disconnects (or, without a connection, sends anything)."""
         return self._task
 
     def close(self) -> None:
         """Stop watching."""
-        if not self._task.done():
+        if self._connection is not None:
+            self._connection.release()
+        elif not self._task.done():
             self._task.cancel()
 
 

@@ -523,3 +523,60 @@ def test_the_dashboard_login_form_is_held_to_a_small_body_and_the_body_timeout(s
         took = time.monotonic() - started
     assert status_of(reply) == 408 and closed and error_of(reply)["code"] == "request_timeout"
     assert 0.5 <= took < 2.5
+
+
+def test_a_request_watches_its_connection_without_a_task_and_hears_it_close():
+    import threading
+
+    import uvicorn
+
+    from tokenward.proxy.config import ServerConfig
+    from tokenward.proxy.limits import CONNECTION_SCOPE_KEY, uvicorn_options
+    from tokenward.proxy.relay import DisconnectWatch
+
+    watching, finished = threading.Event(), threading.Event()
+    seen: dict[str, object] = {}
+
+    async def app(scope, receive, send):
+        more = True
+        while more:  # the whole body first, as the forwarder reads it before it watches
+            more = (await receive()).get("more_body", False)
+        before = len(asyncio.all_tasks())
+        watch = DisconnectWatch(receive, scope.get(CONNECTION_SCOPE_KEY))
+        fallback = DisconnectWatch(receive)  # what another ASGI server gets: a task waiting in receive()
+        seen["tasks added"] = len(asyncio.all_tasks()) - before
+        fallback.close()
+        seen["gone while connected"] = watch.gone()
+        watching.set()
+        seen["pending"] = await asyncio.wait_for(asyncio.shield(watch.pending), 5)
+        seen["gone after"] = watch.gone()
+        watch.close()
+        finished.set()
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(app, lifespan="off", log_level="warning", **uvicorn_options(ServerConfig()))
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.005)
+    try:
+        client = socket.create_connection(("127.0.0.1", port), timeout=10)
+        client.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}")
+        assert watching.wait(10)
+        client.close()  # the client leaves before any reply
+        assert finished.wait(10)
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
+    # the connection's own watch adds no task (the fallback adds its one); the close resolves it
+    assert seen == {
+        "tasks added": 1,
+        "gone while connected": False,
+        "pending": {"type": "http.disconnect"},
+        "gone after": True,
+    }
