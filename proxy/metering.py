@@ -255,19 +255,14 @@ class Meter:
         )
 
 
-def _member(block: bytes, name: bytes, opening: bytes) -> bool:
-    """Whether JSON member ``name`` (quoted) has a value starting with ``opening`` somewhere in ``block``.
-
-    Plain substring searches (this runs on every event): a name inside generated text has its
-    quotes escaped with backslashes, so only a real member matches.
-    """
-    at = block.find(name)
-    while at >= 0:
-        rest = block[at + len(name) : at + len(name) + 8].lstrip()
-        if rest[:1] == b":" and rest[1:].lstrip()[:1] == opening:
-            return True
-        at = block.find(name, at + len(name))
-    return False
+# JSON members whose value opens with a given character, anywhere in an event: a literal name
+# (a name inside generated text has its quotes escaped with backslashes, so only a real member
+# matches), whitespace, a colon, whitespace and the opening. Each search starts from its literal
+# name (this runs on every event): 0.3 us on a 200-byte chat chunk, against 1 us in Python.
+_FINISH_REASON = re.compile(rb'"finish_reason"\s*:\s*"')
+_STOP_REASON = re.compile(rb'"stop_reason"\s*:\s*"')
+_USAGE_OBJECT = re.compile(rb'"usage"\s*:\s*\{')
+_ERROR_OBJECT = re.compile(rb'"error"\s*:\s*\{')
 
 
 def _may_end(block: bytes) -> bool:
@@ -278,8 +273,8 @@ def _may_end(block: bytes) -> bool:
 def _is_interesting(block: bytes) -> bool:
     """Whether an event may carry usage, an error or a hosted tool call (the others are not parsed)."""
     return (
-        _member(block, b'"usage"', b"{")
-        or _member(block, b'"error"', b"{")
+        _USAGE_OBJECT.search(block) is not None
+        or _ERROR_OBJECT.search(block) is not None
         or b'"web_search_call"' in block
         or b'"executed_tools"' in block
         or (b"event:" in block and _EVENT_ERROR.search(block) is not None)
@@ -288,10 +283,24 @@ def _is_interesting(block: bytes) -> bool:
 
 def _is_terminal(block: bytes) -> bool:
     """Whether an event ends its stream: ``[DONE]``, a finish or stop reason, a terminal event type."""
-    if _member(block, b'"finish_reason"', b'"') or _member(block, b'"stop_reason"', b'"'):
+    if _FINISH_REASON.search(block) is not None or _STOP_REASON.search(block) is not None:
         return True
     if b"[DONE]" in block:
         return _DONE.search(block) is not None
+    # five searches that every ending's name needs, before the nine names themselves
+    if (
+        b"response." in block
+        or b"message_stop" in block
+        or b"error" in block
+        or b".done" in block
+        or b".completed" in block
+    ):
+        return _ends_by_type(block)
+    return False
+
+
+def _ends_by_type(block: bytes) -> bool:
+    """Whether an event's name or JSON ``type`` is one of :data:`_ENDINGS` (only read when a name is in its bytes)."""
     if (
         b"message_stop" in block
         or b"response.completed" in block
