@@ -346,3 +346,17 @@ def test_the_texts_bytes_bound_their_count_for_every_dialect_and_encoding():
     # 9 tokens a number with its comma, less the last comma; '[{"enum":[' 4 tokens, ']}]' 2
     assert count_input("openai", tools, "gpt-4o") == 9 * 100 - 1 + 6
     assert input_bytes("openai", tools) == 19 * 100 - 1 + 13  # 19 bytes a number and comma; 13 of syntax
+
+
+def test_member_names_inside_generated_text_neither_end_a_stream_nor_carry_usage():
+    meter = Meter("openai")
+    text = 'say "finish_reason": "stop" and "usage": {"prompt_tokens": 1}'
+    quoted = {"model": "gpt-4o-mini", "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}
+    meter.feed_stream(b"data: " + json.dumps(quoted).encode() + b"\n\n")
+    assert (meter.complete, meter.has_usage) == (False, False)  # the names are escaped inside the text
+    # real members, with the spaces some servers put around the colon
+    meter.feed_stream(b'data: {"choices": [{"index": 0, "delta": {}, "finish_reason" :  "stop"}]}\n\n')
+    assert (meter.complete, meter.has_usage) == (True, False)
+    meter.feed_stream(b'data: {"choices": [], "usage" : {"prompt_tokens": 7, "completion_tokens": 3}}\n\n')
+    result = meter.finish()
+    assert (result.usage.input_tokens, result.usage.output_tokens) == (7, 3)
