@@ -137,6 +137,7 @@ class _RequestHead(msgspec.Struct):
     service_tier: Any = None
     speed: Any = None
     store: Any = None
+    models: Any = None
 
 
 _decode_head = msgspec.json.Decoder(_RequestHead).decode
@@ -309,6 +310,7 @@ class Forwarder:
         else:
             head = _read_head(body)
         ex.requested_model = head.model if isinstance(head.model, str) else None
+        ex.fallback_models = _fallback_models(head.models, ex.requested_model)
         ex.stream = head.stream is True
         # Anthropic: metadata.user_id (Claude Code's holds account, device and session ids)
         identity = parse_user_id(head.metadata.get("user_id")) if isinstance(head.metadata, dict) else None
@@ -649,23 +651,34 @@ class Forwarder:
         input_tokens = math.ceil(counted * margin) + settings.input_margin_tokens + extra.audio_tokens
         limit = max_output if max_output is not None else _output_limit(head, settings.default_max_output_tokens)
         choices = head.n if isinstance(head.n, int) and not isinstance(head.n, bool) and head.n > 1 else 1
-        bound = worst_case(
-            self.recorder.catalog,
-            model=model,
-            provider=ex.provider,
-            at=now,
-            input_tokens=input_tokens,
-            max_output_tokens=limit * choices,
-            audio_input_tokens=extra.audio_tokens,
-            audio_output=extra.audio_output,
-            service_tier=head.service_tier if isinstance(head.service_tier, str) else None,
-            speed=head.speed if isinstance(head.speed, str) else None,
-            fallback=ex.price_fallback,
-            price_as=ex.price_as,
-            images=extra.images,
-            image_tokens=settings.image_tokens,
-        )
-        return bound
+        dearest: Decimal | None = None
+        # the upstream may serve the request with any of its fallback models: the bound is the dearest
+        for candidate in (model, *ex.fallback_models):
+            if candidate != model and not tokenizer.encoding_name_known(candidate):
+                tokens = math.ceil(counted * settings.input_margin * settings.foreign_tokenizer_margin)
+                tokens += settings.input_margin_tokens + extra.audio_tokens
+            else:
+                tokens = input_tokens
+            bound = worst_case(
+                self.recorder.catalog,
+                model=candidate,
+                provider=ex.provider,
+                at=now,
+                input_tokens=tokens,
+                max_output_tokens=limit * choices,
+                audio_input_tokens=extra.audio_tokens,
+                audio_output=extra.audio_output,
+                service_tier=head.service_tier if isinstance(head.service_tier, str) else None,
+                speed=head.speed if isinstance(head.speed, str) else None,
+                fallback=ex.price_fallback,
+                price_as=ex.price_as,
+                images=extra.images,
+                image_tokens=settings.image_tokens,
+            )
+            if bound is None:
+                return None  # one model the request may reach has no price: it cannot be bounded
+            dearest = bound if dearest is None or bound > dearest else dearest
+        return dearest
 
     async def _media_worst_case(self, ex: Exchange, media: MediaRequest, now: dt.datetime) -> Decimal | None:
         """The cost bound (USD; ``None``: no price) of an images or audio request (:mod:`~tokenward.proxy.media`)."""
@@ -1069,10 +1082,24 @@ def _attributes(ex: Exchange) -> dict[str, Any]:
         "pool": ex.pool,
         "run": ex.run_id,
         "end_user": ex.end_user,
-        "model": (ex.requested_model,) if ex.sent_model is None else (ex.requested_model, ex.sent_model),
+        "model": (
+            (ex.requested_model,) if ex.sent_model is None else (ex.requested_model, ex.sent_model)
+        ) + ex.fallback_models,
         "upstream": ex.upstream,
         "tag": ex.tags,
     }
+
+
+def _fallback_models(models: Any, requested: str | None) -> tuple[str, ...]:
+    """The models a request names besides ``model`` for the upstream to fall back on, in order.
+
+    OpenRouter serves a request with the next of its ``models`` when one fails (over its context,
+    moderated, rate limited; https://openrouter.ai/docs/features/model-routing, checked
+    2026-12-01), so each may bill it. Upstreams that know no ``models`` refuse the request.
+    """
+    if not isinstance(models, list):
+        return ()
+    return tuple(dict.fromkeys(m for m in models if isinstance(m, str) and m != requested))
 
 
 def _output_limit(head: _RequestHead, default: int) -> int:

@@ -1,0 +1,129 @@
+"""A key holder against the boundary: requests the upstream honours in a way the bound did not price.
+
+Each test runs a real proxy in ``virtual_keys`` mode (tokenward holds the provider key) in front
+of a real aiohttp upstream on loopback that behaves as the provider named does, and drives it with
+the real ``openai`` SDK.
+
+Prices (builtin catalog, USD per 1M tokens): ``openai/gpt-4.1-nano`` at OpenRouter input 0.10,
+output 0.40 (every input-side rate 0.10); ``anthropic/claude-opus-4`` input 15, 1-hour cache
+write 30 (the dearest input-side rate, which the bound uses), output 75.
+
+Counts (o200k_base): ``"hello" + " hello" * 99`` is 100 text tokens, 107 with chat overhead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from aiohttp import web
+
+from tokenward.pricing.settings import BudgetSettings
+from tokenward.proxy.app import create_app
+from tokenward.proxy.config import AuthConfig, Config, LedgerConfig, UpstreamConfig, VirtualKeyConfig
+from tokenward.proxy.server import running_in_thread
+
+from .conftest import read_rows
+from .servers import Servers
+
+KEY = "tw-attacker-key-0001"
+PROVIDER_KEY = "sk-or-provider-secret-0001"
+PROMPT = "hello" + " hello" * 99  # 100 tokens; 107 as a chat message
+NANO, OPUS = "openai/gpt-4.1-nano", "anthropic/claude-opus-4"
+
+
+@pytest.fixture(autouse=True)
+def provider_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OR_KEY", PROVIDER_KEY)
+
+
+class OpenRouter:
+    """Chat completions as OpenRouter serves them with model fallbacks (``models``).
+
+    OpenRouter tries ``models`` in order when the first one fails (over its context, moderated,
+    rate limited: https://openrouter.ai/docs/features/model-routing, checked 2026-12-01); this one
+    lets the first fail and serves, and bills, the last, writing all ``max_tokens`` of output.
+    ``served`` collects the model of each request it billed.
+    """
+
+    def __init__(self) -> None:
+        self.served: list[str] = []
+
+    async def handle(self, request: web.Request, body: bytes) -> web.StreamResponse:
+        document = await request.json()
+        fallbacks = document.get("models")
+        model = fallbacks[-1] if isinstance(fallbacks, list) and fallbacks else document["model"]
+        self.served.append(model)
+        usage = {"prompt_tokens": 107, "completion_tokens": document["max_tokens"]}
+        return web.json_response(
+            {"id": "gen-1", "object": "chat.completion", "model": model, "provider": "Anthropic",
+             "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "length"}],
+             "usage": {**usage, "total_tokens": sum(usage.values())}}
+        )  # fmt: skip
+
+
+@contextmanager
+def openrouter_proxy(upstream_url: str, ledger: Path, budget: BudgetSettings) -> Iterator[openai.OpenAI]:
+    config = Config(
+        upstreams=[
+            UpstreamConfig(name="openrouter", base_url=f"{upstream_url}/api/v1", provider="openrouter", api_key_env="OR_KEY")
+        ],
+        ledger=LedgerConfig(path=str(ledger), flush_interval_s=0.05),
+        auth=AuthConfig(mode="virtual_keys"),
+        virtual_keys=[VirtualKeyConfig(name="agent", key=KEY)],
+        budgets=[budget],
+    )
+    with running_in_thread(create_app(config)) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+
+
+def chat(client: openai.OpenAI, **extra: Any) -> Any:
+    return client.chat.completions.with_raw_response.create(
+        model=NANO, max_tokens=1000, messages=[{"role": "user", "content": PROMPT}], **extra
+    )
+
+
+def test_fallback_models_are_bounded_at_the_dearest_one_they_may_be_served_by(tmp_path):
+    # $0.05 left. Served by opus, the request costs 107 x 15 + 1000 x 75 = 76,605 -> $0.076605, over the
+    # limit. Its bound at nano alone, ceil(107 x 1.1) + 300 = 418 in: 418 x 0.10 + 1000 x 0.40 = $0.0004418,
+    # admitted it (the provider billed $0.076605, +53 % over the limit). At the dearest model it may be served
+    # by, whose tokenizer tokenward lacks (x 1.25): ceil(107 x 1.1 x 1.25) + 300 = 448 in: 448 x 30 + 1000 x 75
+    # = 88,440 -> $0.08844 > $0.05: refused before the provider hears of it.
+    upstream = OpenRouter()
+    budget = BudgetSettings(name="agent-cap", limit_usd=Decimal("0.05"), period="total", action="block")
+    with Servers(upstream.handle).running() as servers:
+        with openrouter_proxy(servers.upstream_url, tmp_path / "l.duckdb", budget) as client:
+            with pytest.raises(openai.RateLimitError) as refused:
+                chat(client, extra_body={"models": [NANO, OPUS]})
+            plain = chat(client)  # without fallbacks the same request is nano's, and fits
+    assert refused.value.body["code"] == "budget_exceeded"  # type: ignore[index]
+    assert "may cost up to $0.08844" in refused.value.body["message"]  # type: ignore[index]
+    assert upstream.served == [NANO]
+    assert plain.http_response.headers["x-tokenward-cost-usd"] == "0.0004107"  # 107 x 0.10 + 1000 x 0.40
+    rows = read_rows(tmp_path / "l.duckdb")
+    assert [(r["http_status"], r["outcome"], r["cost_usd"]) for r in rows] == [
+        (429, "rejected", Decimal(0)),
+        (200, "ok", Decimal("0.0004107")),
+    ]
+
+
+def test_a_model_budget_covers_the_fallback_models_a_request_names(tmp_path):
+    # opus may spend $0.01 in all: a request for nano naming opus as its fallback is opus's to bound
+    upstream = OpenRouter()
+    budget = BudgetSettings(
+        name="opus-cap", scope={"model": OPUS}, limit_usd=Decimal("0.01"), period="total",
+        action="block",
+    )  # fmt: skip
+    with Servers(upstream.handle).running() as servers:
+        with openrouter_proxy(servers.upstream_url, tmp_path / "l.duckdb", budget) as client:
+            with pytest.raises(openai.RateLimitError) as refused:
+                chat(client, extra_body={"models": [NANO, OPUS]})
+            chat(client)  # nano alone is outside opus-cap's scope
+            chat(client, extra_body={"models": [NANO, "openai/gpt-4.1-nano"]})  # so are nano's own fallbacks
+    assert refused.value.response.headers["x-tokenward-budget"] == "opus-cap"
+    assert upstream.served == [NANO, NANO]
