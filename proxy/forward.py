@@ -1072,7 +1072,7 @@ def _settle_attribution(ex: Exchange, identity: Identity, claimed: dict[bytes, s
 
 
 def _attributes(ex: Exchange) -> dict[str, Any]:
-    """A request's budget-scope attributes before the reply (the requested model, and the one sent)."""
+    """A request's budget-scope attributes before the reply (the requested model, the one sent, its fallbacks)."""
     return {
         "key": ex.principal,
         "key_id": ex.key_id,
@@ -1082,9 +1082,8 @@ def _attributes(ex: Exchange) -> dict[str, Any]:
         "pool": ex.pool,
         "run": ex.run_id,
         "end_user": ex.end_user,
-        "model": (
-            (ex.requested_model,) if ex.sent_model is None else (ex.requested_model, ex.sent_model)
-        ) + ex.fallback_models,
+        "model": ((ex.requested_model,) if ex.sent_model is None else (ex.requested_model, ex.sent_model))
+        + ex.fallback_models,
         "upstream": ex.upstream,
         "tag": ex.tags,
     }

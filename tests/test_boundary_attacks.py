@@ -71,7 +71,9 @@ class OpenRouter:
 def openrouter_proxy(upstream_url: str, ledger: Path, budget: BudgetSettings) -> Iterator[openai.OpenAI]:
     config = Config(
         upstreams=[
-            UpstreamConfig(name="openrouter", base_url=f"{upstream_url}/api/v1", provider="openrouter", api_key_env="OR_KEY")
+            UpstreamConfig(
+                name="openrouter", base_url=f"{upstream_url}/api/v1", provider="openrouter", api_key_env="OR_KEY"
+            )
         ],
         ledger=LedgerConfig(path=str(ledger), flush_interval_s=0.05),
         auth=AuthConfig(mode="virtual_keys"),
