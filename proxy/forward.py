@@ -131,6 +131,7 @@ class _RequestHead(msgspec.Struct):
     user: Any = None
     metadata: Any = None
     n: Any = None
+    best_of: Any = None
     max_tokens: Any = None
     max_completion_tokens: Any = None
     max_output_tokens: Any = None
@@ -650,7 +651,7 @@ class Forwarder:
             margin *= settings.foreign_tokenizer_margin
         input_tokens = math.ceil(counted * margin) + settings.input_margin_tokens + extra.audio_tokens
         limit = max_output if max_output is not None else _output_limit(head, settings.default_max_output_tokens)
-        choices = head.n if isinstance(head.n, int) and not isinstance(head.n, bool) and head.n > 1 else 1
+        choices = _choices(head)
         dearest: Decimal | None = None
         # the upstream may serve the request with any of its fallback models: the bound is the dearest
         for candidate in (model, *ex.fallback_models):
@@ -1109,10 +1110,44 @@ def _output_limit(head: _RequestHead, default: int) -> int:
     """
     limits = [
         v
-        for v in (head.max_completion_tokens, head.max_tokens, head.max_output_tokens)
-        if isinstance(v, int) and not isinstance(v, bool) and v > 0
+        for v in map(_lax_count, (head.max_completion_tokens, head.max_tokens, head.max_output_tokens))
+        if v is not None and v > 0
     ]
     return max(limits) if limits else default
+
+
+def _choices(head: _RequestHead) -> int:
+    """How many completions the request may generate: the larger of ``n`` and ``best_of`` (at least 1).
+
+    ``best_of`` (completions) generates that many server-side and bills them all, returning ``n``
+    (https://platform.openai.com/docs/api-reference/completions/create, checked 2026-12-01).
+    """
+    return max(_lax_count(head.n) or 1, _lax_count(head.best_of) or 1, 1)
+
+
+def _lax_count(value: Any) -> int | None:
+    """A count as a lax upstream reads it: ``12``, ``12.0`` and ``"12"`` are all 12 (``None``: not a count).
+
+    OpenAI-compatible servers that validate with pydantic in its default lax mode (vLLM, SGLang,
+    LiteLLM) accept an integral float or a numeric string for an integer field, so the bound must
+    read them as that number, not as no limit at all. Booleans are no count.
+    """
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            return int(text)  # "12", "+12", "1_000", "0012"
+        except ValueError:
+            try:
+                value = float(text)  # "12.0"
+            except ValueError:
+                return None
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return int(value)
+    return None
 
 
 def _sent_limits(head: _RequestHead) -> list[str]:

@@ -129,3 +129,75 @@ def test_a_model_budget_covers_the_fallback_models_a_request_names(tmp_path):
             chat(client, extra_body={"models": [NANO, "openai/gpt-4.1-nano"]})  # so are nano's own fallbacks
     assert refused.value.response.headers["x-tokenward-budget"] == "opus-cap"
     assert upstream.served == [NANO, NANO]
+
+
+class LaxUpstream:
+    """An OpenAI-compatible server that validates requests with pydantic in its default lax mode, as vLLM does.
+
+    ``"20000"`` and ``20000.0`` are then the integer 20000 for ``max_tokens``, ``n`` and ``best_of``. It writes
+    every token allowed: ``max_tokens`` for each of ``max(n, best_of)`` completions, and bills them all.
+    """
+
+    def __init__(self) -> None:
+        import pydantic
+
+        class Request(pydantic.BaseModel):
+            max_tokens: int
+            n: int = 1
+            best_of: int | None = None
+
+        self.request = Request
+        self.billed_output: list[int] = []
+
+    async def handle(self, request: web.Request, body: bytes) -> web.StreamResponse:
+        parsed = self.request.model_validate_json(body)
+        output = parsed.max_tokens * max(parsed.n, parsed.best_of or 1)
+        self.billed_output.append(output)
+        chat = request.path.endswith("/chat/completions")
+        usage = {"prompt_tokens": 107 if chat else 100, "completion_tokens": output}
+        choice = {"index": 0, "finish_reason": "length"}
+        choice |= {"message": {"role": "assistant", "content": "ok"}} if chat else {"text": "ok"}
+        return web.json_response(
+            {"id": "x1", "object": "chat.completion" if chat else "text_completion", "model": "gpt-4o-mini",
+             "service_tier": "default", "choices": [choice], "usage": {**usage, "total_tokens": sum(usage.values())}}
+        )  # fmt: skip
+
+
+LAX = [
+    ("chat/completions", {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": "20000", "n": 2.0}),
+    ("chat/completions", {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 20000.0, "n": " 2"}),
+    ("completions", {"prompt": PROMPT, "max_tokens": 20000, "best_of": 2}),
+]
+
+
+@pytest.mark.parametrize(("path", "body"), LAX, ids=["string-limit", "float-limit", "best_of"])
+def test_counts_a_lax_upstream_reads_as_numbers_are_numbers_to_the_bound(tmp_path, path, body):
+    # gpt-4o-mini, standard tier: input 0.15, output 0.60. The upstream writes 2 x 20,000 = 40,000 tokens:
+    # 107 x 0.15 + 40,000 x 0.60 = $0.02401605 for the chat (100 in for the completion: $0.024015), over the
+    # $0.015 limit. Read as no limit and one choice, the bound assumed 16,384 (or 20,000) tokens of output:
+    # 418 x 0.15 + 16,384 x 0.60 = $0.0098931 and 411 x 0.15 + 20,000 x 0.60 = $0.01206165, admitted (+60 %).
+    # Read as the upstream reads them: ceil(107 x 1.1) + 300 = 418 in, 418 x 0.15 + 40,000 x 0.60 = $0.0240627
+    # (completion: 100 x 1.1 is 110.00000000000001 in floating point, so 111 + 300 = 411 in, $0.02406165), refused.
+    upstream = LaxUpstream()
+    request = {"model": "gpt-4o-mini", "service_tier": "default", **body}
+    with Servers(upstream.handle).running() as servers:
+        config = Config(
+            upstreams=[
+                UpstreamConfig(
+                    name="vllm", base_url=f"{servers.upstream_url}/v1", provider="openai", api_key_env="OR_KEY"
+                )
+            ],
+            ledger=LedgerConfig(path=str(tmp_path / "l.duckdb"), flush_interval_s=0.05),
+            auth=AuthConfig(mode="virtual_keys"),
+            virtual_keys=[VirtualKeyConfig(name="agent", key=KEY)],
+            budgets=[BudgetSettings(name="cap", limit_usd=Decimal("0.015"), period="total", action="block")],
+        )
+        with running_in_thread(create_app(config)) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+            with pytest.raises(openai.RateLimitError) as refused:
+                client.post(f"/{path}", body=request, cast_to=object)
+            fits = {**request, "max_tokens": "1000", "n": 1.0, "best_of": None}
+            client.post(f"/{path}", body={k: v for k, v in fits.items() if v is not None}, cast_to=object)
+    expected = "0.0240627" if path == "chat/completions" else "0.02406165"
+    assert f"may cost up to ${expected}" in refused.value.body["message"]  # type: ignore[index]
+    assert upstream.billed_output == [1000]  # only the request that fits reached the provider
