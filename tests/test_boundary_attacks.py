@@ -13,12 +13,14 @@ Counts (o200k_base): ``"hello" + " hello" * 99`` is 100 text tokens, 107 with ch
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from contextlib import contextmanager
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 from aiohttp import web
@@ -201,3 +203,89 @@ def test_counts_a_lax_upstream_reads_as_numbers_are_numbers_to_the_bound(tmp_pat
     expected = "0.0240627" if path == "chat/completions" else "0.02406165"
     assert f"may cost up to ${expected}" in refused.value.body["message"]  # type: ignore[index]
     assert upstream.billed_output == [1000]  # only the request that fits reached the provider
+
+
+class StoredContentUpstream:
+    """OpenAI Responses and Anthropic Messages that bill 100,000 input tokens of content the body only names.
+
+    An ``item_reference`` (an item of an earlier stored response), a ``prompt`` template (instructions
+    stored in the project) and an Anthropic MCP server's tool results all enter the model's context, and are
+    billed as input, without being in the request body. ``billed`` collects each request's cost (USD), as
+    soon as it arrives; each reply takes 0.5 s, so concurrent requests overlap.
+    """
+
+    def __init__(self) -> None:
+        self.billed: list[Decimal] = []
+
+    async def handle(self, request: web.Request, body: bytes) -> web.StreamResponse:
+        if request.path.endswith("/messages"):  # claude-sonnet-4-5: 100,000 x 3 + 10 x 15 = $0.30015
+            self.billed.append(Decimal("0.30015"))
+            await asyncio.sleep(0.5)
+            return web.json_response(
+                {"id": "msg_1", "type": "message", "role": "assistant", "model": "claude-sonnet-4-5",
+                 "content": [{"type": "text", "text": "ok"}], "stop_reason": "end_turn", "stop_sequence": None,
+                 "usage": {"input_tokens": 100_000, "output_tokens": 10}}
+            )  # fmt: skip
+        self.billed.append(Decimal("0.015006"))  # gpt-4o-mini, default tier: 100,000 x 0.15 + 10 x 0.60
+        await asyncio.sleep(0.5)
+        return web.json_response(
+            {"id": "resp_1", "object": "response", "status": "completed", "model": "gpt-4o-mini",
+             "service_tier": "default", "error": None, "output": [],
+             "usage": {"input_tokens": 100_000, "output_tokens": 10, "total_tokens": 100_010}}
+        )  # fmt: skip
+
+
+STORED = [
+    ("responses", {"input": [{"type": "item_reference", "id": "msg_1"}, {"role": "user", "content": "and?"}]}),
+    ("responses", {"prompt": {"id": "pmpt_1", "version": "2"}, "input": "hi"}),
+    (
+        "messages",
+        {
+            "model": "claude-sonnet-4-5",
+            "max_tokens": 10,
+            "messages": [{"role": "user", "content": "read it all"}],
+            "mcp_servers": [{"type": "url", "url": "https://mcp.example/sse", "name": "docs"}],
+        },
+    ),
+]
+
+
+@pytest.mark.parametrize(("path", "body"), STORED, ids=["item_reference", "prompt_template", "mcp_servers"])
+def test_content_the_body_only_names_leaves_a_request_unbounded(tmp_path, path, body):
+    # Room for one and a half requests. Bounded by the few tokens in the body (about $0.0001), four concurrent
+    # requests were all admitted and billed 4 x $0.015006 = $0.060024 (Anthropic: 4 x $0.30015 = $1.2006),
+    # 2.7 times the limit. Unbounded, the first reserves everything left and runs alone: the others get 429.
+    upstream = StoredContentUpstream()
+    real = Decimal("0.30015") if path == "messages" else Decimal("0.015006")
+    request = {"model": "gpt-4o-mini", "service_tier": "default", "max_output_tokens": 10, **body}
+    if path == "messages":
+        request = body
+    with Servers(upstream.handle).running() as servers:
+        config = Config(
+            upstreams=[
+                UpstreamConfig(
+                    name="openai", base_url=f"{servers.upstream_url}/v1", provider="openai", api_key_env="OR_KEY"
+                ),
+                UpstreamConfig(
+                    name="anthropic", base_url=f"{servers.upstream_url}/v1", provider="anthropic", api_key_env="OR_KEY"
+                ),
+            ],
+            ledger=LedgerConfig(path=str(tmp_path / "l.duckdb"), flush_interval_s=0.05),
+            auth=AuthConfig(mode="virtual_keys"),
+            virtual_keys=[VirtualKeyConfig(name="agent", key=KEY)],
+            budgets=[BudgetSettings(name="cap", limit_usd=real * 3 / 2, period="total", action="block")],
+        )
+        with running_in_thread(create_app(config)) as url:
+
+            async def fire() -> list[Any]:
+                async with httpx.AsyncClient(timeout=30) as client:
+                    headers = {"authorization": f"Bearer {KEY}"}
+                    if path == "messages":
+                        headers |= {"anthropic-version": "2023-06-01", "anthropic-beta": "mcp-client-2025-04-04"}
+                    return await asyncio.gather(
+                        *(client.post(f"{url}/v1/{path}", json=request, headers=headers) for _ in range(4))
+                    )
+
+            replies = asyncio.run(fire())
+    assert sorted(r.status_code for r in replies) == [200, 429, 429, 429]
+    assert upstream.billed == [real] and real <= real * 3 / 2
