@@ -289,3 +289,67 @@ def test_content_the_body_only_names_leaves_a_request_unbounded(tmp_path, path, 
             replies = asyncio.run(fire())
     assert sorted(r.status_code for r in replies) == [200, 429, 429, 429]
     assert upstream.billed == [real] and real <= real * 3 / 2
+
+
+TOOL_OUTPUT = "hello" + " hello" * 99_999  # 100,000 tokens
+TOOL_TURN = [
+    {"role": "user", "content": "Summarise the weather."},  # 6 tokens
+    {"type": "function_call", "call_id": "call_1", "name": "weather", "arguments": '{"city":"Paris"}'},  # 5
+    {"type": "function_call_output", "call_id": "call_1", "output": TOOL_OUTPUT},
+]
+
+
+class ToolTurnUpstream:
+    """OpenAI Responses billing what the model read: the message, the call's arguments and its output."""
+
+    def __init__(self) -> None:
+        self.billed: list[Decimal] = []
+
+    async def handle(self, request: web.Request, body: bytes) -> web.StreamResponse:
+        self.billed.append(Decimal("0.01500765"))  # gpt-4o-mini, default tier: 100,011 x 0.15 + 10 x 0.60
+        await asyncio.sleep(0.5)
+        return web.json_response(
+            {"id": "resp_1", "object": "response", "status": "completed", "model": "gpt-4o-mini",
+             "service_tier": "default", "error": None, "output": [],
+             "usage": {"input_tokens": 100_011, "output_tokens": 10, "total_tokens": 100_021}}
+        )  # fmt: skip
+
+
+def test_tool_call_outputs_and_arguments_count_toward_the_bound(tmp_path):
+    # A function call's output is input the provider bills. Counted as the message alone (6 tokens:
+    # ceil(6 x 1.1) + 300 = 307 in, 307 x 0.15 + 10 x 0.60 = $0.00005205), four concurrent requests were all
+    # admitted against room for one and a half ($0.0225) and billed 4 x $0.01500765 = $0.0600306 (+167 %).
+    # Counted with the arguments and the output, 6 + 5 + 100,000 = 100,011 tokens: ceil(100,011 x 1.1) + 300 =
+    # 110,313 in, 110,313 x 0.15 + 10 x 0.60 = $0.01655295 each: one fits, the others get 429.
+    upstream = ToolTurnUpstream()
+    with Servers(upstream.handle).running() as servers:
+        config = Config(
+            upstreams=[
+                UpstreamConfig(
+                    name="openai", base_url=f"{servers.upstream_url}/v1", provider="openai", api_key_env="OR_KEY"
+                )
+            ],
+            ledger=LedgerConfig(path=str(tmp_path / "l.duckdb"), flush_interval_s=0.05),
+            auth=AuthConfig(mode="virtual_keys"),
+            virtual_keys=[VirtualKeyConfig(name="agent", key=KEY)],
+            budgets=[BudgetSettings(name="cap", limit_usd=Decimal("0.0225"), period="total", action="block")],
+        )
+        with running_in_thread(create_app(config)) as url:
+
+            async def fire() -> list[Any]:
+                async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0) as client:
+                    calls = (
+                        client.responses.with_raw_response.create(
+                            model="gpt-4o-mini", input=TOOL_TURN, max_output_tokens=10, service_tier="default"
+                        )
+                        for _ in range(4)
+                    )
+                    return await asyncio.gather(*calls, return_exceptions=True)
+
+            replies = asyncio.run(fire())
+    admitted = [r for r in replies if not isinstance(r, Exception)]
+    refused = [r for r in replies if isinstance(r, openai.RateLimitError)]
+    assert (len(admitted), len(refused)) == (1, 3)
+    assert "may cost up to $0.01655295" in refused[0].body["message"]  # type: ignore[index]
+    assert admitted[0].headers["x-tokenward-cost-usd"] == "0.01500765"
+    assert upstream.billed == [Decimal("0.01500765")]
