@@ -9,8 +9,8 @@ A blocking budget reserves an upper bound of a request's cost before sending it 
   speech bitrate) at 10 tokens per second of audio: one token per 100 bytes;
 - stored state the request only points at (``file``/``input_file`` parts, Anthropic
   ``document`` blocks, Responses ``previous_response_id``, ``conversation``, ``item_reference``
-  input items and ``prompt`` templates): nothing in the body bounds it, so the request is
-  *unbounded*;
+  input items and ``prompt`` templates, a Chat Completions assistant message's ``audio`` by id):
+  nothing in the body bounds it, so the request is *unbounded*;
 - tools the provider runs itself inside one request (web search and fetch, file search, code
   execution, image generation, remote MCP, Anthropic's ``mcp_servers``; Chat Completions
   ``web_search_options``; OpenRouter's ``web`` plugin): each call adds a fee and the tokens of
@@ -24,7 +24,9 @@ https://docs.anthropic.com/en/docs/agents-and-tools/tool-use/overview (server to
 https://docs.anthropic.com/en/docs/agents-and-tools/mcp-connector (``mcp_servers``: the model
 calls the server's tools and their results are billed as input), checked 2026-12-01. Stored
 content: https://platform.openai.com/docs/api-reference/responses/create (``input`` items of
-type ``item_reference``; ``prompt``, a template with its own instructions), checked 2026-12-01.
+type ``item_reference``; ``prompt``, a template with its own instructions) and
+https://platform.openai.com/docs/api-reference/chat/create (an assistant message's ``audio.id``),
+checked 2026-12-01.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ class Unmetered:
     ``images``: image parts; ``audio_tokens``: an upper bound on audio input tokens;
     ``files``: parts that refer to stored files or documents; ``stateful``: the request
     continues or reuses stored state (``previous_response_id``, ``conversation``,
-    ``item_reference``, a ``prompt`` template); ``audio_output``: audio
+    ``item_reference``, a ``prompt`` template, an earlier audio reply); ``audio_output``: audio
     was asked for in the reply; ``server_tools``: tools the provider runs itself (fees and found
     tokens the body does not bound).
     """
@@ -133,6 +135,9 @@ def _walk(node: Any, found: Unmetered, depth: int) -> None:
     if kind == "item_reference":  # an item of a stored response, by id
         found.stateful = True
         return
+    audio = node.get("audio")
+    if isinstance(audio, dict) and audio.get("id") and node.get("role") == "assistant":
+        found.stateful = True  # Chat Completions: an earlier audio reply, by id (heard again as audio input)
     if kind == "input_audio":
         audio = node.get("input_audio")
         data = audio.get("data") if isinstance(audio, dict) else node.get("data")

@@ -209,8 +209,8 @@ class StoredContentUpstream:
     """OpenAI Responses and Anthropic Messages that bill 100,000 input tokens of content the body only names.
 
     An ``item_reference`` (an item of an earlier stored response), a ``prompt`` template (instructions
-    stored in the project) and an Anthropic MCP server's tool results all enter the model's context, and are
-    billed as input, without being in the request body. ``billed`` collects each request's cost (USD), as
+    stored in the project), an earlier audio reply named by its id, and an Anthropic MCP server's tool results
+    all enter the model's context, and are billed as input, without being in the request body. ``billed`` collects each request's cost (USD), as
     soon as it arrives; each reply takes 0.5 s, so concurrent requests overlap.
     """
 
@@ -228,6 +228,12 @@ class StoredContentUpstream:
             )  # fmt: skip
         self.billed.append(Decimal("0.015006"))  # gpt-4o-mini, default tier: 100,000 x 0.15 + 10 x 0.60
         await asyncio.sleep(0.5)
+        if request.path.endswith("/chat/completions"):
+            return web.json_response(
+                {"id": "c1", "object": "chat.completion", "model": "gpt-4o-mini", "service_tier": "default",
+                 "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+                 "usage": {"prompt_tokens": 100_000, "completion_tokens": 10, "total_tokens": 100_010}}
+            )  # fmt: skip
         return web.json_response(
             {"id": "resp_1", "object": "response", "status": "completed", "model": "gpt-4o-mini",
              "service_tier": "default", "error": None, "output": [],
@@ -238,6 +244,17 @@ class StoredContentUpstream:
 STORED = [
     ("responses", {"input": [{"type": "item_reference", "id": "msg_1"}, {"role": "user", "content": "and?"}]}),
     ("responses", {"prompt": {"id": "pmpt_1", "version": "2"}, "input": "hi"}),
+    (
+        "chat/completions",  # an earlier audio reply, by id: the model hears it again
+        {
+            "max_tokens": 10,
+            "messages": [
+                {"role": "user", "content": "Read me the report."},
+                {"role": "assistant", "audio": {"id": "audio_1"}},
+                {"role": "user", "content": "Again, slower."},
+            ],
+        },
+    ),
     (
         "messages",
         {
@@ -250,7 +267,9 @@ STORED = [
 ]
 
 
-@pytest.mark.parametrize(("path", "body"), STORED, ids=["item_reference", "prompt_template", "mcp_servers"])
+@pytest.mark.parametrize(
+    ("path", "body"), STORED, ids=["item_reference", "prompt_template", "audio_reply", "mcp_servers"]
+)
 def test_content_the_body_only_names_leaves_a_request_unbounded(tmp_path, path, body):
     # Room for one and a half requests. Bounded by the few tokens in the body (about $0.0001), four concurrent
     # requests were all admitted and billed 4 x $0.015006 = $0.060024 (Anthropic: 4 x $0.30015 = $1.2006),
@@ -258,6 +277,8 @@ def test_content_the_body_only_names_leaves_a_request_unbounded(tmp_path, path, 
     upstream = StoredContentUpstream()
     real = Decimal("0.30015") if path == "messages" else Decimal("0.015006")
     request = {"model": "gpt-4o-mini", "service_tier": "default", "max_output_tokens": 10, **body}
+    if path == "chat/completions":
+        request = {"model": "gpt-4o-mini", "service_tier": "default", **body}
     if path == "messages":
         request = body
     with Servers(upstream.handle).running() as servers:
