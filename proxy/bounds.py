@@ -3,8 +3,8 @@
 A blocking budget reserves an upper bound of a request's cost before sending it (see
 :mod:`tokenward.proxy.guard`). Text is counted with tiktoken; this module finds the rest:
 
-- images (``image_url``, ``input_image``, Anthropic ``image``): each is bounded by
-  ``guard.image_tokens`` (input tokens per image);
+- images (``image_url``, ``input_image``, a computer call's ``computer_screenshot``, Anthropic
+  ``image``): each is bounded by ``guard.image_tokens`` (input tokens per image);
 - audio (``input_audio``): bounded from its size, as if encoded at 8 kbit/s (the lowest common
   speech bitrate) at 10 tokens per second of audio: one token per 100 bytes;
 - stored state the request only points at (``file``/``input_file`` parts, Anthropic
@@ -39,7 +39,7 @@ __all__ = ["AUDIO_BYTES_PER_TOKEN", "Unmetered", "scan"]
 AUDIO_BYTES_PER_TOKEN = 100
 """8 kbit/s is 1000 bytes a second; 10 audio tokens a second: an upper bound of 1 token per 100 bytes."""
 
-_IMAGE_TYPES = frozenset({"image_url", "input_image", "image"})
+_IMAGE_TYPES = frozenset({"image_url", "input_image", "image", "computer_screenshot"})  # the last: computer use
 _FILE_TYPES = frozenset({"file", "input_file", "document"})
 _MAX_DEPTH = 12
 _SERVER_TOOL_PREFIXES = (

@@ -374,3 +374,20 @@ def test_tool_call_outputs_and_arguments_count_toward_the_bound(tmp_path):
     assert "may cost up to $0.01655295" in refused[0].body["message"]  # type: ignore[index]
     assert admitted[0].headers["x-tokenward-cost-usd"] == "0.01500765"
     assert upstream.billed == [Decimal("0.01500765")]
+
+
+def test_a_computer_call_screenshot_is_bounded_as_an_image():
+    from tokenward.proxy.bounds import scan
+
+    # the screenshot a computer-use turn returns is billed as image input, like an input_image
+    turn = {
+        "model": "computer-use-preview",
+        "input": [
+            {
+                "type": "computer_call_output",
+                "call_id": "call_1",
+                "output": {"type": "computer_screenshot", "image_url": "data:image/png;base64,iVBORw0KGgo="},
+            }
+        ],
+    }
+    assert (scan(turn).images, scan(turn).unbounded) == (1, False)
