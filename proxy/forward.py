@@ -708,9 +708,10 @@ class Forwarder:
         hold = self.guard_settings.unpriced_hold_usd
         if hold is None:
             names = ", ".join(repr(b.name) for b in self.guard.in_scope(attributes, blocking_only=True))
+            models = ", ".join(repr(m) for m in (ex.requested_model, *ex.fallback_models))
             raise ProxyError(
                 400,
-                f"tokenward has no price for model {ex.requested_model!r}, so it cannot bound what this request "
+                f"tokenward has no price for model {models}, so it cannot bound what this request "
                 f"may cost, and budget {names} refuses requests it cannot bound: ask your admin to add a price "
                 "(or set guard.unpriced_hold_usd).",
                 "model_not_priced",

@@ -391,3 +391,16 @@ def test_a_computer_call_screenshot_is_bounded_as_an_image():
         ],
     }
     assert (scan(turn).images, scan(turn).unbounded) == (1, False)
+
+
+def test_an_unpriced_fallback_model_cannot_be_bounded(tmp_path):
+    # a fallback with no price could bill anything: under a blocking budget the request is refused
+    upstream = OpenRouter()
+    budget = BudgetSettings(name="agent-cap", limit_usd=Decimal("5"), period="total", action="block")
+    with Servers(upstream.handle).running() as servers:
+        with openrouter_proxy(servers.upstream_url, tmp_path / "l.duckdb", budget) as client:
+            with pytest.raises(openai.BadRequestError) as refused:
+                chat(client, extra_body={"models": [NANO, "house/model-x"]})
+    assert refused.value.body["code"] == "model_not_priced"  # type: ignore[index]
+    assert "'openai/gpt-4.1-nano', 'house/model-x'" in refused.value.body["message"]  # type: ignore[index]
+    assert upstream.served == []
