@@ -14,6 +14,7 @@ Counts (o200k_base): ``"hello" + " hello" * 99`` is 100 text tokens, 107 with ch
 from __future__ import annotations
 
 import asyncio
+import io
 from collections.abc import Iterator
 from contextlib import contextmanager
 from decimal import Decimal
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import multipart
 import openai
 import pytest
 from aiohttp import web
@@ -404,3 +406,60 @@ def test_an_unpriced_fallback_model_cannot_be_bounded(tmp_path):
     assert refused.value.body["code"] == "model_not_priced"  # type: ignore[index]
     assert "'openai/gpt-4.1-nano', 'house/model-x'" in refused.value.body["message"]  # type: ignore[index]
     assert upstream.served == []
+
+
+class FirstValueImages:
+    """OpenAI-style image edits from a server whose form parser keeps the first value of a repeated field.
+
+    aiohttp's, Werkzeug's and Go's form readers do (``MultiDict.get``, ``FormValue``); Starlette's keeps
+    the last. It makes ``n`` images at 6,240 output tokens each (gpt-image-1's largest) and bills them.
+    """
+
+    def __init__(self) -> None:
+        self.made: list[int] = []
+
+    async def handle(self, request: web.Request, body: bytes) -> web.StreamResponse:
+        parts = multipart.MultipartParser(io.BytesIO(body), "B")
+        n = int(next((part.value for part in parts if part.name == "n"), "1"))  # the first value
+        self.made.append(n)
+        usage = {"input_tokens": 20, "input_tokens_details": {"text_tokens": 20, "image_tokens": 0}}
+        return web.json_response(
+            {"created": 1, "data": [{"b64_json": "iVBORw0KGgo="}] * n,
+             "usage": {**usage, "output_tokens": 6240 * n, "total_tokens": 20 + 6240 * n}}
+        )  # fmt: skip
+
+
+def edit_form(*fields: tuple[str, str]) -> bytes:
+    parts = [f'--B\r\nContent-Disposition: form-data; name="{name}"\r\n\r\n{value}\r\n' for name, value in fields]
+    image = '--B\r\nContent-Disposition: form-data; name="image"; filename="a.png"\r\nContent-Type: image/png\r\n\r\n'
+    return ("".join(parts) + image).encode() + b"\x89PNG\r\n\x1a\n" + b"\r\n--B--\r\n"
+
+
+def test_a_form_field_sent_twice_is_refused_before_the_upstream_reads_either(tmp_path):
+    # gpt-image-1 makes images at up to 6,240 output tokens x 40.00 / 1M = $0.2496 each; $1 is room for three.
+    # n=10 then n=1: tokenward read the last (one image, admitted), this upstream the first: 10 images,
+    # 62,400 x 40.00 + 20 x 5.00 = $2.4961, two and a half times the limit.
+    upstream = FirstValueImages()
+    budget = BudgetSettings(name="images", limit_usd=Decimal(1), period="total", action="block")
+    with Servers(upstream.handle).running() as servers:
+        config = Config(
+            upstreams=[
+                UpstreamConfig(
+                    name="openai", base_url=f"{servers.upstream_url}/v1", provider="openai", api_key_env="OR_KEY"
+                )
+            ],
+            ledger=LedgerConfig(path=str(tmp_path / "l.duckdb"), flush_interval_s=0.05),
+            auth=AuthConfig(mode="virtual_keys"),
+            virtual_keys=[VirtualKeyConfig(name="agent", key=KEY)],
+            budgets=[budget],
+        )
+        with running_in_thread(create_app(config)) as url:
+            headers = {"authorization": f"Bearer {KEY}", "content-type": "multipart/form-data; boundary=B"}
+            twice = edit_form(("model", "gpt-image-1"), ("prompt", "a hat"), ("n", "10"), ("n", "1"))
+            refused = httpx.post(f"{url}/v1/images/edits", content=twice, headers=headers)
+            once = edit_form(("model", "gpt-image-1"), ("prompt", "a hat"), ("n", "1"))
+            served = httpx.post(f"{url}/v1/images/edits", content=once, headers=headers)
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_request"
+    assert "'n' twice" in refused.json()["error"]["message"]
+    assert served.status_code == 200 and upstream.made == [1]
+    assert served.headers["x-tokenward-cost-usd"] == "0.2497"  # 6,240 x 40.00 + 20 x 5.00
