@@ -3,23 +3,30 @@
 A blocking budget reserves an upper bound of a request's cost before sending it (see
 :mod:`tokenward.proxy.guard`). Text is counted with tiktoken; this module finds the rest:
 
-- images (``image_url``, ``input_image``, Anthropic ``image``): each is bounded by
-  ``guard.image_tokens`` (input tokens per image);
+- images (``image_url``, ``input_image``, a computer call's ``computer_screenshot``, Anthropic
+  ``image``): each is bounded by ``guard.image_tokens`` (input tokens per image);
 - audio (``input_audio``): bounded from its size, as if encoded at 8 kbit/s (the lowest common
   speech bitrate) at 10 tokens per second of audio: one token per 100 bytes;
 - stored state the request only points at (``file``/``input_file`` parts, Anthropic
-  ``document`` blocks, Responses ``previous_response_id`` and ``conversation``): nothing in
-  the body bounds it, so the request is *unbounded*;
+  ``document`` blocks, Responses ``previous_response_id``, ``conversation``, ``item_reference``
+  input items and ``prompt`` templates, a Chat Completions assistant message's ``audio`` by id):
+  nothing in the body bounds it, so the request is *unbounded*;
 - tools the provider runs itself inside one request (web search and fetch, file search, code
-  execution, image generation, remote MCP; Chat Completions ``web_search_options``; OpenRouter's
-  ``web`` plugin): each call adds a fee and the tokens of what it found, as many times as the
-  model chooses, so such a request is *unbounded* as well;
+  execution, image generation, remote MCP, Anthropic's ``mcp_servers``; Chat Completions
+  ``web_search_options``; OpenRouter's ``web`` plugin): each call adds a fee and the tokens of
+  what it found, as many times as the model chooses, so such a request is *unbounded* as well;
 - a request for audio output (``modalities`` with ``audio``), priced at the audio output rate.
 
 Provider-run tool types: OpenAI https://platform.openai.com/docs/guides/tools (web_search,
 file_search, code_interpreter, image_generation, mcp), Anthropic
 https://docs.anthropic.com/en/docs/agents-and-tools/tool-use/overview (server tools
-``web_search_*``, ``web_fetch_*``, ``code_execution_*``), checked 2026-12-01.
+``web_search_*``, ``web_fetch_*``, ``code_execution_*``) and
+https://docs.anthropic.com/en/docs/agents-and-tools/mcp-connector (``mcp_servers``: the model
+calls the server's tools and their results are billed as input), checked 2026-12-01. Stored
+content: https://platform.openai.com/docs/api-reference/responses/create (``input`` items of
+type ``item_reference``; ``prompt``, a template with its own instructions) and
+https://platform.openai.com/docs/api-reference/chat/create (an assistant message's ``audio.id``),
+checked 2026-12-01.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ __all__ = ["AUDIO_BYTES_PER_TOKEN", "Unmetered", "scan"]
 AUDIO_BYTES_PER_TOKEN = 100
 """8 kbit/s is 1000 bytes a second; 10 audio tokens a second: an upper bound of 1 token per 100 bytes."""
 
-_IMAGE_TYPES = frozenset({"image_url", "input_image", "image"})
+_IMAGE_TYPES = frozenset({"image_url", "input_image", "image", "computer_screenshot"})  # the last: computer use
 _FILE_TYPES = frozenset({"file", "input_file", "document"})
 _MAX_DEPTH = 12
 _SERVER_TOOL_PREFIXES = (
@@ -52,7 +59,8 @@ class Unmetered:
 
     ``images``: image parts; ``audio_tokens``: an upper bound on audio input tokens;
     ``files``: parts that refer to stored files or documents; ``stateful``: the request
-    continues stored state (``previous_response_id``, ``conversation``); ``audio_output``: audio
+    continues or reuses stored state (``previous_response_id``, ``conversation``,
+    ``item_reference``, a ``prompt`` template, an earlier audio reply); ``audio_output``: audio
     was asked for in the reply; ``server_tools``: tools the provider runs itself (fees and found
     tokens the body does not bound).
     """
@@ -74,7 +82,10 @@ def scan(body: Any) -> Unmetered:
     """Find the content of a decoded request ``body`` (any dialect) that text counting misses."""
     found = Unmetered()
     if isinstance(body, dict):
-        found.stateful = bool(body.get("previous_response_id") or body.get("conversation"))
+        # a Responses `prompt` is a stored template ({"id": "pmpt_..."}); a completions prompt is text
+        found.stateful = bool(
+            body.get("previous_response_id") or body.get("conversation") or isinstance(body.get("prompt"), dict)
+        )
         modalities = body.get("modalities")
         found.audio_output = isinstance(modalities, list) and "audio" in modalities
         found.server_tools = _server_tools(body)
@@ -91,6 +102,9 @@ def _server_tools(body: dict[str, Any]) -> int:
             kind = tool.get("type") if isinstance(tool, dict) else None
             if isinstance(kind, str) and kind.startswith(_SERVER_TOOL_PREFIXES):
                 count += 1
+    servers = body.get("mcp_servers")  # Anthropic's MCP connector: every tool of each server
+    if isinstance(servers, list):
+        count += len(servers)
     if body.get("web_search_options") is not None:  # Chat Completions search models
         count += 1
     plugins = body.get("plugins")  # OpenRouter: {"id": "web"}, or a model name ending in :online
@@ -118,6 +132,12 @@ def _walk(node: Any, found: Unmetered, depth: int) -> None:
     if kind in _FILE_TYPES:
         found.files += 1
         return
+    if kind == "item_reference":  # an item of a stored response, by id
+        found.stateful = True
+        return
+    audio = node.get("audio")
+    if isinstance(audio, dict) and audio.get("id") and node.get("role") == "assistant":
+        found.stateful = True  # Chat Completions: an earlier audio reply, by id (heard again as audio input)
     if kind == "input_audio":
         audio = node.get("input_audio")
         data = audio.get("data") if isinstance(audio, dict) else node.get("data")

@@ -110,6 +110,8 @@ class Exchange:
     pool: str | None = None
     run_id: str | None = None
     sent_model: str | None = None
+    fallback_models: tuple[str, ...] = ()
+    """Models the request names as fallbacks (OpenRouter's ``models``): the upstream may serve any of them."""
     degraded: str | None = None
     cost_usd: Decimal | None = None
     row_kind: str = "request"

@@ -131,12 +131,14 @@ class _RequestHead(msgspec.Struct):
     user: Any = None
     metadata: Any = None
     n: Any = None
+    best_of: Any = None
     max_tokens: Any = None
     max_completion_tokens: Any = None
     max_output_tokens: Any = None
     service_tier: Any = None
     speed: Any = None
     store: Any = None
+    models: Any = None
 
 
 _decode_head = msgspec.json.Decoder(_RequestHead).decode
@@ -309,6 +311,7 @@ class Forwarder:
         else:
             head = _read_head(body)
         ex.requested_model = head.model if isinstance(head.model, str) else None
+        ex.fallback_models = _fallback_models(head.models, ex.requested_model)
         ex.stream = head.stream is True
         # Anthropic: metadata.user_id (Claude Code's holds account, device and session ids)
         identity = parse_user_id(head.metadata.get("user_id")) if isinstance(head.metadata, dict) else None
@@ -649,24 +652,35 @@ class Forwarder:
             margin *= settings.foreign_tokenizer_margin
         input_tokens = math.ceil(counted * margin) + settings.input_margin_tokens + extra.audio_tokens
         limit = max_output if max_output is not None else _output_limit(head, settings.default_max_output_tokens)
-        choices = head.n if isinstance(head.n, int) and not isinstance(head.n, bool) and head.n > 1 else 1
-        bound = worst_case(
-            self.recorder.catalog,
-            model=model,
-            provider=ex.provider,
-            at=now,
-            input_tokens=input_tokens,
-            max_output_tokens=limit * choices,
-            audio_input_tokens=extra.audio_tokens,
-            audio_output=extra.audio_output,
-            service_tier=head.service_tier if isinstance(head.service_tier, str) else None,
-            speed=head.speed if isinstance(head.speed, str) else None,
-            fallback=ex.price_fallback,
-            price_as=ex.price_as,
-            images=extra.images,
-            image_tokens=settings.image_tokens,
-        )
-        return bound
+        choices = _choices(head)
+        dearest: Decimal | None = None
+        # the upstream may serve the request with any of its fallback models: the bound is the dearest
+        for candidate in (model, *ex.fallback_models):
+            if candidate != model and not tokenizer.encoding_name_known(candidate):
+                tokens = math.ceil(counted * settings.input_margin * settings.foreign_tokenizer_margin)
+                tokens += settings.input_margin_tokens + extra.audio_tokens
+            else:
+                tokens = input_tokens
+            bound = worst_case(
+                self.recorder.catalog,
+                model=candidate,
+                provider=ex.provider,
+                at=now,
+                input_tokens=tokens,
+                max_output_tokens=limit * choices,
+                audio_input_tokens=extra.audio_tokens,
+                audio_output=extra.audio_output,
+                service_tier=head.service_tier if isinstance(head.service_tier, str) else None,
+                speed=head.speed if isinstance(head.speed, str) else None,
+                fallback=ex.price_fallback,
+                price_as=ex.price_as,
+                images=extra.images,
+                image_tokens=settings.image_tokens,
+            )
+            if bound is None:
+                return None  # one model the request may reach has no price: it cannot be bounded
+            dearest = bound if dearest is None or bound > dearest else dearest
+        return dearest
 
     async def _media_worst_case(self, ex: Exchange, media: MediaRequest, now: dt.datetime) -> Decimal | None:
         """The cost bound (USD; ``None``: no price) of an images or audio request (:mod:`~tokenward.proxy.media`)."""
@@ -695,9 +709,10 @@ class Forwarder:
         hold = self.guard_settings.unpriced_hold_usd
         if hold is None:
             names = ", ".join(repr(b.name) for b in self.guard.in_scope(attributes, blocking_only=True))
+            models = ", ".join(repr(m) for m in (ex.requested_model, *ex.fallback_models))
             raise ProxyError(
                 400,
-                f"tokenward has no price for model {ex.requested_model!r}, so it cannot bound what this request "
+                f"tokenward has no price for model {models}, so it cannot bound what this request "
                 f"may cost, and budget {names} refuses requests it cannot bound: ask your admin to add a price "
                 "(or set guard.unpriced_hold_usd).",
                 "model_not_priced",
@@ -1060,7 +1075,7 @@ def _settle_attribution(ex: Exchange, identity: Identity, claimed: dict[bytes, s
 
 
 def _attributes(ex: Exchange) -> dict[str, Any]:
-    """A request's budget-scope attributes before the reply (the requested model, and the one sent)."""
+    """A request's budget-scope attributes before the reply (the requested model, the one sent, its fallbacks)."""
     return {
         "key": ex.principal,
         "key_id": ex.key_id,
@@ -1070,10 +1085,23 @@ def _attributes(ex: Exchange) -> dict[str, Any]:
         "pool": ex.pool,
         "run": ex.run_id,
         "end_user": ex.end_user,
-        "model": (ex.requested_model,) if ex.sent_model is None else (ex.requested_model, ex.sent_model),
+        "model": ((ex.requested_model,) if ex.sent_model is None else (ex.requested_model, ex.sent_model))
+        + ex.fallback_models,
         "upstream": ex.upstream,
         "tag": ex.tags,
     }
+
+
+def _fallback_models(models: Any, requested: str | None) -> tuple[str, ...]:
+    """The models a request names besides ``model`` for the upstream to fall back on, in order.
+
+    OpenRouter serves a request with the next of its ``models`` when one fails (over its context,
+    moderated, rate limited; https://openrouter.ai/docs/features/model-routing, checked
+    2026-12-01), so each may bill it. Upstreams that know no ``models`` refuse the request.
+    """
+    if not isinstance(models, list):
+        return ()
+    return tuple(dict.fromkeys(m for m in models if isinstance(m, str) and m != requested))
 
 
 def _output_limit(head: _RequestHead, default: int) -> int:
@@ -1084,10 +1112,44 @@ def _output_limit(head: _RequestHead, default: int) -> int:
     """
     limits = [
         v
-        for v in (head.max_completion_tokens, head.max_tokens, head.max_output_tokens)
-        if isinstance(v, int) and not isinstance(v, bool) and v > 0
+        for v in map(_lax_count, (head.max_completion_tokens, head.max_tokens, head.max_output_tokens))
+        if v is not None and v > 0
     ]
     return max(limits) if limits else default
+
+
+def _choices(head: _RequestHead) -> int:
+    """How many completions the request may generate: the larger of ``n`` and ``best_of`` (at least 1).
+
+    ``best_of`` (completions) generates that many server-side and bills them all, returning ``n``
+    (https://platform.openai.com/docs/api-reference/completions/create, checked 2026-12-01).
+    """
+    return max(_lax_count(head.n) or 1, _lax_count(head.best_of) or 1, 1)
+
+
+def _lax_count(value: Any) -> int | None:
+    """A count as a lax upstream reads it: ``12``, ``12.0`` and ``"12"`` are all 12 (``None``: not a count).
+
+    OpenAI-compatible servers that validate with pydantic in its default lax mode (vLLM, SGLang,
+    LiteLLM) accept an integral float or a numeric string for an integer field, so the bound must
+    read them as that number, not as no limit at all. Booleans are no count.
+    """
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            return int(text)  # "12", "+12", "1_000", "0012"
+        except ValueError:
+            try:
+                value = float(text)  # "12.0"
+            except ValueError:
+                return None
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return int(value)
+    return None
 
 
 def _sent_limits(head: _RequestHead) -> list[str]:

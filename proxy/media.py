@@ -132,6 +132,7 @@ def read_request(tail: str, body: bytes, content_type: str | None) -> MediaReque
             form = read_form(body, content_type)
         except FormError as exc:
             raise MediaRequestError(str(exc)) from None
+        _once_each(form)
         fields: dict[str, Any] = dict(form.fields)
         return _request(kind, lower, fields, form)
     if not body.strip():
@@ -144,6 +145,23 @@ def read_request(tail: str, body: bytes, content_type: str | None) -> MediaReque
         raise MediaRequestError("The request body must be a JSON object.")
     images = document.get("images")
     return _request(kind, lower, document, None, len(images) if isinstance(images, list) else 0)
+
+
+def _once_each(form: Form) -> None:
+    """Refuse a form that sends a text field twice (array fields, ``name[]``, excepted).
+
+    Form readers disagree on which value counts (aiohttp, Werkzeug and Go keep the first,
+    Starlette and tokenward the last), so ``n=10`` then ``n=1`` could be bounded as one image and
+    made as ten.
+
+    Raises:
+        MediaRequestError: naming the field.
+    """
+    seen: set[str] = set()
+    for name, _ in form.pairs:
+        if name in seen and not name.endswith("[]"):
+            raise MediaRequestError(f"The form sends {name!r} twice: send each field once (or as {name + '[]'!r}).")
+        seen.add(name)
 
 
 def _request(kind: str, tail: str, fields: dict[str, Any], form: Form | None, json_images: int = 0) -> MediaRequest:

@@ -10,7 +10,8 @@ Prices (builtin catalog, USD per 1M tokens): gpt-4o-mini input 0.15, output 0.60
 input 0.25, output 1.00; gpt-4o input 2.50, output 10.00.
 
 Counts (o200k_base): ``long_chat(1000)`` is 1000 text tokens + 7 of chat overhead = 1007; the
-recorded Responses request of ``HIDDEN_REQUEST`` counts 56 tokens (its text and its tool's JSON)
+recorded Responses request of ``HIDDEN_REQUEST`` counts 99 tokens (its text, its tool calls' arguments
+and outputs, and its tool's JSON)
 and OpenAI billed 335 input tokens for it.
 
 The bound a request gets (``guard`` defaults): counted input x ``input_margin`` 1.1, rounded up,
@@ -196,10 +197,11 @@ VARIANTS = [
     # 48,488 x 0.15 + 100 x 0.60 = $0.0073332 -> 0.072879 / 0.0073332 -> 9 admitted. (Before: 3000 per image,
     # 3017 x 0.15 + 60 = $0.00051255: all 100 admitted, +900 %.)
     ("image_heavy", "chat/completions", image_chat(), Decimal("0.0072879"), 9),
-    # 335 x 2.50 + 20 x 10.00 = 1037.5 -> $0.0010375. Bound: ceil(56 x 1.1) + 300 = 362 in:
-    # 362 x 2.50 + 200 = $0.001105 -> 0.010375 / 0.001105 -> 9 admitted. (Before: 56 x 2.50 + 200 = $0.00034:
+    # 335 x 2.50 + 20 x 10.00 = 1037.5 -> $0.0010375. Bound: ceil(99 x 1.1) + 300 = 409 in:
+    # 409 x 2.50 + 200 = $0.0012225 -> 0.010375 / 0.0012225 -> 8 admitted. (Without the calls' arguments and
+    # outputs, 56 counted: 362 x 2.50 + 200 = $0.001105, 9 admitted.) (Before: 56 x 2.50 + 200 = $0.00034:
     # 30 admitted, +200 %.)
-    ("hidden_input", "responses", HIDDEN_REQUEST, Decimal("0.0010375"), 9),
+    ("hidden_input", "responses", HIDDEN_REQUEST, Decimal("0.0010375"), 8),
     # 1007 x 0.15 + 1000 x 0.60 = $0.00075105 billed although the client left. Bound: 1408 x 0.15 + 600
     # = $0.0008112 -> 9 admitted, each keeping its $0.0008112 as spend (usage_unknown).
     ("client_gone", "chat/completions", long_chat(1000, 1000, service_tier="default"), Decimal("0.00075105"), 9),

@@ -385,8 +385,9 @@ def request_texts(body: dict[str, Any]) -> tuple[list[str], int]:
     """Texts of a request that the model reads, and the number of chat messages among them.
 
     Covers ``messages`` (Chat Completions: role and content, as OpenAI's token-counting recipe
-    does), ``input`` and ``instructions`` (Responses,
-    Embeddings), ``prompt`` (legacy Completions) and ``tools`` (counted as their JSON).
+    does), ``input`` and ``instructions`` (Responses, Embeddings; in Responses input items also
+    tool calls' ``arguments``/``input``, their ``output`` and reasoning summaries, which the
+    provider bills as input), ``prompt`` (legacy Completions) and ``tools`` (counted as their JSON).
     Token-id inputs (lists of integers) are returned as that many single-token strings.
     """
     texts: list[str] = []
@@ -480,6 +481,11 @@ def _collect_text(value: Any, texts: list[str]) -> None:
             elif isinstance(part, dict):
                 _collect_text(part.get("text"), texts)
                 _collect_text(part.get("content"), texts)
+                # Responses input items the model reads too: a tool call's arguments (custom tools:
+                # input), its output (a string or parts), a reasoning item's summary
+                for key in ("arguments", "input", "output", "summary"):
+                    if key in part:
+                        _collect_text(part[key], texts)
             else:
                 _collect_text(part, texts)
 
