@@ -692,11 +692,10 @@ def phase(name, fn):
             phases.append((name, before, mb("VmHWM")))
     return timed
 
-class Connection:  # the move's connection: settings applied, its close (DuckDB's checkpoint) measured
+class Connection:  # the move's connection, its close (DuckDB's checkpoint) measured
     def __init__(self, conn):
         self._conn = conn
-        for statement in filter(None, settings.split(";")):
-            conn.execute(statement)
+        self.settings = [s for s in settings.split(";") if s.strip()]  # run before the first insert
     def __getattr__(self, name):
         return getattr(self._conn, name)
     def close(self):
@@ -704,7 +703,12 @@ class Connection:  # the move's connection: settings applied, its close (DuckDB'
 
 opened = phase("open", duck.open_ledger)
 ledger_module.open_ledger = lambda *a, **k: Connection(opened(*a, **k))
-ledger_module.insert_lines = phase("insert", duck.insert_lines)
+def insert_lines(conn, *args, **kwargs):  # after the flush's own settings, so that --set overrides them
+    while conn.settings:
+        conn.execute(conn.settings.pop(0))
+    return duck.insert_lines(conn, *args, **kwargs)
+
+ledger_module.insert_lines = phase("insert", insert_lines)
 return_large_buffers()  # as `tokenward serve` does
 ledger = DuckLedger(path)
 ledger.migrate()
