@@ -11,8 +11,17 @@ Same set-up as ``bench/bench_floor.py`` (nginx mock and wrk on CPU 0, the gatewa
         tokenward variants with one part switched off by monkeypatching (proxy/ is unchanged):
         CPU per request at c=64, non-streamed and streamed, and what each part costs.
     profile_tokenward.py memory
-        RSS of each heavy package imported alone, what ``tokenward serve`` imports, RSS after
-        app creation, after the ledger opens, after the tokenizer loads; tracemalloc's top files.
+        RSS of each heavy package imported alone, what ``tokenward serve`` imports, RSS (private
+        RssAnon / file-backed RssFile) after app creation, after duckdb is imported, a connection
+        opened and queried, after the tokenizer loads; tracemalloc's top files; then a running
+        ``tokenward serve`` mapping by mapping (/proc/PID/smaps: DuckDB's library, the heap,
+        anonymous memory...), idle and after 3 s of load on the Python mock.
+    profile_tokenward.py moves [--rows 9000] [--moves 16] [--set "SET threads = 1"]
+        ROWS rows (the bench's real row) through the write-ahead log, then one move into DuckDB
+        (``DuckLedger.flush``, in a worker thread as the proxy runs it), MOVES times: the move's
+        CPU and peak RSS above the RSS before it, by phase (open, largest segment insert, close:
+        the checkpoint), and the private RSS after. ``--set``: statements run on each move's
+        connection once it opens (to try DuckDB settings).
     profile_tokenward.py count
         what a blocking budget's worst-case count costs per KB of request body.
     profile_tokenward.py ab --tree base=/path/to/checkout --tree new=. [--budget] [--repeat 3]
@@ -454,6 +463,7 @@ def ab(args: argparse.Namespace) -> None:
         gateways += [(name, bench.tree(9600 + i, name, path, args.budget)) for i, (name, path) in enumerate(trees)]
         time.sleep(1.0)
         idle = {name: floor.memory_mb(g.pid, "VmRSS") for name, g in gateways}
+        private = {name: floor.memory_mb(g.pid, "RssAnon") for name, g in gateways}
         for _, gateway in gateways:
             bench.warm(gateway)
         results: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
@@ -464,6 +474,7 @@ def ab(args: argparse.Namespace) -> None:
                     load, cpu_ms = bench.load(gateway, scenario, args.seconds)
                     results.setdefault((name, scenario), []).append((cpu_ms, load.rps, load.p99_ms))
         peak = {name: floor.memory_mb(g.pid, "VmHWM") for name, g in gateways}
+        private_end = {name: floor.memory_mb(g.pid, "RssAnon") for name, g in gateways}
     print(f"median of {args.repeat} [min..max]; /relay = median of the per-repeat ratios to the relay\n")
     for scenario in scenarios:
         print(f"{scenario}: {'CPU ms/request':>28} {'/relay':>7} {'requests/s':>20} {'p99 ms':>22}")
@@ -476,7 +487,12 @@ def ab(args: argparse.Namespace) -> None:
                 f"  {name:<12} {floor.spread(cpu, '.3f'):>24} {ratios:6.2f}x {floor.spread(rps, ',.0f'):>20} "
                 f"{floor.spread(p99, '.1f'):>22}"
             )
-    print("\nRSS (MB): " + ", ".join(f"{name} idle {idle[name]:.0f} peak {peak[name]:.0f}" for name, _ in gateways))
+    print("\nRSS (MB; private RssAnon in brackets): ")
+    for name, _ in gateways:
+        print(
+            f"  {name}: idle {idle[name]:.0f} [{private[name]:.0f}], peak {peak[name]:.0f}, "
+            f"[{private_end[name]:.0f}] at the end"
+        )
 
 
 # ---------------------------------------------------------------- memory
@@ -487,11 +503,21 @@ HEAVY = [
     "brotli", "zstandard", "watchfiles",
 ]  # fmt: skip
 _RSS = "import re;print(int(re.search(r'VmRSS:\\s+(\\d+)', open('/proc/self/status').read()).group(1)))"
+_RSS3 = (
+    "import re;_s = open('/proc/self/status').read()\n"
+    "print(*(int(re.search(k + r':\\s+(\\d+)', _s).group(1)) for k in ('VmRSS', 'RssAnon', 'RssFile')))"
+)
 
 
 def _rss_after(code: str) -> float:
     out = subprocess.run([sys.executable, "-c", code + "\n" + _RSS], capture_output=True, text=True, check=True)
     return int(out.stdout.split()[-1]) / 1024
+
+
+def _rss3_after(code: str) -> tuple[float, ...]:
+    """(RSS, private RssAnon, file-backed RssFile) in MB after running ``code`` in a fresh interpreter."""
+    out = subprocess.run([sys.executable, "-c", code + "\n" + _RSS3], capture_output=True, text=True, check=True)
+    return tuple(int(v) / 1024 for v in out.stdout.split()[-3:])
 
 
 def _serve_modules() -> dict[str, list[str]]:
@@ -540,8 +566,11 @@ def memory(args: argparse.Namespace) -> None:
         ("import tokenward.proxy.cli (what `tokenward serve` imports first)", "import tokenward.proxy.cli"),
         ("+ import tokenward.proxy.app, server", "import tokenward.proxy.app, tokenward.proxy.server"),
         ("+ create_app(config) (catalog, scheduler, app)", "app = tokenward.proxy.app.create_app(config)"),
-        ("+ open the ledger (DuckDB connection, migrations)", "from tokenward.reports.ledger import open_ledger\n"
-         "open_ledger(config.ledger.path).close()"),
+        ("+ import duckdb (what the ledger modules import)", "import duckdb"),
+        ("+ open the ledger (DuckDB connection, migrations) and close it", "from tokenward.reports.ledger import "
+         "open_ledger\nopen_ledger(config.ledger.path).close()"),
+        ("+ open it again, read one row, close it (a move's pages of the library)",
+         "open_ledger(config.ledger.path).execute('SELECT count(*) FROM requests').fetchall()"),
         ("+ tokenizer o200k_base loaded (first estimate or budget count)",
          "from tokenward.proxy import tokenizer\n"
          "tokenizer.count_tokens('hello', tokenizer.encoding_for_model('gpt-4o'))"),
@@ -551,11 +580,11 @@ def memory(args: argparse.Namespace) -> None:
         config = floor.tokenward_config(tmp, "mem", False)
         prelude = f"from tokenward.proxy.config import load_config\nconfig = load_config({str(config)!r})\n"
         code = ""
-        print("\ntokenward serve, step by step (cumulative RSS, MB):")
+        print("\ntokenward serve, step by step (cumulative MB: RSS = private RssAnon + file-backed RssFile):")
         for label, step in steps:
             code += step + "\n"
-            rss = _rss_after("import tokenward.proxy.cli\n" + prelude + code)
-            print(f"  {label:<68} {rss:6.1f}")
+            rss, anon, file = _rss3_after("import tokenward.proxy.cli\n" + prelude + code)
+            print(f"  {label:<72} {rss:6.1f} = {anon:5.1f} + {file:5.1f}")
         script = (
             "import sys, tracemalloc\ntracemalloc.start()\nimport tokenward.proxy.cli, tokenward.proxy.app\n"
             + prelude
@@ -574,6 +603,187 @@ def memory(args: argparse.Namespace) -> None:
         print()
         print(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout)
         importtime(prelude)
+        serving(tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _mappings(pid: int) -> dict[str, list[int]]:
+    """RSS and private (anonymous) kB of a process by mapping: library file name, ``[heap]``, ``[anon]``..."""
+    by: dict[str, list[int]] = {}
+    name = ""
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        fields = line.split()
+        if re.match(r"^[0-9a-f]+-[0-9a-f]+ ", line):
+            name = Path(fields[5]).name if len(fields) > 5 else "[anon]"
+            name = "[stack]" if name.startswith("[stack") else name
+        elif fields[0] in ("Rss:", "Anonymous:"):
+            by.setdefault(name, [0, 0])[fields[0] == "Anonymous:"] += int(fields[1])
+    return by
+
+
+def _mapping_table(pid: int, label: str) -> None:
+    by = _mappings(pid)
+    rss, anon = (sum(v[i] for v in by.values()) / 1024 for i in (0, 1))
+    print(f"\n{label}: RSS {rss:.1f} MB, private (anonymous) {anon:.1f}, file-backed {rss - anon:.1f}; by mapping:")
+    ranked = sorted(by.items(), key=lambda kv: -kv[1][0])
+    for name, (kb, anon_kb) in ranked[:10]:
+        what = {
+            "[heap]": "the brk heap (glibc malloc of the main thread)",
+            "[anon]": "anonymous mmaps: pymalloc arenas, thread stacks and malloc arenas, large buffers",
+        }.get(name, "")
+        print(f"  {name[:44]:<44} {kb / 1024:6.1f} MB (private {anon_kb / 1024:5.1f})  {what}")
+    rest = ranked[10:]
+    print(
+        f"  {f'{len(rest)} other mappings':<44} {sum(v[0] for _, v in rest) / 1024:6.1f} MB "
+        f"(private {sum(v[1] for _, v in rest) / 1024:5.1f})"
+    )
+
+
+def serving(tmp: Path) -> None:
+    """A running ``tokenward serve`` (the bench's config, the Python mock upstream): idle, then after load."""
+    procs = floor.Processes()
+    try:
+        mock = [sys.executable, str(HERE / "mock_upstream.py"), "--port", str(floor.MOCK_PORT)]
+        procs.start(mock, floor.MOCK_PORT, mock=True, stdout=subprocess.DEVNULL)
+        config = floor.tokenward_config(tmp, "serving", False)
+        argv = [sys.executable, "-m", "tokenward.proxy", "serve", "--config", str(config), "--port", str(floor.TW_PORT)]
+        proxy = procs.start([*argv, "--log-level", "warning"], floor.TW_PORT, stderr=subprocess.DEVNULL)
+        time.sleep(1.5)  # as bench_floor: start-up work settles before idle is read
+        _mapping_table(proxy.pid, "tokenward serve, idle")
+        url = f"http://127.0.0.1:{floor.TW_PORT}/v1/chat/completions"
+        headers = floor.HEADERS | {"x-tokenward-upstream": "fast"}
+        load = floor.python_load(tmp, url, headers, floor.body(), 64, 3)
+        time.sleep(2.5)  # the last rows moved into the ledger
+        _mapping_table(proxy.pid, f"after {load.requests} requests at c=64 and their moves")
+        print(f"  peak (VmHWM) so far: {floor.memory_mb(proxy.pid, 'VmHWM'):.1f} MB")
+    finally:
+        procs.stop()
+
+
+# ---------------------------------------------------------------- moves of the log into DuckDB
+
+_MOVES = r"""
+import asyncio, json, os, re, sys, time, uuid
+rows, moves, path, settings = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+import tokenward.proxy.app, tokenward.proxy.server  # the libraries a serving proxy has loaded
+import tokenward.reports.ledger as ledger_module
+from tokenward.proxy.limits import return_large_buffers
+from tokenward.reports.ledger import DuckLedger, WriteAheadLog, duck
+from tokenward.reports.ledger.wal import encode_row, fill_row
+
+template = fill_row(json.loads(sys.argv[5]))
+
+def mb(key):
+    return int(re.search(key + r":\s+(\d+)", open("/proc/self/status").read()).group(1)) / 1024
+
+def reset_peak():  # VmHWM back to the current RSS
+    with open("/proc/self/clear_refs", "w") as out:
+        out.write("5")
+
+phases = []
+def phase(name, fn):
+    def timed(*args, **kwargs):
+        before = mb("VmRSS")
+        reset_peak()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            phases.append((name, before, mb("VmHWM")))
+    return timed
+
+class Connection:  # the move's connection, its close (DuckDB's checkpoint) measured
+    def __init__(self, conn):
+        self._conn = conn
+        self.settings = [s for s in settings.split(";") if s.strip()]  # run before the first insert
+    def __getattr__(self, name):
+        return getattr(self._conn, name)
+    def close(self):
+        phase("close", self._conn.close)()
+
+opened = phase("open", duck.open_ledger)
+ledger_module.open_ledger = lambda *a, **k: Connection(opened(*a, **k))
+def insert_lines(conn, *args, **kwargs):  # after the flush's own settings, so that --set overrides them
+    while conn.settings:
+        conn.execute(conn.settings.pop(0))
+    return duck.insert_lines(conn, *args, **kwargs)
+
+ledger_module.insert_lines = phase("insert", insert_lines)
+return_large_buffers()  # as `tokenward serve` does
+ledger = DuckLedger(path)
+ledger.migrate()
+wal = WriteAheadLog(ledger.spool_dir)
+
+async def main():
+    wal.open(asyncio.get_running_loop())
+    for k in range(moves):
+        for i in range(rows):
+            waiter = wal.commit([str(i)], encode_row(dict(template, request_id=uuid.uuid4().hex)))
+            if i % 200 == 0:
+                await waiter
+        await waiter
+        phases.clear()
+        before, cpu = mb("VmRSS"), time.process_time()
+        moved = await asyncio.to_thread(ledger.flush, wal)
+        cpu = time.process_time() - cpu
+        inserts = [p for p in phases if p[0] == "insert"]
+        top = max(p[2] for p in phases)
+        worst = max(inserts, key=lambda p: p[2] - p[1])
+        close = phases[-1]
+        print(json.dumps([k, moved, cpu * 1000, before, top, len(inserts), worst[2] - worst[1], close[2] - close[1],
+                          mb("VmRSS"), mb("RssAnon")]), flush=True)
+
+asyncio.run(main())
+wal.close()
+"""
+
+
+def _bench_row() -> dict:
+    """A ledger row as the bench's tokenward writes it (a non-streamed gpt-4o-mini request, priced)."""
+    cost_lines = [
+        {"component": "input", "quantity": 56, "rate": "0.15", "amount": "0.0000084", "rule": "base"},
+        {"component": "cached_input", "quantity": 64, "rate": "0.075", "amount": "0.0000048", "rule": "base"},
+        {"component": "output", "quantity": 48, "rate": "0.60", "amount": "0.0000288", "rule": "base"},
+    ]
+    usage = json.loads(floor.REPLY)["usage"]
+    return {
+        "started_at": 1796149056.518868, "ended_at": 1796149056.521151, "principal": "fp-ebadd1f77d7c",
+        "method": "POST", "path": "/v1/chat/completions", "endpoint": "chat_completions", "upstream": "fast",
+        "provider": "openai", "requested_model": "gpt-4o-mini", "served_model": "gpt-4o-mini-2024-07-18",
+        "http_status": 200, "outcome": "ok", "stream": False, "usage_source": "reported", "cost_usd": "0.0000420",
+        "price_status": "priced", "price_entry_id": "openai/gpt-4o-mini", "price_resolved_by": "snapshot",
+        "cost_lines": cost_lines, "output_cost_usd": "0.0000288", "cache_savings_usd": "0.0000048",
+        "service_tier": "default", "latency_ms": 2.282987999933539, "ttfb_ms": 2.2761789987271186,
+        "raw_usage": usage, "row_kind": "request", "key_id": "fp-ebadd1f77d7c", "input_tokens": 120,
+        "cached_input_tokens": 64, "output_tokens": 48, "image_variant": "",
+    }  # fmt: skip
+
+
+def moves(args: argparse.Namespace) -> None:
+    tmp = Path(tempfile.mkdtemp(prefix="tokenward-moves-"))
+    argv = [sys.executable, "-c", _MOVES, str(args.rows), str(args.moves), str(tmp / "moves.duckdb"), args.set]
+    argv.append(json.dumps(_bench_row()))
+    try:
+        settings = f", on each connection: {args.set}" if args.set else ""
+        print(f"{args.moves} moves of {args.rows} rows each{settings}")
+        print("peaks are MB above the RSS before the move; close = DuckDB's checkpoint of what the move inserted\n")
+        print(" move | rows  | CPU ms | RSS before | peak | inserts | worst insert | close | RSS after | private after")
+        peaks, cpus = [], []
+        with subprocess.Popen(argv, stdout=subprocess.PIPE, text=True) as proc:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                k, moved, cpu, before, top, inserts, insert, close, after, anon = json.loads(line)
+                peaks.append(top - before)
+                cpus.append(cpu)
+                print(
+                    f" {k:4d} | {moved:5d} | {cpu:6.0f} | {before:10.1f} | +{top - before:4.0f} | {inserts:7d} | "
+                    f"{insert:+12.1f} | {close:+5.0f} | {after:9.1f} | {anon:13.1f}"
+                )
+        if peaks:
+            print(
+                f"\npeak above the RSS before: median +{statistics.median(peaks):.0f}, largest +{max(peaks):.0f} MB; "
+                f"CPU per move median {statistics.median(cpus):.0f} ms, total {sum(cpus):.0f} ms"
+            )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -849,6 +1059,10 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=5)
     p.add_argument("--repeat", type=int, default=2)
     sub.add_parser("memory")
+    p = sub.add_parser("moves")
+    p.add_argument("--rows", type=int, default=9000, help="rows per move (default 9000)")
+    p.add_argument("--moves", type=int, default=16, help="moves (default 16)")
+    p.add_argument("--set", default="", help="';'-separated statements run on each move's connection")
     sub.add_parser("count")
     p = sub.add_parser("ab")
     p.add_argument("--tree", action="append", required=True, help="NAME=DIR (a checkout with proxy/ pricing/ reports/)")
@@ -865,7 +1079,8 @@ def main() -> None:
     if args.command == "serve":
         serve(args.config, args.port, {p for p in args.off.split(",") if p})
         return
-    {"pyspy": pyspy, "ablate": ablate, "ab": ab, "memory": memory, "count": count, "micro": micro}[args.command](args)
+    commands = {"pyspy": pyspy, "ablate": ablate, "ab": ab, "memory": memory, "moves": moves, "count": count}
+    (commands | {"micro": micro})[args.command](args)
 
 
 if __name__ == "__main__":

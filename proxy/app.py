@@ -265,7 +265,7 @@ def create_app(
                 if lock is not None:
                     lock.close()
 
-    app = Litestar(
+    app = _Litestar(
         route_handlers=budget_routes(forwarder)
         + build_routes(forwarder, metrics_access=MetricsAccess.from_config(config))
         + dashboard_routes(dashboard),
@@ -285,3 +285,19 @@ def create_app(
     app.state.ledger = ledger
     app.state.dashboard = dashboard
     return app
+
+
+class _Litestar(Litestar):
+    """Litestar without the Pydantic plugins it adds whenever ``pydantic`` is importable.
+
+    Nothing here takes or returns Pydantic models (bodies are bytes, replies msgspec), but
+    pydantic is installed (the ``openai`` SDK that ``tokenward demo`` drives needs it), and
+    Litestar's default plugins import it with pydantic-core: 75 modules and 7.5 MB of a
+    serving proxy's RSS, 4 of them private (``bench/profile_tokenward.py memory``).
+    """
+
+    @staticmethod
+    def _get_default_plugins(plugins: list) -> list:
+        from litestar.plugins.core import MsgspecDIPlugin
+
+        return [*plugins, MsgspecDIPlugin()]

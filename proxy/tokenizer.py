@@ -12,9 +12,10 @@ import base64
 import hashlib
 import threading
 from importlib import resources
+from typing import TYPE_CHECKING
 
-import tiktoken
-from tiktoken.model import encoding_name_for_model
+if TYPE_CHECKING:
+    import tiktoken
 
 __all__ = [
     "SHA256",
@@ -90,10 +91,21 @@ def get_encoding(name: str) -> tiktoken.Encoding:
                 base64.b64decode(token): int(rank)
                 for token, rank in (line.split() for line in data.splitlines() if line)
             }
+            import tiktoken  # not at start: its extension module is over 1 MB of RSS in a proxy that never counts
+
             _loaded[name] = tiktoken.Encoding(
                 name=name, pat_str=_PATTERNS[name], mergeable_ranks=ranks, special_tokens=_SPECIAL[name]
             )
     return _loaded[name]
+
+
+def _encoding_name_for_model(model: str) -> str:
+    """``tiktoken.model.encoding_name_for_model``, imported on the first call (raises ``KeyError``)."""
+    global _encoding_name_for_model
+    from tiktoken.model import encoding_name_for_model
+
+    _encoding_name_for_model = encoding_name_for_model  # later calls go straight to tiktoken's
+    return encoding_name_for_model(model)
 
 
 def encoding_for_model(model: str | None) -> str:
@@ -104,7 +116,7 @@ def encoding_for_model(model: str | None) -> str:
     """
     if model:
         try:
-            name = encoding_name_for_model(model.rpartition("/")[2])
+            name = _encoding_name_for_model(model.rpartition("/")[2])
         except KeyError:
             name = ""
         if name in SHA256:
@@ -117,7 +129,7 @@ def encoding_name_known(model: str | None) -> bool:
     if not model:
         return False
     try:
-        return encoding_name_for_model(model.rpartition("/")[2]) in SHA256
+        return _encoding_name_for_model(model.rpartition("/")[2]) in SHA256
     except KeyError:
         return False
 
