@@ -1,0 +1,84 @@
+"""Billing faults found by attacking tokenward with broken upstreams, each with its exact row.
+
+A real proxy in front of :class:`~tests.raw_upstream.RawUpstream` (raw bytes, so an upstream can
+break HTTP framing or SSE in ways a framework would not let it), real SDK clients where they
+fit. Prices: the field cases' test prices (tests/fixtures/field_case_prices.yaml, USD per 1M):
+gpt-4o-mini 0.15 in / 0.60 out; claude-sonnet-4 3.00 in, 0.30 cache read, 3.75 cache write
+(5m) / 6.00 (1h), 15.00 out. Token counts of estimates are o200k_base counts: the request
+``[{"role": "user", "content": "hello world"}]`` is 9 input tokens (see test_stream_endings),
+"Hi" is 1 output token.
+"""
+
+from __future__ import annotations
+
+import json
+from decimal import Decimal
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tokenward.pricing.catalog import load_catalog
+from tokenward.proxy.config import UpstreamConfig
+
+from .raw_upstream import RawUpstream, chunk, sse_head
+
+PRICES = Path(__file__).parent / "fixtures" / "field_case_prices.yaml"
+CHAT = {"model": "gpt-4o-mini", "stream": True, "messages": [{"role": "user", "content": "hello world"}]}
+
+
+@pytest.fixture
+def upstream():
+    with RawUpstream().running() as server:
+        yield server
+
+
+@pytest.fixture
+def proxy(start_proxy, upstream):
+    catalog = load_catalog([PRICES], builtin=False)
+    upstreams = [
+        UpstreamConfig(name="test", base_url=f"{upstream.url}/v1", provider="test", default=True),
+        UpstreamConfig(name="anthropic-test", base_url=f"{upstream.url}/v1", provider="test", dialect="anthropic"),
+    ]
+    return start_proxy(upstreams=upstreams, catalog=catalog, drain_s=2.0)
+
+
+def event(obj: dict, name: str | None = None) -> bytes:
+    data = b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+    return b"event: " + name.encode() + b"\n" + data if name else data
+
+
+def delta(text: str) -> bytes:
+    return event({"id": "c", "object": "chat.completion.chunk", "model": "gpt-4o-mini",
+                  "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]})  # fmt: skip
+
+
+def test_a_chunk_size_that_is_not_hex_mid_stream_ends_the_stream_and_writes_its_row(proxy, upstream):
+    # A middlebox that times a stream out writes its own reply into the chunked body: the chunk
+    # size line is not hex. aiohttp's C parser told only the connection, so the relay waited
+    # forever for the next chunk (the read timeout dropped too): the client hung and no row was
+    # ever written. Now the stream breaks off as the upstream's did and the row is partial.
+    upstream.script = lambda head, body: [sse_head(), chunk(delta("Hi")), 0.3, b"HTTP/1.1 504 Gateway Timeout\r\n", 5.0]
+    received = b""
+    with pytest.raises(httpx.RemoteProtocolError):
+        with httpx.stream("POST", f"{proxy.url}/v1/chat/completions", json=CHAT, timeout=4) as reply:
+            for piece in reply.iter_raw():
+                received += piece
+    assert received == delta("Hi")
+    (row,) = proxy.rows(1)
+    assert (row["outcome"], row["usage_source"], row["price_status"]) == ("upstream_failed", "partial", "priced")
+    # 9 input tokens counted from the request, "Hi" 1 output token: 9 x 0.15/1M + 1 x 0.60/1M
+    assert (row["input_tokens"], row["output_tokens"], row["cost_usd"]) == (9, 1, Decimal("0.00000195"))
+    assert "closed before the body ended" in row["error"]
+
+
+def test_a_chunk_size_that_is_not_hex_in_a_json_body_is_a_502_with_its_row(proxy, upstream):
+    body = b'{"id":"x","object":"chat.completion","model":"gpt-4o-mini","choices":[]'
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n"
+    upstream.script = lambda h, b: [head, chunk(body), 0.3, b"<html>bad gateway</html>\r\n", 5.0]
+    request = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hello world"}]}
+    reply = httpx.post(f"{proxy.url}/v1/chat/completions", json=request, timeout=4)
+    assert reply.status_code == 502 and reply.json()["error"]["code"] == "upstream_failed"
+    (row,) = proxy.rows(1)
+    # the upstream answered and may bill it: the cost is unknown, never $0
+    assert (row["outcome"], row["price_status"], row["cost_usd"]) == ("upstream_failed", "usage_unknown", None)
