@@ -15,13 +15,14 @@ import json
 from decimal import Decimal
 from pathlib import Path
 
+import anthropic
 import httpx
 import pytest
 
 from tokenward.pricing.catalog import load_catalog
 from tokenward.proxy.config import UpstreamConfig
 
-from .raw_upstream import RawUpstream, chunk, sse_head
+from .raw_upstream import LAST_CHUNK, RawUpstream, chunk, sse_head
 
 PRICES = Path(__file__).parent / "fixtures" / "field_case_prices.yaml"
 CHAT = {"model": "gpt-4o-mini", "stream": True, "messages": [{"role": "user", "content": "hello world"}]}
@@ -82,3 +83,46 @@ def test_a_chunk_size_that_is_not_hex_in_a_json_body_is_a_502_with_its_row(proxy
     (row,) = proxy.rows(1)
     # the upstream answered and may bill it: the cost is unknown, never $0
     assert (row["outcome"], row["price_status"], row["cost_usd"]) == ("upstream_failed", "usage_unknown", None)
+
+
+MESSAGE_START = {
+    "type": "message_start",
+    "message": {"id": "msg_n", "type": "message", "role": "assistant", "model": "claude-sonnet-4", "content": [],
+                "stop_reason": None, "stop_sequence": None,
+                "usage": {"input_tokens": 12, "cache_creation_input_tokens": 4510, "cache_read_input_tokens": 2000,
+                          "cache_creation": {"ephemeral_5m_input_tokens": 4000, "ephemeral_1h_input_tokens": 510},
+                          "output_tokens": 1}},
+}  # fmt: skip
+
+
+def anthropic_stream(message_delta_usage: dict) -> list[bytes]:
+    return [
+        event(MESSAGE_START, "message_start"),
+        event({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}, "content_block_start"),
+        event({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "Hi"}}, "content_block_delta"),
+        event({"type": "content_block_stop", "index": 0}, "content_block_stop"),
+        event({"type": "message_delta", "delta": {"stop_reason": "end_turn", "stop_sequence": None},
+               "usage": message_delta_usage}, "message_delta"),
+        event({"type": "message_stop"}, "message_stop"),
+    ]  # fmt: skip
+
+
+def test_anthropic_message_delta_nulls_keep_the_counts_of_message_start(proxy, upstream):
+    # message_delta's input counts are nullable (MessageDeltaUsage): the SDK keeps message_start's
+    # value for a null; tokenward merged the null over it and billed 2,012 input tokens as none
+    usage = {"input_tokens": None, "cache_creation_input_tokens": None, "cache_read_input_tokens": None,
+             "output_tokens": 5}  # fmt: skip
+    upstream.script = lambda h, b: [sse_head(), *map(chunk, anthropic_stream(usage)), LAST_CHUNK]
+    client = anthropic.Anthropic(base_url=proxy.url, api_key="sk-ant-test", max_retries=0)
+    with client.messages.stream(
+        model="claude-sonnet-4", max_tokens=100, messages=[{"role": "user", "content": "hello world"}],
+        extra_headers={"x-tokenward-upstream": "anthropic-test"},
+    ) as stream:  # fmt: skip
+        final = stream.get_final_message()
+    seen = final.usage
+    assert (seen.input_tokens, seen.cache_creation_input_tokens, seen.cache_read_input_tokens) == (12, 4510, 2000)
+    (row,) = proxy.rows(1)
+    assert (row["input_tokens"], row["cached_input_tokens"], row["cache_write_tokens"]) == (6522, 2000, 4510)
+    assert (row["cache_write_1h_tokens"], row["output_tokens"], row["usage_source"]) == (510, 5, "reported")
+    # 12 x 3.00 + 4000 x 3.75 (5m writes) + 510 x 6.00 (1h writes) + 2000 x 0.30 + 5 x 15.00 = 18,771 per 1M
+    assert row["cost_usd"] == Decimal("0.018771")
