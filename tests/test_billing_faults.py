@@ -17,12 +17,13 @@ from pathlib import Path
 
 import anthropic
 import httpx
+import openai
 import pytest
 
 from tokenward.pricing.catalog import load_catalog
 from tokenward.proxy.config import UpstreamConfig
 
-from .raw_upstream import LAST_CHUNK, RawUpstream, chunk, sse_head
+from .raw_upstream import LAST_CHUNK, RawUpstream, chunk, json_reply, sse_head
 
 PRICES = Path(__file__).parent / "fixtures" / "field_case_prices.yaml"
 CHAT = {"model": "gpt-4o-mini", "stream": True, "messages": [{"role": "user", "content": "hello world"}]}
@@ -114,7 +115,7 @@ def test_anthropic_message_delta_nulls_keep_the_counts_of_message_start(proxy, u
              "output_tokens": 5}  # fmt: skip
     upstream.script = lambda h, b: [sse_head(), *map(chunk, anthropic_stream(usage)), LAST_CHUNK]
     client = anthropic.Anthropic(base_url=proxy.url, api_key="sk-ant-test", max_retries=0)
-    with client.messages.stream(
+    with client, client.messages.stream(
         model="claude-sonnet-4", max_tokens=100, messages=[{"role": "user", "content": "hello world"}],
         extra_headers={"x-tokenward-upstream": "anthropic-test"},
     ) as stream:  # fmt: skip
@@ -126,3 +127,72 @@ def test_anthropic_message_delta_nulls_keep_the_counts_of_message_start(proxy, u
     assert (row["cache_write_1h_tokens"], row["output_tokens"], row["usage_source"]) == (510, 5, "reported")
     # 12 x 3.00 + 4000 x 3.75 (5m writes) + 510 x 6.00 (1h writes) + 2000 x 0.30 + 5 x 15.00 = 18,771 per 1M
     assert row["cost_usd"] == Decimal("0.018771")
+
+
+REPLY = {"id": "chatcmpl-e", "object": "chat.completion", "created": 0, "model": "gpt-4o-mini",
+         "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hi"}, "finish_reason": "stop"}]}  # fmt: skip
+FINISH = {"id": "c", "object": "chat.completion.chunk", "model": "gpt-4o-mini",
+          "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}  # fmt: skip
+
+
+def openai_client(proxy):
+    return openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="sk-test", max_retries=0)
+
+
+def serve_usage(upstream, usage, *, stream: bool):
+    if stream:
+        usage_chunk = {"id": "c", "object": "chat.completion.chunk", "model": "gpt-4o-mini", "choices": [], "usage": usage}
+        events = [delta("Hi"), event(FINISH), event(usage_chunk), b"data: [DONE]\n\n"]
+        upstream.script = lambda h, b: [sse_head(), *map(chunk, events), LAST_CHUNK]
+    else:
+        upstream.script = lambda h, b: [json_reply(json.dumps(dict(REPLY, usage=usage)).encode())]
+
+
+def send_chat(proxy, *, stream: bool):
+    messages = [{"role": "user", "content": "hello world"}]
+    with openai_client(proxy) as client:
+        if stream:
+            text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+                model="gpt-4o-mini", messages=messages, stream=True) if c.choices)  # fmt: skip
+        else:
+            text = client.chat.completions.create(model="gpt-4o-mini", messages=messages).choices[0].message.content
+    assert text == "Hi"
+
+
+@pytest.mark.parametrize("usage", [{}, {"prompt_tokens": None, "completion_tokens": None, "total_tokens": None}])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_usage_object_with_no_count_is_estimated_not_zero(proxy, upstream, usage, stream):
+    # {"usage": {}} was priced as 0 input and 0 output tokens: "priced", $0, for a reply with output
+    serve_usage(upstream, usage, stream=stream)
+    send_chat(proxy, stream=stream)
+    (row,) = proxy.rows(1)
+    assert (row["outcome"], row["usage_source"], row["price_status"]) == ("ok", "estimated", "priced")
+    # as with no usage at all: 9 input tokens, "Hi" 1 output token: 9 x 0.15/1M + 1 x 0.60/1M
+    assert (row["input_tokens"], row["output_tokens"], row["cost_usd"]) == (9, 1, Decimal("0.00000195"))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_output_count_without_an_input_count_is_invalid_not_free_input(proxy, upstream, stream):
+    # {"prompt_tokens": null, "completion_tokens": 12} was priced as 0 input tokens ($0.0000072)
+    serve_usage(upstream, {"prompt_tokens": None, "completion_tokens": 12}, stream=stream)
+    send_chat(proxy, stream=stream)
+    (row,) = proxy.rows(1)
+    assert (row["usage_source"], row["price_status"], row["cost_usd"]) == ("reported", "usage_invalid", None)
+    assert row["output_tokens"] == 12
+
+
+def test_an_anthropic_usage_object_with_no_count_is_estimated_not_zero(proxy, upstream):
+    message = {"id": "msg_e", "type": "message", "role": "assistant", "model": "claude-sonnet-4",
+               "content": [{"type": "text", "text": "Hi"}], "stop_reason": "end_turn", "usage": {}}  # fmt: skip
+    upstream.script = lambda h, b: [json_reply(json.dumps(message).encode())]
+    client = anthropic.Anthropic(base_url=proxy.url, api_key="sk-ant-test", max_retries=0)
+    with client:
+        client.messages.create(
+            model="claude-sonnet-4", max_tokens=100, messages=[{"role": "user", "content": "hello world"}],
+            extra_headers={"x-tokenward-upstream": "anthropic-test"},
+        )  # fmt: skip
+    (row,) = proxy.rows(1)
+    assert (row["usage_source"], row["price_status"]) == ("estimated", "priced")
+    # "hello world" 2 tokens + 3 for the message + 3 for the reply = 8 input, "Hi" 1 output:
+    # 8 x 3.00/1M + 1 x 15.00/1M = $0.000039 (it was priced as $0)
+    assert (row["input_tokens"], row["output_tokens"], row["cost_usd"]) == (8, 1, Decimal("0.000039"))

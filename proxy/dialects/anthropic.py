@@ -30,6 +30,7 @@ from tokenward.proxy.dialects.observation import Observation, Reading
 __all__ = ["finish", "observe_body", "parts", "reply_texts", "request_texts", "to_usage"]
 
 _OWN_MODEL_ITERATIONS = ("message", "compaction")
+_COUNTS = ("input_tokens", "output_tokens", "cache_creation_input_tokens", "cache_read_input_tokens", "iterations")
 
 
 class _View(msgspec.Struct):
@@ -131,8 +132,8 @@ def parts(raw: dict[str, Any]) -> list[tuple[str, Usage]]:
 
 def finish(seen: Observation) -> Reading:
     """The final reading: own-model usage and advisor parts (Anthropic reports no cost of its own)."""
-    if seen.usage is None:
-        return Reading(None)
+    if seen.usage is None or not any(seen.usage.get(name) is not None for name in _COUNTS):
+        return Reading(None)  # a usage object with no count in it (``{}``, all null) reports nothing: not $0
     return Reading(to_usage(seen.usage), parts(seen.usage))
 
 
