@@ -259,15 +259,28 @@ def _member(block: bytes, name: bytes, opening: bytes) -> bool:
     """Whether JSON member ``name`` (quoted) has a value starting with ``opening`` somewhere in ``block``.
 
     Plain substring searches (this runs on every event): a name inside generated text has its
-    quotes escaped with backslashes, so only a real member matches.
+    quotes escaped with backslashes, so only a real member matches. JSON may put any whitespace
+    around the colon, and a multi-line ``data`` field any line break (each line then starts with
+    ``data:``): both are skipped; a value not found within 64 bytes of the name counts as a match
+    (the event is parsed, which decides).
     """
     at = block.find(name)
     while at >= 0:
-        rest = block[at + len(name) : at + len(name) + 8].lstrip()
-        if rest[:1] == b":" and rest[1:].lstrip()[:1] == opening:
-            return True
+        rest = _skip_blank(block[at + len(name) : at + len(name) + 64])
+        if rest[:1] == b":":
+            rest = _skip_blank(rest[1:])
+            if rest[:1] == opening or not rest:
+                return True
         at = block.find(name, at + len(name))
     return False
+
+
+def _skip_blank(rest: bytes) -> bytes:
+    """``rest`` without leading JSON whitespace and the ``data:`` that starts each line of a multi-line field."""
+    rest = rest.lstrip()
+    while rest[:5] == b"data:":
+        rest = rest[5:].lstrip()
+    return rest
 
 
 def _may_end(block: bytes) -> bool:

@@ -196,3 +196,30 @@ def test_an_anthropic_usage_object_with_no_count_is_estimated_not_zero(proxy, up
     # "hello world" 2 tokens + 3 for the message + 3 for the reply = 8 input, "Hi" 1 output:
     # 8 x 3.00/1M + 1 x 15.00/1M = $0.000039 (it was priced as $0)
     assert (row["input_tokens"], row["output_tokens"], row["cost_usd"]) == (8, 1, Decimal("0.000039"))
+
+
+@pytest.mark.parametrize(
+    "usage_event",
+    [
+        # a multi-line data field (the SSE rules join its lines with LF: the same JSON)
+        b'data: {"id":"c","object":"chat.completion.chunk","choices":[],\ndata: "usage":\n'
+        b'data: {"prompt_tokens":14,"completion_tokens":5,"total_tokens":19}}\n\n',
+        # JSON whitespace around the colon, more than a few bytes of it
+        b'data: {"id":"c","object":"chat.completion.chunk","choices":[],"usage" :\t\t        '
+        b'{"prompt_tokens":14,"completion_tokens":5,"total_tokens":19}}\n\n',
+    ],
+    ids=["multi-line-data", "whitespace"],
+)
+def test_usage_the_client_reads_is_the_usage_billed_however_the_event_is_laid_out(proxy, upstream, usage_event):
+    # the meter looked for `"usage":{` within 8 bytes on one line: it missed these, estimated the
+    # reply at 9 + 1 tokens ($0.00000195) while the client read 14 + 5 from the same stream
+    events = [delta("Hi"), event(FINISH), usage_event, b"data: [DONE]\n\n"]
+    upstream.script = lambda h, b: [sse_head(), *map(chunk, events), LAST_CHUNK]
+    with openai_client(proxy) as client:
+        chunks = list(client.chat.completions.create(
+            model="gpt-4o-mini", messages=[{"role": "user", "content": "hello world"}], stream=True,
+            stream_options={"include_usage": True}))  # fmt: skip
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (14, 5)
+    (row,) = proxy.rows(1)
+    assert (row["usage_source"], row["input_tokens"], row["output_tokens"]) == ("reported", 14, 5)
+    assert row["cost_usd"] == Decimal("0.0000051")  # 14 x 0.15/1M + 5 x 0.60/1M
