@@ -131,6 +131,7 @@ class _RequestHead(msgspec.Struct):
     user: Any = None
     metadata: Any = None
     n: Any = None
+    best_of: Any = None
     max_tokens: Any = None
     max_completion_tokens: Any = None
     max_output_tokens: Any = None
@@ -648,7 +649,8 @@ class Forwarder:
             margin *= settings.foreign_tokenizer_margin
         input_tokens = math.ceil(counted * margin) + settings.input_margin_tokens + extra.audio_tokens
         limit = max_output if max_output is not None else _output_limit(head, settings.default_max_output_tokens)
-        choices = head.n if isinstance(head.n, int) and not isinstance(head.n, bool) and head.n > 1 else 1
+        # legacy completions generate (and bill) best_of completions server-side and return n of them
+        choices = max([v for v in (head.n, head.best_of) if isinstance(v, int) and not isinstance(v, bool)] + [1])
         bound = worst_case(
             self.recorder.catalog,
             model=model,

@@ -21,6 +21,7 @@ import openai
 import pytest
 
 from tokenward.pricing.catalog import load_catalog
+from tokenward.pricing.settings import BudgetSettings
 from tokenward.proxy.config import UpstreamConfig
 
 from .raw_upstream import LAST_CHUNK, RawUpstream, chunk, json_reply, sse_head
@@ -223,3 +224,26 @@ def test_usage_the_client_reads_is_the_usage_billed_however_the_event_is_laid_ou
     (row,) = proxy.rows(1)
     assert (row["usage_source"], row["input_tokens"], row["output_tokens"]) == ("reported", 14, 5)
     assert row["cost_usd"] == Decimal("0.0000051")  # 14 x 0.15/1M + 5 x 0.60/1M
+
+
+def test_a_hard_limit_bounds_legacy_completions_by_best_of_not_n(start_proxy, upstream):
+    # best_of=5 makes the provider generate and bill 5 completions of up to max_tokens each and
+    # return n=1 of them (OpenAI, /v1/completions); the bound priced one: it fitted a $0.0002 limit
+    # and the request was billed $0.0003003, 50 % past the hard limit
+    catalog = load_catalog([PRICES], builtin=False)
+    budget = BudgetSettings(name="cap", limit_usd=Decimal("0.0002"), period="total", action="block")
+    proxy = start_proxy(
+        upstreams=[UpstreamConfig(name="test", base_url=f"{upstream.url}/v1", provider="test", default=True)],
+        catalog=catalog, budgets=[budget],
+    )  # fmt: skip
+    reply = {"id": "cmpl-1", "object": "text_completion", "model": "gpt-4o-mini",
+             "choices": [{"index": 0, "text": "Hi", "finish_reason": "length"}],
+             "usage": {"prompt_tokens": 2, "completion_tokens": 500, "total_tokens": 502}}  # fmt: skip
+    upstream.script = lambda h, b: [json_reply(json.dumps(reply).encode())]
+    request = {"model": "gpt-4o-mini", "prompt": "hello world", "max_tokens": 100, "best_of": 5, "n": 1}
+    refused = httpx.post(f"{proxy.url}/v1/completions", json=request, timeout=10)
+    # bound: ceil(2 x 1.1) + 300 = 303 input, 5 x 100 output: 303 x 0.15/1M + 500 x 0.60/1M = $0.00034545
+    # > $0.0002 (one completion's bound, 303 x 0.15/1M + 100 x 0.60/1M = $0.00010545, fitted)
+    assert refused.status_code == 429 and upstream.requests == []
+    (row,) = proxy.rows(1)
+    assert (row["outcome"], row["cost_usd"]) == ("rejected", 0)
