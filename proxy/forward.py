@@ -650,7 +650,7 @@ class Forwarder:
         input_tokens = math.ceil(counted * margin) + settings.input_margin_tokens + extra.audio_tokens
         limit = max_output if max_output is not None else _output_limit(head, settings.default_max_output_tokens)
         # legacy completions generate (and bill) best_of completions server-side and return n of them
-        choices = max([v for v in (head.n, head.best_of) if isinstance(v, int) and not isinstance(v, bool)] + [1])
+        choices = max([v for v in map(_lax_count, (head.n, head.best_of)) if v is not None] + [1])
         bound = worst_case(
             self.recorder.catalog,
             model=model,
@@ -1085,10 +1085,34 @@ def _output_limit(head: _RequestHead, default: int) -> int:
     """
     limits = [
         v
-        for v in (head.max_completion_tokens, head.max_tokens, head.max_output_tokens)
-        if isinstance(v, int) and not isinstance(v, bool) and v > 0
+        for v in map(_lax_count, (head.max_completion_tokens, head.max_tokens, head.max_output_tokens))
+        if v is not None and v > 0
     ]
     return max(limits) if limits else default
+
+
+def _lax_count(value: Any) -> int | None:
+    """A count as a lenient upstream may read it: an int, an integral float (``100.0``) or a string of one (``"100"``).
+
+    OpenAI refuses the last two, but OpenAI-compatible servers validating in lax mode (pydantic's
+    default: vLLM, LiteLLM and others) read them as the integer, so a bound must too. ``None``
+    for anything else (``true``, ``1.5``, ``"many"``).
+    """
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float | str):
+        try:
+            number = Decimal(value.strip() if isinstance(value, str) else repr(value))
+        except ArithmeticError:
+            return None
+        if number.is_finite() and number == number.to_integral_value():
+            return int(number.max(_LAX_FLOOR).min(_LAX_CEILING))
+    return None
+
+
+_LAX_CEILING, _LAX_FLOOR = Decimal(2**53), Decimal(-(2**53))  # beyond any count; bounds at it refuse anyway
 
 
 def _sent_limits(head: _RequestHead) -> list[str]:

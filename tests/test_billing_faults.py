@@ -247,3 +247,31 @@ def test_a_hard_limit_bounds_legacy_completions_by_best_of_not_n(start_proxy, up
     assert refused.status_code == 429 and upstream.requests == []
     (row,) = proxy.rows(1)
     assert (row["outcome"], row["cost_usd"]) == ("rejected", 0)
+
+
+@pytest.mark.parametrize(
+    ("limits", "output"),
+    [({"max_tokens": "100000"}, 100_000), ({"max_tokens": 100000.0}, 100_000), ({"max_tokens": 40000, "n": "3"}, 120_000)],
+    ids=["string-max_tokens", "float-max_tokens", "string-n"],
+)
+def test_a_hard_limit_reads_limits_as_a_lax_upstream_does(start_proxy, upstream, limits, output):
+    # OpenAI refuses "100000" and 100000.0 as max_tokens, but OpenAI-compatible servers validating
+    # in lax mode (pydantic's default: vLLM, LiteLLM) read them as the integer. The bound read them
+    # as no limit (guard.default_max_output_tokens, 16,384) or n as 1, and left the body as sent:
+    # 310 x 0.15/1M + 16,384 x 0.60/1M = $0.0098769 (40,000 x 0.60/1M + ... = $0.0240465 for n)
+    # fitted a $0.05 limit, and the upstream billed 100,000 (120,000) output tokens: $0.06 ($0.072).
+    catalog = load_catalog([PRICES], builtin=False)
+    budget = BudgetSettings(name="cap", limit_usd=Decimal("0.05"), period="total", action="block")
+    proxy = start_proxy(
+        upstreams=[UpstreamConfig(name="test", base_url=f"{upstream.url}/v1", provider="test", default=True)],
+        catalog=catalog, budgets=[budget],
+    )  # fmt: skip
+    usage = {"prompt_tokens": 9, "completion_tokens": output, "total_tokens": 9 + output}
+    upstream.script = lambda h, b: [json_reply(json.dumps(dict(REPLY, usage=usage)).encode())]
+    request = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hello world"}], **limits}
+    reply = httpx.post(f"{proxy.url}/v1/chat/completions", json=request, timeout=10)
+    # bound: ceil(9 x 1.1) + 300 = 310 input, 100,000 (3 x 40,000) output:
+    # 310 x 0.15/1M + 100,000 x 0.60/1M = $0.0600465 (120,000: $0.0720465) > $0.05
+    assert reply.status_code == 429 and upstream.requests == []
+    (row,) = proxy.rows(1)
+    assert (row["outcome"], row["cost_usd"]) == ("rejected", 0)
