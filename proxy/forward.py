@@ -952,8 +952,8 @@ class Forwarder:
         * a stream that ended without its terminal event (:attr:`Meter.complete`) makes an ``ok``
           exchange ``upstream_failed``;
         * usage reported: recorded as reported;
-        * none reported, the upstream said 2xx: a body that broke off or was cut mid-body may be
-          billed (``maybe_billed``: price status ``usage_unknown``); a background reply's usage is
+        * none reported, the upstream said 2xx: a body that broke off, was cut mid-body or could not
+          be decoded may be billed (``maybe_billed``: price status ``usage_unknown``); a background reply's usage is
           deferred; otherwise tokens are estimated, ``estimated`` when the reply ended well and
           ``partial`` when it did not (client gone, stream cut, error event). After an error event
           only generated content is billed: an error before any content is not billed;
@@ -991,8 +991,10 @@ class Forwarder:
         if not 200 <= reply_status < 300:
             await self.recorder.commit(ex)
             return
-        if not relay.got_reply or (not relay.streaming and not result.complete):
-            ex.maybe_billed = True  # the body broke off or was cut mid-body: the provider may bill it
+        if not relay.got_reply or (not relay.streaming and not result.complete) or meter.undecodable:
+            # the body broke off, was cut mid-body or could not be decoded: the provider may bill it,
+            # and what it generated is not known (an estimate would count no output)
+            ex.maybe_billed = True
             await self.recorder.commit(ex)
             return
         if relay.deferred_usage and result.error is None:

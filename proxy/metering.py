@@ -223,6 +223,11 @@ class Meter:
         return self._complete or self._undecodable
 
     @property
+    def undecodable(self) -> bool:
+        """Whether the reply's content-encoding could not be decoded (none of it past that point was metered)."""
+        return self._undecodable
+
+    @property
     def unmetered(self) -> str | None:
         """What was relayed without being metered: an event over the size cap, an undecodable body."""
         if self._undecodable:

@@ -275,3 +275,19 @@ def test_a_hard_limit_reads_limits_as_a_lax_upstream_does(start_proxy, upstream,
     assert reply.status_code == 429 and upstream.requests == []
     (row,) = proxy.rows(1)
     assert (row["outcome"], row["cost_usd"]) == ("rejected", 0)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_reply_whose_content_encoding_cannot_be_decoded_is_usage_unknown_not_input_only(proxy, upstream, stream):
+    # the meter could read nothing of it, so the estimate counted the input and 0 output tokens and
+    # the row said "priced" ($0.00000135 here) for a reply the provider billed in full
+    body = b"\x1f\x8b\x08 not gzip at all"
+    kind = b"text/event-stream" if stream else b"application/json"
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: " + kind + b"\r\ncontent-encoding: gzip\r\n"
+    upstream.script = lambda h, b: [head + b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body]
+    request = dict(CHAT, stream=stream, stream_options={"include_usage": True}) if stream else dict(CHAT, stream=False)
+    with httpx.stream("POST", f"{proxy.url}/v1/chat/completions", json=request, timeout=10) as reply:
+        assert reply.status_code == 200 and b"".join(reply.iter_raw()) == body  # relayed as sent
+    (row,) = proxy.rows(1)
+    assert (row["usage_source"], row["price_status"], row["cost_usd"]) == ("none", "usage_unknown", None)
+    assert "content-encoding could not be decoded" in row["error"]
