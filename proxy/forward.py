@@ -36,7 +36,7 @@ from tokenward.pricing.budgets import CALENDAR_PERIODS, Budget
 from tokenward.pricing.quote import worst_case
 from tokenward.pricing.runs import RunRefused, parse_run_header, run_budget_name
 from tokenward.pricing.settings import GuardSettings
-from tokenward.pricing.usage import UsageSource
+from tokenward.pricing.usage import Usage, UsageSource
 from tokenward.proxy import tokenizer
 from tokenward.proxy.bounds import Unmetered, scan
 from tokenward.proxy.budget_api import header_name, reply_headers, usd_text
@@ -985,6 +985,22 @@ class Forwarder:
                 ex.usage = replace(result.usage, image_variant=relay.media.variant)  # the reply named no size
             ex.parts = result.parts
             ex.raw_usage = result.raw_usage
+            stopped = not result.complete or (result.error is not None and relay.dialect == "anthropic")
+            if relay.streaming and relay.media is None and stopped:
+                # a stream cut (or an Anthropic one failed) after a running usage report (message_start
+                # says output_tokens 1): what it generated so far may be more than the report says
+                seen = partial(
+                    estimate,
+                    relay.dialect,
+                    request_body,
+                    list(meter.kept_reply),
+                    stream=True,
+                    model=ex.served_model or ex.requested_model,
+                    source=UsageSource.PARTIAL,
+                    only_if_output=True,
+                )
+                await self.recorder.commit(ex, estimate=partial(_with_output_seen, result.usage, seen))
+                return
             await self.recorder.commit(ex)
             return
         reply_status = relay.reply.status if relay.reply is not None else (ex.http_status or 0)
@@ -1018,6 +1034,18 @@ class Forwarder:
             only_if_output=result.error is not None,
         )
         await self.recorder.commit(ex, estimate=job)
+
+
+def _with_output_seen(reported: Usage, seen: Callable[[], Usage | None]) -> Usage:
+    """``reported`` with the output counted in the reply so far (``seen``, a tokenizer estimate) when that is more.
+
+    For a stream that stopped before its final usage report: the report is a running total that
+    may lag the output generated. Such a usage is ``partial``.
+    """
+    counted = seen()
+    if counted is None or counted.output_tokens <= reported.output_tokens:
+        return reported
+    return replace(reported, output_tokens=counted.output_tokens, source=UsageSource.PARTIAL)
 
 
 def _read_head(body: bytes) -> _RequestHead:

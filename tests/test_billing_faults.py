@@ -291,3 +291,29 @@ def test_a_reply_whose_content_encoding_cannot_be_decoded_is_usage_unknown_not_i
     (row,) = proxy.rows(1)
     assert (row["usage_source"], row["price_status"], row["cost_usd"]) == ("none", "usage_unknown", None)
     assert "content-encoding could not be decoded" in row["error"]
+
+
+FOX = ["The qu", "ick bro", "wn fo", "x jum", "ps ov", "er the la", "zy do", "g."]  # 10 tokens joined (o200k_base)
+
+
+@pytest.mark.parametrize("ending", ["cut", "overloaded"])
+def test_an_anthropic_stream_that_stops_before_message_delta_bills_the_output_it_sent(proxy, upstream, ending):
+    # message_start's usage says output_tokens 1 (a placeholder); the real count comes in
+    # message_delta. A stream cut (or failed with an overloaded_error event, as Anthropic streams
+    # do) before it was billed 1 output token whatever it had generated: $0.018711 here
+    events = [event(MESSAGE_START, "message_start"),
+              event({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}, "content_block_start")]  # fmt: skip
+    events += [event({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": piece}},
+                     "content_block_delta") for piece in FOX]  # fmt: skip
+    if ending == "overloaded":
+        events.append(event({"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}}, "error"))
+    upstream.script = lambda h, b: [sse_head(), *map(chunk, events), LAST_CHUNK]
+    request = {"model": "claude-sonnet-4", "max_tokens": 100, "stream": True, "messages": [{"role": "user", "content": "hello world"}]}
+    headers = {"anthropic-version": "2023-06-01", "x-tokenward-upstream": "anthropic-test"}
+    httpx.post(f"{proxy.url}/v1/messages", json=request, headers=headers, timeout=10)
+    (row,) = proxy.rows(1)
+    assert row["outcome"] == ("upstream_failed" if ending == "cut" else "upstream_error")
+    assert (row["input_tokens"], row["cached_input_tokens"], row["cache_write_tokens"]) == (6522, 2000, 4510)
+    assert (row["output_tokens"], row["usage_source"]) == (10, "partial")  # the 8 deltas joined: 10 tokens
+    # 12 x 3.00 + 4000 x 3.75 + 510 x 6.00 + 2000 x 0.30 + 10 x 15.00 = 18,846 per 1M
+    assert row["cost_usd"] == Decimal("0.018846")
