@@ -11,6 +11,8 @@ gpt-4o-mini 0.15 in / 0.60 out; claude-sonnet-4 3.00 in, 0.30 cache read, 3.75 c
 
 from __future__ import annotations
 
+import asyncio
+import datetime as dt
 import json
 from decimal import Decimal
 from pathlib import Path
@@ -20,9 +22,11 @@ import httpx
 import openai
 import pytest
 
+from tokenward.pricing.budgets import Budget, Period
 from tokenward.pricing.catalog import load_catalog
 from tokenward.pricing.settings import BudgetSettings
 from tokenward.proxy.config import UpstreamConfig
+from tokenward.proxy.guard import BudgetGuard, BudgetRefusal
 
 from .raw_upstream import LAST_CHUNK, RawUpstream, chunk, json_reply, sse_head
 
@@ -317,3 +321,31 @@ def test_an_anthropic_stream_that_stops_before_message_delta_bills_the_output_it
     assert (row["output_tokens"], row["usage_source"]) == (10, "partial")  # the 8 deltas joined: 10 tokens
     # 12 x 3.00 + 4000 x 3.75 + 510 x 6.00 + 2000 x 0.30 + 10 x 15.00 = 18,846 per 1M
     assert row["cost_usd"] == Decimal("0.018846")
+
+
+def test_requests_that_started_before_a_rollover_are_held_to_their_own_period():
+    # A request is counted in the period it started in (its row's started_at, in the ledger and
+    # after a restart), but was admitted against the current period's book: one that began at
+    # 23:59:59 and was admitted after midnight (its body still arriving) was checked against the
+    # new day's room and counted in the old day, so neither limit held it. 300 such requests of
+    # $0.01 were admitted against a day already at $0.95 of $1.00: $3.00, 3x the limit.
+    budget = Budget(name="daily", limit_usd=Decimal("1.00"), period=Period(kind="day"), action="block")
+    day1 = dt.datetime(2026, 12, 1, 23, 59, 50, tzinfo=dt.UTC)
+    guard = BudgetGuard([budget], day1)
+    guard.observe({"started_at": day1.timestamp(), "cost_usd": Decimal("0.95"), "price_status": "priced"})
+    day2 = dt.datetime(2026, 12, 2, 0, 0, 5, tzinfo=dt.UTC)
+    guard.settle(asyncio.run(guard.admit({}, Decimal("0.01"), day2)), [])  # a request of day 2 rolls the book
+    started = dt.datetime(2026, 12, 1, 23, 59, 59, tzinfo=dt.UTC)
+    admitted = 0
+    for number in range(300):
+        try:
+            held = asyncio.run(guard.admit({}, Decimal("0.01"), started))
+        except BudgetRefusal:
+            break
+        admitted += 1
+        row = {"started_at": started.timestamp(), "cost_usd": Decimal("0.01"), "price_status": "priced",
+               "request_id": f"r{number}"}  # fmt: skip
+        guard.settle(held, [row])
+    assert admitted == 5  # $1.00 - $0.95 = $0.05 of day 1 left: five requests of $0.01
+    (standing,) = guard.standing({}, day2)
+    assert (standing["spent_usd"], standing["remaining_usd"]) == (0, Decimal("1.00"))  # day 2 untouched
