@@ -454,6 +454,15 @@ class Forwarder:
             except RunRefused as exc:
                 raise ProxyError(exc.status, exc.message, exc.code, "insufficient_quota") from None
         if guard.in_scope(attributes, blocking_only=True):
+            unreadable = [name for name in _sent_limits(head) if (_lax_count(getattr(head, name)) or 0) <= 0]
+            if media is None and unreadable:
+                # 0 and -1 mean "no limit" to some servers (llama.cpp's n_predict): nothing bounds the output
+                raise ProxyError(
+                    400,
+                    f"{unreadable[0]} must be a positive integer: a budget that blocks needs a bound on the "
+                    f"output (got {repr(getattr(head, unreadable[0]))[:40]}).",
+                    "invalid_output_limit",
+                )
             counts: dict[Any, Any] = {}
             if media is not None:
                 worst, unbounded = await self._media_worst_case(ex, media, now), False

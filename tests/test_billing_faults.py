@@ -349,3 +349,25 @@ def test_requests_that_started_before_a_rollover_are_held_to_their_own_period():
     assert admitted == 5  # $1.00 - $0.95 = $0.05 of day 1 left: five requests of $0.01
     (standing,) = guard.standing({}, day2)
     assert (standing["spent_usd"], standing["remaining_usd"]) == (0, Decimal("1.00"))  # day 2 untouched
+
+
+@pytest.mark.parametrize("value", [-1, 0, "unlimited", 1.5])
+def test_a_hard_limit_refuses_an_output_limit_it_cannot_read_as_a_bound(start_proxy, upstream, value):
+    # llama.cpp's server reads max_tokens -1 (its n_predict) as "until the context is full", and
+    # some servers read 0 so too; the bound took them as no limit (16,384 tokens) and sent them as
+    # they were: 310 x 0.15/1M + 16,384 x 0.60/1M = $0.0098769 fitted a $0.05 limit, and such an
+    # upstream billed 100,000 output tokens, $0.06000135
+    catalog = load_catalog([PRICES], builtin=False)
+    budget = BudgetSettings(name="cap", limit_usd=Decimal("0.05"), period="total", action="block")
+    proxy = start_proxy(
+        upstreams=[UpstreamConfig(name="test", base_url=f"{upstream.url}/v1", provider="test", default=True)],
+        catalog=catalog, budgets=[budget],
+    )  # fmt: skip
+    usage = {"prompt_tokens": 9, "completion_tokens": 100_000, "total_tokens": 100_009}
+    upstream.script = lambda h, b: [json_reply(json.dumps(dict(REPLY, usage=usage)).encode())]
+    request = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hello world"}], "max_tokens": value}
+    reply = httpx.post(f"{proxy.url}/v1/chat/completions", json=request, timeout=10)
+    assert reply.status_code == 400 and reply.json()["error"]["code"] == "invalid_output_limit"
+    assert upstream.requests == []
+    (row,) = proxy.rows(1)
+    assert (row["outcome"], row["cost_usd"]) == ("client_error", 0)
