@@ -36,7 +36,7 @@ from tokenward.pricing.budgets import CALENDAR_PERIODS, Budget
 from tokenward.pricing.quote import worst_case
 from tokenward.pricing.runs import RunRefused, parse_run_header, run_budget_name
 from tokenward.pricing.settings import GuardSettings
-from tokenward.pricing.usage import UsageSource
+from tokenward.pricing.usage import Usage, UsageSource
 from tokenward.proxy import tokenizer
 from tokenward.proxy.bounds import Unmetered, scan
 from tokenward.proxy.budget_api import header_name, reply_headers, usd_text
@@ -457,6 +457,15 @@ class Forwarder:
             except RunRefused as exc:
                 raise ProxyError(exc.status, exc.message, exc.code, "insufficient_quota") from None
         if guard.in_scope(attributes, blocking_only=True):
+            unreadable = [name for name in _sent_limits(head) if (_lax_count(getattr(head, name)) or 0) <= 0]
+            if media is None and unreadable:
+                # 0 and -1 mean "no limit" to some servers (llama.cpp's n_predict): nothing bounds the output
+                raise ProxyError(
+                    400,
+                    f"{unreadable[0]} must be a positive integer: a budget that blocks needs a bound on the "
+                    f"output (got {repr(getattr(head, unreadable[0]))[:40]}).",
+                    "invalid_output_limit",
+                )
             counts: dict[Any, Any] = {}
             if media is not None:
                 worst, unbounded = await self._media_worst_case(ex, media, now), False
@@ -966,8 +975,8 @@ class Forwarder:
         * a stream that ended without its terminal event (:attr:`Meter.complete`) makes an ``ok``
           exchange ``upstream_failed``;
         * usage reported: recorded as reported;
-        * none reported, the upstream said 2xx: a body that broke off or was cut mid-body may be
-          billed (``maybe_billed``: price status ``usage_unknown``); a background reply's usage is
+        * none reported, the upstream said 2xx: a body that broke off, was cut mid-body or could not
+          be decoded may be billed (``maybe_billed``: price status ``usage_unknown``); a background reply's usage is
           deferred; otherwise tokens are estimated, ``estimated`` when the reply ended well and
           ``partial`` when it did not (client gone, stream cut, error event). After an error event
           only generated content is billed: an error before any content is not billed;
@@ -999,14 +1008,32 @@ class Forwarder:
                 ex.usage = replace(result.usage, image_variant=relay.media.variant)  # the reply named no size
             ex.parts = result.parts
             ex.raw_usage = result.raw_usage
+            stopped = not result.complete or (result.error is not None and relay.dialect == "anthropic")
+            if relay.streaming and relay.media is None and stopped:
+                # a stream cut (or an Anthropic one failed) after a running usage report (message_start
+                # says output_tokens 1): what it generated so far may be more than the report says
+                seen = partial(
+                    estimate,
+                    relay.dialect,
+                    request_body,
+                    list(meter.kept_reply),
+                    stream=True,
+                    model=ex.served_model or ex.requested_model,
+                    source=UsageSource.PARTIAL,
+                    only_if_output=True,
+                )
+                await self.recorder.commit(ex, estimate=partial(_with_output_seen, result.usage, seen))
+                return
             await self.recorder.commit(ex)
             return
         reply_status = relay.reply.status if relay.reply is not None else (ex.http_status or 0)
         if not 200 <= reply_status < 300:
             await self.recorder.commit(ex)
             return
-        if not relay.got_reply or (not relay.streaming and not result.complete):
-            ex.maybe_billed = True  # the body broke off or was cut mid-body: the provider may bill it
+        if not relay.got_reply or (not relay.streaming and not result.complete) or meter.undecodable:
+            # the body broke off, was cut mid-body or could not be decoded: the provider may bill it,
+            # and what it generated is not known (an estimate would count no output)
+            ex.maybe_billed = True
             await self.recorder.commit(ex)
             return
         if relay.deferred_usage and result.error is None:
@@ -1030,6 +1057,18 @@ class Forwarder:
             only_if_output=result.error is not None,
         )
         await self.recorder.commit(ex, estimate=job)
+
+
+def _with_output_seen(reported: Usage, seen: Callable[[], Usage | None]) -> Usage:
+    """``reported`` with the output counted in the reply so far (``seen``, a tokenizer estimate) when that is more.
+
+    For a stream that stopped before its final usage report: the report is a running total that
+    may lag the output generated. Such a usage is ``partial``.
+    """
+    counted = seen()
+    if counted is None or counted.output_tokens <= reported.output_tokens:
+        return reported
+    return replace(reported, output_tokens=counted.output_tokens, source=UsageSource.PARTIAL)
 
 
 def _read_head(body: bytes) -> _RequestHead:
@@ -1128,28 +1167,27 @@ def _choices(head: _RequestHead) -> int:
 
 
 def _lax_count(value: Any) -> int | None:
-    """A count as a lax upstream reads it: ``12``, ``12.0`` and ``"12"`` are all 12 (``None``: not a count).
+    """A count as a lenient upstream may read it: an int, an integral float (``100.0``) or a string of one (``"100"``).
 
-    OpenAI-compatible servers that validate with pydantic in its default lax mode (vLLM, SGLang,
-    LiteLLM) accept an integral float or a numeric string for an integer field, so the bound must
-    read them as that number, not as no limit at all. Booleans are no count.
+    OpenAI refuses the last two, but OpenAI-compatible servers validating in lax mode (pydantic's
+    default: vLLM, LiteLLM and others) read them as the integer, so a bound must too. ``None``
+    for anything else (``true``, ``1.5``, ``"many"``).
     """
     if isinstance(value, bool):
         return None
     if isinstance(value, int):
         return value
-    if isinstance(value, str):
-        text = value.strip()
+    if isinstance(value, float | str):
         try:
-            return int(text)  # "12", "+12", "1_000", "0012"
-        except ValueError:
-            try:
-                value = float(text)  # "12.0"
-            except ValueError:
-                return None
-    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
-        return int(value)
+            number = Decimal(value.strip() if isinstance(value, str) else repr(value))
+        except ArithmeticError:
+            return None
+        if number.is_finite() and number == number.to_integral_value():
+            return int(number.max(_LAX_FLOOR).min(_LAX_CEILING))
     return None
+
+
+_LAX_CEILING, _LAX_FLOOR = Decimal(2**53), Decimal(-(2**53))  # beyond any count; bounds at it refuse anyway
 
 
 def _sent_limits(head: _RequestHead) -> list[str]:

@@ -59,6 +59,20 @@ class _Book:
         """The store's name for this book: the budget's name and the period start."""
         return (self.budget.name, ROLLING_START if self.budget.period.kind == "rolling" else self.start)
 
+    def key_at(self, at: dt.datetime) -> BookKey | None:
+        """The store's name for the period containing ``at``: this book's, or an earlier period's.
+
+        A request belongs to the period it started in (its row is counted there, in the ledger and
+        after a restart). One that started before the current period did (its body was still
+        arriving at the rollover) is held and counted in that earlier period's figures, which the
+        store still has, not in the current one's. ``None`` for a time after this book's period.
+        """
+        if self.budget.period.kind == "rolling" or self.start <= at < self.end:
+            return self.key
+        if at < self.start:
+            return (self.budget.name, self.budget.period.window(at)[0])
+        return None
+
     @property
     def spent(self) -> Decimal:
         return self.store.spent(self.key)
@@ -352,7 +366,7 @@ class BudgetGuard:
         books = [book for book in self._matching(attributes, now) if book.budget.blocking]
         for book in books:
             book.roll(now)
-        asks = [Ask(book.key, book.budget.limit_usd, worst_case) for book in books]
+        asks = [Ask(book.key_at(now) or book.key, book.budget.limit_usd, worst_case) for book in books]
         try:
             hold = await self.store.reserve(asks, all_left=unbounded) if asks else Hold([])
         except Refused as refused:
@@ -382,9 +396,9 @@ class BudgetGuard:
                     continue
                 started = dt.datetime.fromtimestamp(row["started_at"], dt.UTC)
                 for book in self._matching(attributes_of_row(row), started):
-                    rolling = book.budget.period.kind == "rolling"
-                    if book.budget.blocking and (rolling or book.start <= started < book.end):
-                        spends[book.key] = spends.get(book.key, Decimal(0)) + amount
+                    key = book.key_at(started)
+                    if book.budget.blocking and key is not None:
+                        spends[key] = spends.get(key, Decimal(0)) + amount
         hold = reservation.hold if reservation is not None else None
         if hold is not None or spends:
             request_id = str(rows[0].get("parent_request_id") or rows[0]["request_id"]) if rows else None
@@ -409,6 +423,9 @@ class BudgetGuard:
         for book in self._matching(attributes, started):
             book.roll(max(started, book.start))
             if not book.start <= started < book.end and book.budget.period.kind != "rolling":
+                earlier = book.key_at(started)
+                if earlier is not None and not self.store.shared:  # a shared store counted it in settle
+                    book.store.add(earlier, amount)  # a request of an ended period: counted there
                 continue
             book.count(started, amount, model, key)
             newly = {t for t in book.budget.thresholds if book.spent * 100 >= book.budget.limit_usd * t} - book.crossed

@@ -223,6 +223,11 @@ class Meter:
         return self._complete or self._undecodable
 
     @property
+    def undecodable(self) -> bool:
+        """Whether the reply's content-encoding could not be decoded (none of it past that point was metered)."""
+        return self._undecodable
+
+    @property
     def unmetered(self) -> str | None:
         """What was relayed without being metered: an event over the size cap, an undecodable body."""
         if self._undecodable:
@@ -257,12 +262,14 @@ class Meter:
 
 # JSON members whose value opens with a given character, anywhere in an event: a literal name
 # (a name inside generated text has its quotes escaped with backslashes, so only a real member
-# matches), whitespace, a colon, whitespace and the opening. Each search starts from its literal
-# name (this runs on every event): 0.3 us on a 200-byte chat chunk, against 1 us in Python.
-_FINISH_REASON = re.compile(rb'"finish_reason"\s*:\s*"')
-_STOP_REASON = re.compile(rb'"stop_reason"\s*:\s*"')
-_USAGE_OBJECT = re.compile(rb'"usage"\s*:\s*\{')
-_ERROR_OBJECT = re.compile(rb'"error"\s*:\s*\{')
+# matches), a colon and the opening, with any JSON whitespace around the colon and, in a
+# multi-line ``data`` field, the ``data:`` that starts each line. Each search starts from its
+# literal name (this runs on every event): 0.3 us on a 200-byte chat chunk, against 1 us in Python.
+_BLANK = rb"(?:\s|data:)*"
+_FINISH_REASON = re.compile(rb'"finish_reason"' + _BLANK + b":" + _BLANK + b'"')
+_STOP_REASON = re.compile(rb'"stop_reason"' + _BLANK + b":" + _BLANK + b'"')
+_USAGE_OBJECT = re.compile(rb'"usage"' + _BLANK + b":" + _BLANK + rb"\{")
+_ERROR_OBJECT = re.compile(rb'"error"' + _BLANK + b":" + _BLANK + rb"\{")
 
 
 def _may_end(block: bytes) -> bool:

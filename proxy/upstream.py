@@ -174,12 +174,32 @@ class _Chunks:
 
 
 class _AiohttpReply:
-    __slots__ = ("_response", "headers", "status")
+    __slots__ = ("_closed", "_response", "headers", "status")
 
     def __init__(self, response: aiohttp.ClientResponse) -> None:
         self._response = response
         self.status = response.status
         self.headers = [(name.lower(), value) for name, value in response.raw_headers]
+        self._closed: asyncio.Future[None] | None = None
+        connection = response.connection
+        if connection is not None and connection.protocol is not None and not response.content.is_eof():
+            # aiohttp's C parser reports a malformed body (a chunk size that is not hex: a proxy
+            # writing its own error page into a stream) to the connection only, and drops the read
+            # timeout: the body would wait forever. Its closing ends the body with an error instead.
+            self._closed = connection.protocol.closed
+            if self._closed is not None:
+                self._closed.add_done_callback(self._ended)
+                response.content.on_eof(self._forget)
+
+    def _ended(self, _: asyncio.Future[None]) -> None:
+        content = self._response.content
+        if not content.is_eof() and content.exception() is None:
+            content.set_exception(aiohttp.ClientPayloadError("the upstream connection closed before the body ended"))
+
+    def _forget(self) -> None:
+        if self._closed is not None:
+            self._closed.remove_done_callback(self._ended)
+            self._closed = None
 
     def chunks(self) -> AsyncIterator[bytes]:
         return _Chunks(self._response.content)
@@ -191,6 +211,7 @@ class _AiohttpReply:
             raise UpstreamError(classify(exc)) from exc
 
     async def aclose(self) -> None:
+        self._forget()
         if self._response.content.at_eof():
             self._response.release()
         else:

@@ -9,7 +9,8 @@ Semantics (``shared/reference/usage-and-pricing.md`` 1.7, ``shared/NOTES.md`` se
 * ``server_tool_use.web_search_requests`` counts searches billed per call.
 * Streams: ``message_start`` carries ``message.usage`` (``output_tokens: 1`` is a placeholder);
   each ``message_delta`` carries running totals that REPLACE earlier values field by field (never
-  added), and may raise ``input_tokens`` after server-side tools (field case B05).
+  added; a ``null`` replaces nothing, as the SDK's accumulator reads it), and may raise
+  ``input_tokens`` after server-side tools (field case B05).
 * ``usage.iterations`` (compaction, advisor): the top-level numbers cover only the ``message``
   iterations. ``compaction`` iterations run on the same model and are added back;
   ``advisor_message`` iterations ran on another model (their ``model``) and are returned as
@@ -29,6 +30,7 @@ from tokenward.proxy.dialects.observation import Observation, Reading
 __all__ = ["finish", "observe_body", "parts", "reply_texts", "request_texts", "to_usage"]
 
 _OWN_MODEL_ITERATIONS = ("message", "compaction")
+_COUNTS = ("input_tokens", "output_tokens", "cache_creation_input_tokens", "cache_read_input_tokens", "iterations")
 
 
 class _View(msgspec.Struct):
@@ -58,7 +60,8 @@ def observe_body(body: bytes, seen: Observation) -> None:
     usage = message.get("usage") if message else view.usage
     if isinstance(usage, dict):
         if view.type == "message_delta" and seen.usage is not None:
-            seen.usage = {**seen.usage, **usage}  # running totals: later fields replace earlier ones
+            # running totals: later fields replace earlier ones; a null is no new value (as the SDK reads it)
+            seen.usage = {**seen.usage, **{name: value for name, value in usage.items() if value is not None}}
         else:
             seen.usage = dict(usage)
         tier = usage.get("service_tier")
@@ -129,8 +132,8 @@ def parts(raw: dict[str, Any]) -> list[tuple[str, Usage]]:
 
 def finish(seen: Observation) -> Reading:
     """The final reading: own-model usage and advisor parts (Anthropic reports no cost of its own)."""
-    if seen.usage is None:
-        return Reading(None)
+    if seen.usage is None or not any(seen.usage.get(name) is not None for name in _COUNTS):
+        return Reading(None)  # a usage object with no count in it (``{}``, all null) reports nothing: not $0
     return Reading(to_usage(seen.usage), parts(seen.usage))
 
 

@@ -30,6 +30,9 @@ provider variants of the ``usage`` object recorded in ``shared/fixtures/recorded
 * Streams: usage may sit on an extra ``choices: []`` chunk, on the finishing chunk, in
   ``x_groq.usage``, or in ``response.usage`` of a Responses terminal event; the last non-null
   usage object wins and usage is never summed across chunks.
+* A usage object with no count in it (``{}``, every count ``null``) reports nothing: the reply
+  is estimated as if it had none, never priced at $0. One with an output count but no input
+  count (neither ``prompt_tokens`` nor ``total_tokens``) is invalid.
 * Errors inside a 200: a top-level ``error`` object (OpenRouter's error chunk), an ``error``
   event, or a Responses object whose ``status`` is ``failed`` (a Responses object always carries
   ``"error": null``; an ``error`` object on a response that did not fail is not an error).
@@ -71,6 +74,7 @@ __all__ = ["finish", "observe", "observe_body", "provider_cost", "reply_texts", 
 
 _MAX_PROVIDER_COST = Decimal(1_000_000)  # USD; a provider's cost figure above this is not believed
 _SEARCH_TOOLS = frozenset({"search", "web_search", "browser_search"})
+_COUNTS = ("prompt_tokens", "input_tokens", "completion_tokens", "output_tokens", "total_tokens")
 _PART_FIELDS = ("input_tokens", "cached_input_tokens", "cache_write_tokens", "output_tokens", "reasoning_tokens")
 
 
@@ -216,6 +220,8 @@ def to_usage(raw: dict[str, Any], tool_usage: dict[str, Any] | None = None, *, s
     completion = first((raw, "completion_tokens", ""), (raw, "output_tokens", ""))
     total = count(raw, "total_tokens")
     if prompt is None and raw.get("prompt_tokens") is None and raw.get("input_tokens") is None:
+        if total is None and completion is not None and not problems:  # an output count and no input count
+            problems.append("prompt_tokens: null or missing while completion_tokens is reported")
         prompt = max((total or 0) - (completion or 0), 0)  # Voyage embeddings report only total_tokens
     prompt = prompt or 0
     completion = completion or 0
@@ -321,8 +327,8 @@ def finish(seen: Observation) -> Reading:
     request's row keeps its hosted tool calls). Parts adding up to more than the total are
     dropped (repair rule R3).
     """
-    if seen.usage is None:
-        return Reading(None)
+    if seen.usage is None or not any(seen.usage.get(name) is not None for name in _COUNTS):
+        return Reading(None)  # a usage object with no count in it (``{}``, all null) reports nothing: not $0
     usage = to_usage(seen.usage, seen.tool_usage, searches=len(seen.web_search_calls))
     found = [
         (entry["model"], to_usage(entry["usage"]))
