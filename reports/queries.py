@@ -311,9 +311,9 @@ def spend_report(
         ValueError: unknown grouping or filter.
     """
     dims = [canonical(name) for name in by]
-    if "tag" in dims:
-        totals = spend_totals(conn, selection, drift=drift)
-        return _grouped(conn, selection, dims, top=top, drift=drift, total=False)[0], totals
+    if "tag" in dims:  # one statement: see _tagged_sql
+        rows, summed = _grouped(conn, selection, dims, top=top, drift=drift, total=True)
+        return rows, derive(summed or {})
     # the scan first: its ranking memory is given back before the rows are built
     where, params = selection.where()
     cursor = conn.execute(
@@ -354,16 +354,23 @@ def _grouped_once(
     measures = {**_GROUP_MEASURES, **(_DRIFT_MEASURES if drift else {})}
     if narrow:
         measures = {n: f"{sql}::BIGINT" if n in _TOKEN_SUMS else sql for n, sql in measures.items()}
-    source, params = selection.rows(dims)
-    keys = "".join(f"{sql} AS {d}, " for sql, d in zip(selection.group_keys(conn, dims), dims, strict=True))
-    grouped = f"SELECT {keys}{', '.join(f'{sql} AS {n}' for n, sql in measures.items())} FROM {source}"
-    if dims:
-        grouped += f" GROUP BY {', '.join(str(i + 1) for i in range(len(dims)))}"
+    keys = selection.group_keys(conn, dims)
+    if "tag" in dims:
+        ctes, params, extras = _tagged_sql(selection, dims, keys, measures, narrow=narrow, total=total)
+    else:
+        source, params = selection.rows(dims)
+        grouped = f"SELECT {''.join(f'{sql} AS {d}, ' for sql, d in zip(keys, dims, strict=True))}"
+        grouped += f"{', '.join(f'{sql} AS {n}' for n, sql in measures.items())} FROM {source}"
+        if dims:
+            grouped += f" GROUP BY {', '.join(str(i + 1) for i in range(len(dims)))}"
+        ctes, extras = f"g AS MATERIALIZED ({grouped})", {}
     order = ", ".join(["cost_usd DESC NULLS LAST"] * bool(top) + dims)
     # _total comes last, so that zipping a row with the measure names leaves it out
     groups = f"(SELECT * FROM g ORDER BY {order} LIMIT {int(top)})" if top else "g"
     select = f"SELECT *, false AS _total FROM {groups}"
-    if total:
+    if total and "tag" in dims:  # the groups overlap: the total adds up the lists of tags instead
+        select += " UNION ALL BY NAME SELECT *, true AS _total FROM _whole"
+    elif total:
         whole = "::BIGINT" if narrow else ""  # else the union makes every count of the rows a HUGEINT
         sums = ", ".join(
             f"sum({n}) AS {n}" if n.endswith("_usd") else f"coalesce(sum({n}), 0){whole} AS {n}"
@@ -375,10 +382,11 @@ def _grouped_once(
     text = ", ".join(f"{n}::VARCHAR AS {n}" for n in measures if n.endswith("_usd"))
     ordering = ", ".join(f"u.{o}" for o in ["_total", *(["cost_usd DESC NULLS LAST"] * bool(top)), *dims])
     cursor = conn.execute(
-        f"WITH g AS MATERIALIZED ({grouped}) SELECT * REPLACE ({text}) FROM ({select}) AS u ORDER BY {ordering}",
+        f"WITH {ctes} SELECT * EXCLUDE (_total) REPLACE ({text}), _total FROM ({select}) AS u ORDER BY {ordering}",
         params,
     )
     names = [d[0] for d in cursor.description][:-1]
+    shown = names[: len(names) - len(extras)]  # the total's own measures come last: no group has them
     rows: list[dict[str, Any]] = []
     summed = None
     while chunk := cursor.fetchmany(_CHUNK):  # a chunk at a time: fewer Python objects alive at once
@@ -386,8 +394,67 @@ def _grouped_once(
             last = chunk.pop()
             pairs = zip(names, last, strict=False)  # _total, last, left out
             summed = {n: _money(v) if n.endswith("_usd") else v for n, v in pairs if n not in dims}
-        rows += _build_rows(selection, names, chunk)
+        rows += _build_rows(selection, shown, chunk)
     return rows, summed
+
+
+def _tagged_sql(
+    selection: Selection,
+    dims: list[str],
+    keys: list[str],
+    measures: dict[str, str],
+    *,
+    narrow: bool,
+    total: bool,
+) -> tuple[str, dict[str, Any], dict[str, str]]:
+    """The ``WITH`` clauses of a grouping with ``tag`` (``g``: the groups; ``_whole``, with ``total``: their total).
+
+    No row is copied once per tag: the additive measures are summed per list of tags first (a
+    ledger holds few distinct lists), and only those sums are spread over the tags and added up
+    again; a tag's p95 ranks a fan-out of two columns, the billed rows' costs. Each row is in
+    exactly one list, so the lists also add up to the total, whose p95 ranks the selection once.
+    A tag repeated in a row's list counts that row twice, as a fan-out of the row would.
+    Returns the clauses, their parameters and the measures only the total has (name -> SQL).
+    """
+    where, params = selection.where()
+    billed, _ = selection.where(_BILLED)
+    carried = "".join(f"{sql} AS {d}, " for sql, d in zip(keys, dims, strict=True) if d != "tag")
+    extras = {n: sql for n, sql in _TOTAL_MEASURES.items() if n != "p95_cost_usd"} if total else {}
+    additive = {**{n: sql for n, sql in measures.items() if n != "p95_cost_usd"}, **extras}
+    additive = {n: sql.removesuffix("::BIGINT") for n, sql in additive.items()}  # cast once added up
+    by_list = ", ".join(str(i + 1) for i in range(len(dims)))  # the other dimensions and the list
+    lists = (
+        f"SELECT {carried}tags AS _tags, "
+        f"{', '.join(f'{sql} AS {n}' for n, sql in additive.items())} FROM requests{where} GROUP BY {by_list}"
+    )
+
+    def added(name: str) -> str:  # a measure's sum over the lists
+        if name.endswith("_usd"):
+            return f"sum({name})"
+        if measures.get(name, additive[name]).startswith(("count(", "coalesce(")):
+            return f"coalesce(sum({name}), 0)::BIGINT" if name != "unpriced_tokens" else f"coalesce(sum({name}), 0)"
+        return f"sum({name})::BIGINT" if narrow and name in _TOKEN_SUMS else f"sum({name})"
+
+    dim_list = ", ".join(dims)
+    spread = f"SELECT * EXCLUDE (_tags), unnest({_TAGS.replace('tags', '_tags')}) AS tag FROM _lists"
+    summed = f"SELECT {dim_list}, {', '.join(f'{added(n)} AS {n}' for n in additive if n not in extras)} FROM _spread"
+    costs = f"SELECT {carried}unnest({_TAGS}) AS tag, cost_usd FROM requests{billed}"
+    ranked = f"SELECT {dim_list}, quantile_disc(cost_usd, 0.95) AS p95_cost_usd FROM _costs GROUP BY ALL"
+    same = " AND ".join(f"s.{d} IS NOT DISTINCT FROM p.{d}" for d in dims)
+    picked = ", ".join([*(f"s.{d}" for d in dims), *(f"{'p' if n == 'p95_cost_usd' else 's'}.{n}" for n in measures)])
+    ctes = [
+        f"_lists AS MATERIALIZED ({lists})",
+        f"_spread AS ({spread})",
+        f"_summed AS ({summed} GROUP BY ALL)",
+        f"_costs AS ({costs})",
+        f"_ranked AS ({ranked})",
+        f"g AS MATERIALIZED (SELECT {picked} FROM _summed AS s LEFT JOIN _ranked AS p ON {same})",
+    ]
+    if total:
+        p95 = f"(SELECT {_P95} FROM requests{where}) AS p95_cost_usd"
+        whole = ", ".join(p95 if n == "p95_cost_usd" else f"{added(n)} AS {n}" for n in [*measures, *extras])
+        ctes.append(f"_whole AS (SELECT {whole} FROM _lists)")
+    return ", ".join(ctes), params, extras
 
 
 def _build_rows(selection: Selection, names: list[str], fetched: list[tuple[Any, ...]]) -> list[dict[str, Any]]:
