@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from decimal import Decimal
+from pathlib import Path
 
 import duckdb
 import pytest
@@ -213,3 +214,34 @@ def test_readers_see_the_rows_still_in_the_log_once(tmp_path):
     finally:
         conn.close()
     assert rows == [("in-file", Decimal("0.000001234567")), ("logged", Decimal("0.5"))]
+
+
+@pytest.mark.parametrize("failure", ["commit", "removal"])
+def test_a_move_that_failed_after_its_rows_were_in_the_file_does_not_double_them(tmp_path, monkeypatch, failure):
+    from tokenward.reports.ledger import duck
+
+    path = tmp_path / "l.duckdb"
+    ledger, wal = log_rows(path, [make_row("a"), make_row("b")], flush=False)
+    real_insert, real_unlink = duck._insert, Path.unlink
+
+    def insert_then_fail(conn, paths, dedupe):  # the COMMIT was durable, then its checkpoint failed
+        real_insert(conn, paths, dedupe)
+        raise duckdb.IOException("IO Error: could not write checkpoint (No space left on device)")
+
+    def unlink_fails(self, missing_ok=False):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    if failure == "commit":
+        monkeypatch.setattr(duck, "_insert", insert_then_fail)
+    else:
+        monkeypatch.setattr(Path, "unlink", unlink_fails)
+    with pytest.raises((duckdb.IOException, PermissionError)):
+        ledger.flush(wal)
+    monkeypatch.setattr(duck, "_insert", real_insert)
+    monkeypatch.setattr(Path, "unlink", real_unlink)
+    assert ledger.flush(wal) == 0  # moved again, de-duplicated: both rows were in the file already
+    wal.close()
+    conn = open_ledger(path, read_only=True)
+    ids = conn.execute("SELECT request_id FROM requests ORDER BY request_id").fetchall()
+    conn.close()
+    assert ids == [("a",), ("b",)]

@@ -84,6 +84,8 @@ class DuckLedger:
         self.state = SqliteState(self.path + ".state.sqlite")
         self._lock = threading.Lock()
         self._migrated_file: tuple[int, int] | None = None  # (device, inode) this process last migrated
+        # own segments whose move failed part way: their rows may be in the file already
+        self._unsure: set[Path] = set()
 
     def _migrated(self) -> bool:
         """Whether this process has opened the file now at :attr:`path` read-write (so migrated it) before.
@@ -152,7 +154,8 @@ class DuckLedger:
 
         Blocking (a worker thread). ``wal`` is rotated first, so everything appended before the
         call is included. A dead writer's rows (and a row for each request it left in flight)
-        are inserted with de-duplication, then its files are removed.
+        are inserted with de-duplication, then its files are removed; so are the rows of an own
+        segment whose earlier move failed part way (its rows may be in the file already).
 
         Returns:
             The number of rows inserted.
@@ -177,10 +180,16 @@ class DuckLedger:
                     self._migrated_file = _identity(self.path)
                     inserted = 0
                     for path in own:  # one statement per segment: read_json holds one segment at a time
+                        # A move that failed may have put the segment's rows in the file all the same (a
+                        # COMMIT can fail after it was durable, in the checkpoint it starts; the removal can
+                        # fail after the insert): such a segment is moved again with de-duplication.
+                        dedupe = path in self._unsure
+                        self._unsure.add(path)
                         inserted += insert_lines(
-                            conn, [path], dedupe=False, quarantine=self.quarantine, scratch=self.spool_dir
+                            conn, [path], dedupe=dedupe, quarantine=self.quarantine, scratch=self.spool_dir
                         )
                         path.unlink()
+                        self._unsure.discard(path)
                     for writer in dead:
                         recovered = writer.recovered_file()
                         inserted += insert_lines(
