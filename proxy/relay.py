@@ -54,6 +54,7 @@ HOP_BY_HOP = frozenset(
 _REPLY_DROPPED = HOP_BY_HOP | {b"content-length"}
 _BACKGROUND: set[asyncio.Future[None]] = set()  # recordings nobody waits for, kept alive until done
 _USAGE_NULL = (b',"usage":null', b'"usage":null,')
+_GAVE_UP = "client disconnected; the upstream sent nothing more within drain_timeout_s"
 
 
 def header(headers: list[tuple[bytes, bytes]], name: bytes) -> str | None:
@@ -137,6 +138,53 @@ class DisconnectWatch:
             self._connection.release()
         elif not self._task.done():
             self._task.cancel()
+
+
+class _GiveUp:
+    """Ends the wait for an upstream that sends nothing more once the client has left.
+
+    The relay sees a disconnect when it next has something to send; an upstream that then sends
+    nothing for a long while (up to its read timeout) would hold the row and its budget
+    reservation that long. When the watch reports a disconnect, a timer of ``timeout_s`` starts;
+    if it runs out while the relay is waiting for the upstream (:meth:`waiting`), the relay's task
+    is cancelled there and :attr:`fired` is set. The relay sets :attr:`waiting` around each read.
+    """
+
+    __slots__ = ("_pending", "_task", "_timeout_s", "_timer", "fired", "waiting")
+
+    def __init__(self, listener: DisconnectWatch, timeout_s: float) -> None:
+        self._task = asyncio.current_task()
+        self._timeout_s = timeout_s
+        self._timer: asyncio.TimerHandle | None = None
+        self.waiting = False
+        """Whether the relay is waiting for the upstream now (the only time it may be given up)."""
+        self.fired = False
+        self._pending = listener.pending
+        self._pending.add_done_callback(self._heard)
+
+    def _heard(self, done: asyncio.Future[Any]) -> None:
+        if self._timer is not None or self._task is None:
+            return
+        if done.cancelled() or done.exception() is not None or done.result().get("type") == "http.disconnect":
+            self._timer = asyncio.get_running_loop().call_later(self._timeout_s, self._fire)
+
+    def _fire(self) -> None:
+        if self.waiting and self._task is not None and not self.fired:
+            self.fired = True
+            self._task.cancel()
+
+    def given_up(self) -> bool:
+        """Whether a cancellation just received is this one (then it is taken back)."""
+        if not self.fired or self._task is None:
+            return False
+        self._task.uncancel()
+        return True
+
+    def stop(self) -> None:
+        """Stop watching (the relay drains on its own clock now, or is done)."""
+        self._pending.remove_done_callback(self._heard)
+        if self._timer is not None:
+            self._timer.cancel()
 
 
 class Relay:
@@ -285,11 +333,22 @@ class Relay:
 
     async def _relay_body(self, send: Send, headers: list[tuple[bytes, bytes]], listener: DisconnectWatch) -> None:
         assert self.reply is not None and self.meter is not None
+        give_up = _GiveUp(listener, self.drain_timeout_s)
+        give_up.waiting = True
         try:
             body = await self.reply.read()
         except UpstreamError as exc:
+            give_up.waiting = False
             await self._fail_before_start(send, exc)
             return
+        except asyncio.CancelledError:
+            if not give_up.given_up():
+                raise
+            self.ex.end(Outcome.CLIENT_DISCONNECTED, error=_GAVE_UP)
+            return
+        finally:
+            give_up.waiting = False
+            give_up.stop()
         self.got_reply = True
         self.meter.feed_body(body)
         if listener.gone():
@@ -352,8 +411,16 @@ class Relay:
         await send({"type": "http.response.start", "status": ex.http_status, "headers": headers})
         self.got_reply = True
         chunks = self.reply.chunks()
+        give_up = _GiveUp(listener, self.drain_timeout_s)
         try:
-            async for chunk in chunks:
+            while True:
+                give_up.waiting = True
+                try:
+                    chunk = await chunks.__anext__()
+                except StopAsyncIteration:
+                    break
+                finally:
+                    give_up.waiting = False
                 blocks = meter.feed_stream(chunk)
                 if meter.terminal and not self._completed:  # this chunk ends the reply: record first
                     ex.mark_first_byte()
@@ -366,6 +433,7 @@ class Relay:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 ex.mark_first_byte()
                 if listener.gone():
+                    give_up.stop()  # the drain keeps its own clock
                     ex.end(Outcome.CLIENT_DISCONNECTED, error="client disconnected during the stream")
                     await self._drain(chunks)
                     return
@@ -378,6 +446,14 @@ class Relay:
             meter.end_stream()
             self._broke_off(exc)
             return
+        except asyncio.CancelledError:
+            if not give_up.given_up():
+                raise
+            meter.end_stream()
+            ex.end(Outcome.CLIENT_DISCONNECTED, error=_GAVE_UP)
+            return
+        finally:
+            give_up.stop()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     def _broke_off(self, exc: UpstreamError) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import json
+import time
 from decimal import Decimal
 from pathlib import Path
 
@@ -371,3 +372,43 @@ def test_a_hard_limit_refuses_an_output_limit_it_cannot_read_as_a_bound(start_pr
     assert upstream.requests == []
     (row,) = proxy.rows(1)
     assert (row["outcome"], row["cost_usd"]) == ("client_error", 0)
+
+
+@pytest.fixture
+def quick_drain_proxy(start_proxy, upstream):
+    catalog = load_catalog([PRICES], builtin=False)
+    upstreams = [UpstreamConfig(name="test", base_url=f"{upstream.url}/v1", provider="test", default=True)]
+    return start_proxy(upstreams=upstreams, catalog=catalog, drain_s=0.3)
+
+
+def test_a_stream_whose_upstream_goes_quiet_after_the_client_left_is_recorded_after_the_drain_time(
+    quick_drain_proxy, upstream
+):
+    # The relay learnt of the disconnect only when it had the next event to send: an upstream that
+    # then sent nothing held the row (and any budget reservation) until its read timeout.
+    upstream.script = lambda head, body: [sse_head(), chunk(delta("Hi")), 30.0]
+    started = time.monotonic()
+    with httpx.stream("POST", f"{quick_drain_proxy.url}/v1/chat/completions", json=CHAT, timeout=10) as reply:
+        assert next(reply.iter_raw()) == delta("Hi")
+    (row,) = quick_drain_proxy.rows(1)
+    assert time.monotonic() - started < 5  # the drain time (0.3 s) after the client left, not 30 s
+    assert row["outcome"] == "client_disconnected" and "sent nothing more within drain_timeout_s" in row["error"]
+    # what was sent is billed as a partial estimate: 9 input tokens counted from the request, "Hi" 1
+    # output token: 9 x 0.15/1M + 1 x 0.60/1M
+    assert (row["usage_source"], row["input_tokens"], row["output_tokens"]) == ("partial", 9, 1)
+    assert row["cost_usd"] == Decimal("0.00000195")
+
+
+def test_a_body_whose_upstream_goes_quiet_after_the_client_left_is_recorded_after_the_drain_time(
+    quick_drain_proxy, upstream
+):
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 400\r\n\r\n"
+    upstream.script = lambda head_, body: [head + b'{"id":"c","object":"chat.completion",', 30.0]
+    started = time.monotonic()
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{quick_drain_proxy.url}/v1/chat/completions", json={**CHAT, "stream": False}, timeout=0.5)
+    (row,) = quick_drain_proxy.rows(1)
+    assert time.monotonic() - started < 5
+    assert row["outcome"] == "client_disconnected" and "sent nothing more within drain_timeout_s" in row["error"]
+    # the upstream was answering: it may bill the request, so its cost is unknown, not $0
+    assert (row["price_status"], row["cost_usd"]) == ("usage_unknown", None)
