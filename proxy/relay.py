@@ -33,7 +33,7 @@ from tokenward.proxy.splice import remove_member
 from tokenward.proxy.sse import parse_event
 from tokenward.proxy.upstream import UpstreamError, UpstreamReply
 
-__all__ = ["HOP_BY_HOP", "DisconnectWatch", "Relay", "header", "strip_usage"]
+__all__ = ["HOP_BY_HOP", "DisconnectWatch", "GiveUp", "Relay", "header", "strip_usage"]
 
 log = logging.getLogger("tokenward.proxy")
 
@@ -54,7 +54,7 @@ HOP_BY_HOP = frozenset(
 _REPLY_DROPPED = HOP_BY_HOP | {b"content-length"}
 _BACKGROUND: set[asyncio.Future[None]] = set()  # recordings nobody waits for, kept alive until done
 _USAGE_NULL = (b',"usage":null', b'"usage":null,')
-_GAVE_UP = "client disconnected; the upstream sent nothing more within drain_timeout_s"
+_GAVE_UP = "client disconnected; the upstream sent nothing more within server.drain_after_disconnect_s"
 
 
 def header(headers: list[tuple[bytes, bytes]], name: bytes) -> str | None:
@@ -140,14 +140,16 @@ class DisconnectWatch:
             self._task.cancel()
 
 
-class _GiveUp:
+class GiveUp:
     """Ends the wait for an upstream that sends nothing more once the client has left.
 
     The relay sees a disconnect when it next has something to send; an upstream that then sends
     nothing for a long while (up to its read timeout) would hold the row and its budget
     reservation that long. When the watch reports a disconnect, a timer of ``timeout_s`` starts;
-    if it runs out while the relay is waiting for the upstream (:meth:`waiting`), the relay's task
-    is cancelled there and :attr:`fired` is set. The relay sets :attr:`waiting` around each read.
+    if it runs out while the current task waits for the upstream (:attr:`waiting`), the task is
+    cancelled there and :attr:`fired` is set. Callers set :attr:`waiting` around each upstream
+    await (the forwarder's send, the relay's reads), take back the cancellation with
+    :meth:`given_up` and always :meth:`stop`. No task of its own: a callback and a timer.
     """
 
     __slots__ = ("_pending", "_task", "_timeout_s", "_timer", "fired", "waiting")
@@ -333,7 +335,7 @@ class Relay:
 
     async def _relay_body(self, send: Send, headers: list[tuple[bytes, bytes]], listener: DisconnectWatch) -> None:
         assert self.reply is not None and self.meter is not None
-        give_up = _GiveUp(listener, self.drain_timeout_s)
+        give_up = GiveUp(listener, self.drain_timeout_s)
         give_up.waiting = True
         try:
             body = await self.reply.read()
@@ -411,7 +413,7 @@ class Relay:
         await send({"type": "http.response.start", "status": ex.http_status, "headers": headers})
         self.got_reply = True
         chunks = self.reply.chunks()
-        give_up = _GiveUp(listener, self.drain_timeout_s)
+        give_up = GiveUp(listener, self.drain_timeout_s)
         try:
             while True:
                 give_up.waiting = True

@@ -51,6 +51,14 @@ def proxy(start_proxy, upstream):
     return start_proxy(upstreams=upstreams, catalog=catalog, drain_s=2.0)
 
 
+def capped_proxy(start_proxy, upstream, limit_usd: Decimal):
+    """A proxy in front of ``upstream`` at the field-case prices, under one blocking budget of ``limit_usd``."""
+    budget = BudgetSettings(name="cap", limit_usd=limit_usd, period="total", action="block")
+    catalog = load_catalog([PRICES], builtin=False)
+    upstreams = [UpstreamConfig(name="test", base_url=f"{upstream.url}/v1", provider="test", default=True)]
+    return start_proxy(upstreams=upstreams, catalog=catalog, budgets=[budget])
+
+
 def event(obj: dict, name: str | None = None) -> bytes:
     data = b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
     return b"event: " + name.encode() + b"\n" + data if name else data
@@ -235,12 +243,7 @@ def test_a_hard_limit_bounds_legacy_completions_by_best_of_not_n(start_proxy, up
     # best_of=5 makes the provider generate and bill 5 completions of up to max_tokens each and
     # return n=1 of them (OpenAI, /v1/completions); the bound priced one: it fitted a $0.0002 limit
     # and the request was billed $0.0003003, 50 % past the hard limit
-    catalog = load_catalog([PRICES], builtin=False)
-    budget = BudgetSettings(name="cap", limit_usd=Decimal("0.0002"), period="total", action="block")
-    proxy = start_proxy(
-        upstreams=[UpstreamConfig(name="test", base_url=f"{upstream.url}/v1", provider="test", default=True)],
-        catalog=catalog, budgets=[budget],
-    )  # fmt: skip
+    proxy = capped_proxy(start_proxy, upstream, Decimal("0.0002"))
     reply = {"id": "cmpl-1", "object": "text_completion", "model": "gpt-4o-mini",
              "choices": [{"index": 0, "text": "Hi", "finish_reason": "length"}],
              "usage": {"prompt_tokens": 2, "completion_tokens": 500, "total_tokens": 502}}  # fmt: skip
@@ -265,12 +268,7 @@ def test_a_hard_limit_reads_limits_as_a_lax_upstream_does(start_proxy, upstream,
     # as no limit (guard.default_max_output_tokens, 16,384) or n as 1, and left the body as sent:
     # 310 x 0.15/1M + 16,384 x 0.60/1M = $0.0098769 (40,000 x 0.60/1M + ... = $0.0240465 for n)
     # fitted a $0.05 limit, and the upstream billed 100,000 (120,000) output tokens: $0.06 ($0.072).
-    catalog = load_catalog([PRICES], builtin=False)
-    budget = BudgetSettings(name="cap", limit_usd=Decimal("0.05"), period="total", action="block")
-    proxy = start_proxy(
-        upstreams=[UpstreamConfig(name="test", base_url=f"{upstream.url}/v1", provider="test", default=True)],
-        catalog=catalog, budgets=[budget],
-    )  # fmt: skip
+    proxy = capped_proxy(start_proxy, upstream, Decimal("0.05"))
     usage = {"prompt_tokens": 9, "completion_tokens": output, "total_tokens": 9 + output}
     upstream.script = lambda h, b: [json_reply(json.dumps(dict(REPLY, usage=usage)).encode())]
     request = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hello world"}], **limits}
@@ -358,12 +356,7 @@ def test_a_hard_limit_refuses_an_output_limit_it_cannot_read_as_a_bound(start_pr
     # some servers read 0 so too; the bound took them as no limit (16,384 tokens) and sent them as
     # they were: 310 x 0.15/1M + 16,384 x 0.60/1M = $0.0098769 fitted a $0.05 limit, and such an
     # upstream billed 100,000 output tokens, $0.06000135
-    catalog = load_catalog([PRICES], builtin=False)
-    budget = BudgetSettings(name="cap", limit_usd=Decimal("0.05"), period="total", action="block")
-    proxy = start_proxy(
-        upstreams=[UpstreamConfig(name="test", base_url=f"{upstream.url}/v1", provider="test", default=True)],
-        catalog=catalog, budgets=[budget],
-    )  # fmt: skip
+    proxy = capped_proxy(start_proxy, upstream, Decimal("0.05"))
     usage = {"prompt_tokens": 9, "completion_tokens": 100_000, "total_tokens": 100_009}
     upstream.script = lambda h, b: [json_reply(json.dumps(dict(REPLY, usage=usage)).encode())]
     request = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hello world"}], "max_tokens": value}
@@ -392,7 +385,7 @@ def test_a_stream_whose_upstream_goes_quiet_after_the_client_left_is_recorded_af
         assert next(reply.iter_raw()) == delta("Hi")
     (row,) = quick_drain_proxy.rows(1)
     assert time.monotonic() - started < 5  # the drain time (0.3 s) after the client left, not 30 s
-    assert row["outcome"] == "client_disconnected" and "sent nothing more within drain_timeout_s" in row["error"]
+    assert row["outcome"] == "client_disconnected" and "sent nothing more within server.drain_after_disconnect_s" in row["error"]
     # what was sent is billed as a partial estimate: 9 input tokens counted from the request, "Hi" 1
     # output token: 9 x 0.15/1M + 1 x 0.60/1M
     assert (row["usage_source"], row["input_tokens"], row["output_tokens"]) == ("partial", 9, 1)
@@ -409,6 +402,6 @@ def test_a_body_whose_upstream_goes_quiet_after_the_client_left_is_recorded_afte
         httpx.post(f"{quick_drain_proxy.url}/v1/chat/completions", json={**CHAT, "stream": False}, timeout=0.5)
     (row,) = quick_drain_proxy.rows(1)
     assert time.monotonic() - started < 5
-    assert row["outcome"] == "client_disconnected" and "sent nothing more within drain_timeout_s" in row["error"]
+    assert row["outcome"] == "client_disconnected" and "sent nothing more within server.drain_after_disconnect_s" in row["error"]
     # the upstream was answering: it may bill the request, so its cost is unknown, not $0
     assert (row["price_status"], row["cost_usd"]) == ("usage_unknown", None)
