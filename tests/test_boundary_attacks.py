@@ -71,19 +71,26 @@ class OpenRouter:
         )  # fmt: skip
 
 
-@contextmanager
-def openrouter_proxy(upstream_url: str, ledger: Path, budget: BudgetSettings) -> Iterator[openai.OpenAI]:
-    config = Config(
+def attacker_config(ledger: Path, budget: BudgetSettings, *upstreams: tuple[str, str, str]) -> Config:
+    """A proxy holding the provider key (``OR_KEY``) for the virtual key ``KEY``, under ``budget``.
+
+    ``upstreams``: ``(name, base_url, provider)`` each.
+    """
+    return Config(
         upstreams=[
-            UpstreamConfig(
-                name="openrouter", base_url=f"{upstream_url}/api/v1", provider="openrouter", api_key_env="OR_KEY"
-            )
+            UpstreamConfig(name=name, base_url=base_url, provider=provider, api_key_env="OR_KEY")
+            for name, base_url, provider in upstreams
         ],
         ledger=LedgerConfig(path=str(ledger), flush_interval_s=0.05),
         auth=AuthConfig(mode="virtual_keys"),
         virtual_keys=[VirtualKeyConfig(name="agent", key=KEY)],
         budgets=[budget],
     )
+
+
+@contextmanager
+def openrouter_proxy(upstream_url: str, ledger: Path, budget: BudgetSettings) -> Iterator[openai.OpenAI]:
+    config = attacker_config(ledger, budget, ("openrouter", f"{upstream_url}/api/v1", "openrouter"))
     with running_in_thread(create_app(config)) as url:
         yield openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
 
@@ -185,16 +192,10 @@ def test_counts_a_lax_upstream_reads_as_numbers_are_numbers_to_the_bound(tmp_pat
     upstream = LaxUpstream()
     request = {"model": "gpt-4o-mini", "service_tier": "default", **body}
     with Servers(upstream.handle).running() as servers:
-        config = Config(
-            upstreams=[
-                UpstreamConfig(
-                    name="vllm", base_url=f"{servers.upstream_url}/v1", provider="openai", api_key_env="OR_KEY"
-                )
-            ],
-            ledger=LedgerConfig(path=str(tmp_path / "l.duckdb"), flush_interval_s=0.05),
-            auth=AuthConfig(mode="virtual_keys"),
-            virtual_keys=[VirtualKeyConfig(name="agent", key=KEY)],
-            budgets=[BudgetSettings(name="cap", limit_usd=Decimal("0.015"), period="total", action="block")],
+        config = attacker_config(
+            tmp_path / "l.duckdb",
+            BudgetSettings(name="cap", limit_usd=Decimal("0.015"), period="total", action="block"),
+            ("vllm", f"{servers.upstream_url}/v1", "openai"),
         )
         with running_in_thread(create_app(config)) as url:
             client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
@@ -284,19 +285,11 @@ def test_content_the_body_only_names_leaves_a_request_unbounded(tmp_path, path, 
     if path == "messages":
         request = body
     with Servers(upstream.handle).running() as servers:
-        config = Config(
-            upstreams=[
-                UpstreamConfig(
-                    name="openai", base_url=f"{servers.upstream_url}/v1", provider="openai", api_key_env="OR_KEY"
-                ),
-                UpstreamConfig(
-                    name="anthropic", base_url=f"{servers.upstream_url}/v1", provider="anthropic", api_key_env="OR_KEY"
-                ),
-            ],
-            ledger=LedgerConfig(path=str(tmp_path / "l.duckdb"), flush_interval_s=0.05),
-            auth=AuthConfig(mode="virtual_keys"),
-            virtual_keys=[VirtualKeyConfig(name="agent", key=KEY)],
-            budgets=[BudgetSettings(name="cap", limit_usd=real * 3 / 2, period="total", action="block")],
+        config = attacker_config(
+            tmp_path / "l.duckdb",
+            BudgetSettings(name="cap", limit_usd=real * 3 / 2, period="total", action="block"),
+            ("openai", f"{servers.upstream_url}/v1", "openai"),
+            ("anthropic", f"{servers.upstream_url}/v1", "anthropic"),
         )
         with running_in_thread(create_app(config)) as url:
 
@@ -346,16 +339,10 @@ def test_tool_call_outputs_and_arguments_count_toward_the_bound(tmp_path):
     # 110,313 in, 110,313 x 0.15 + 10 x 0.60 = $0.01655295 each: one fits, the others get 429.
     upstream = ToolTurnUpstream()
     with Servers(upstream.handle).running() as servers:
-        config = Config(
-            upstreams=[
-                UpstreamConfig(
-                    name="openai", base_url=f"{servers.upstream_url}/v1", provider="openai", api_key_env="OR_KEY"
-                )
-            ],
-            ledger=LedgerConfig(path=str(tmp_path / "l.duckdb"), flush_interval_s=0.05),
-            auth=AuthConfig(mode="virtual_keys"),
-            virtual_keys=[VirtualKeyConfig(name="agent", key=KEY)],
-            budgets=[BudgetSettings(name="cap", limit_usd=Decimal("0.0225"), period="total", action="block")],
+        config = attacker_config(
+            tmp_path / "l.duckdb",
+            BudgetSettings(name="cap", limit_usd=Decimal("0.0225"), period="total", action="block"),
+            ("openai", f"{servers.upstream_url}/v1", "openai"),
         )
         with running_in_thread(create_app(config)) as url:
 
@@ -442,17 +429,7 @@ def test_a_form_field_sent_twice_is_refused_before_the_upstream_reads_either(tmp
     upstream = FirstValueImages()
     budget = BudgetSettings(name="images", limit_usd=Decimal(1), period="total", action="block")
     with Servers(upstream.handle).running() as servers:
-        config = Config(
-            upstreams=[
-                UpstreamConfig(
-                    name="openai", base_url=f"{servers.upstream_url}/v1", provider="openai", api_key_env="OR_KEY"
-                )
-            ],
-            ledger=LedgerConfig(path=str(tmp_path / "l.duckdb"), flush_interval_s=0.05),
-            auth=AuthConfig(mode="virtual_keys"),
-            virtual_keys=[VirtualKeyConfig(name="agent", key=KEY)],
-            budgets=[budget],
-        )
+        config = attacker_config(tmp_path / "l.duckdb", budget, ("openai", f"{servers.upstream_url}/v1", "openai"))
         with running_in_thread(create_app(config)) as url:
             headers = {"authorization": f"Bearer {KEY}", "content-type": "multipart/form-data; boundary=B"}
             twice = edit_form(("model", "gpt-image-1"), ("prompt", "a hat"), ("n", "10"), ("n", "1"))
