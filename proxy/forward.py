@@ -139,9 +139,15 @@ class _RequestHead(msgspec.Struct):
     speed: Any = None
     store: Any = None
     models: Any = None
+    fallbacks: Any = None
 
 
 _decode_head = msgspec.json.Decoder(_RequestHead).decode
+
+MAX_FALLBACK_MODELS = 8
+"""Fallback models (``models``, ``fallbacks``) a request under a blocking budget may name: each one
+is priced for the bound, so a list of thousands would cost the event loop a bound each. Routers
+that document a cap allow 3."""
 
 
 @dataclass(slots=True)
@@ -311,7 +317,7 @@ class Forwarder:
         else:
             head = _read_head(body)
         ex.requested_model = head.model if isinstance(head.model, str) else None
-        ex.fallback_models = _fallback_models(head.models, ex.requested_model)
+        ex.fallback_models = _fallback_models(head.models, head.fallbacks, ex.requested_model)
         ex.stream = head.stream is True
         # Anthropic: metadata.user_id (Claude Code's holds account, device and session ids)
         identity = parse_user_id(head.metadata.get("user_id")) if isinstance(head.metadata, dict) else None
@@ -457,6 +463,13 @@ class Forwarder:
             except RunRefused as exc:
                 raise ProxyError(exc.status, exc.message, exc.code, "insufficient_quota") from None
         if guard.in_scope(attributes, blocking_only=True):
+            if len(ex.fallback_models) > MAX_FALLBACK_MODELS:  # each is priced: the bound's work grows with them
+                raise ProxyError(
+                    400,
+                    f"The request names {len(ex.fallback_models)} fallback models; a budget that blocks bounds "
+                    f"at most {MAX_FALLBACK_MODELS}.",
+                    "too_many_fallback_models",
+                )
             unreadable = [name for name in _sent_limits(head) if (_lax_count(getattr(head, name)) or 0) <= 0]
             if media is None and unreadable:
                 # 0 and -1 mean "no limit" to some servers (llama.cpp's n_predict): nothing bounds the output
@@ -1115,16 +1128,18 @@ def _attributes(ex: Exchange) -> dict[str, Any]:
     }
 
 
-def _fallback_models(models: Any, requested: str | None) -> tuple[str, ...]:
+def _fallback_models(models: Any, fallbacks: Any, requested: str | None) -> tuple[str, ...]:
     """The models a request names besides ``model`` for the upstream to fall back on, in order.
 
     OpenRouter serves a request with the next of its ``models`` when one fails (over its context,
-    moderated, rate limited; https://openrouter.ai/docs/features/model-routing, checked
-    2026-12-01), so each may bill it. Upstreams that know no ``models`` refuse the request.
+    moderated, rate limited), and its Anthropic Messages endpoint takes the same list as
+    ``fallbacks``, entries ``{"model": ...}`` (https://openrouter.ai/docs/guides/routing,
+    checked 2026-12-01), so each may bill it. Upstreams that know neither refuse the request.
     """
-    if not isinstance(models, list):
-        return ()
-    return tuple(dict.fromkeys(m for m in models if isinstance(m, str) and m != requested))
+    named = [m for m in models if isinstance(m, str)] if isinstance(models, list) else []
+    if isinstance(fallbacks, list):
+        named += [f.get("model") if isinstance(f, dict) else f for f in fallbacks]
+    return tuple(dict.fromkeys(m for m in named if isinstance(m, str) and m != requested))
 
 
 def _output_limit(head: _RequestHead, default: int) -> int:

@@ -440,3 +440,29 @@ def test_a_form_field_sent_twice_is_refused_before_the_upstream_reads_either(tmp
     assert "'n' twice" in refused.json()["error"]["message"]
     assert served.status_code == 200 and upstream.made == [1]
     assert served.headers["x-tokenward-cost-usd"] == "0.2497"  # 6,240 x 40.00 + 20 x 5.00
+
+
+def test_fallbacks_in_the_messages_shape_are_bounded_like_models(tmp_path):
+    # OpenRouter's Messages endpoint takes the fallback list as `fallbacks: [{"model": ...}]`: the same
+    # opus fallback, the same bound as with `models`: 448 x 30 + 1000 x 75 = 88,440 -> $0.08844 > $0.05
+    upstream = OpenRouter()
+    budget = BudgetSettings(name="agent-cap", limit_usd=Decimal("0.05"), period="total", action="block")
+    with Servers(upstream.handle).running() as servers:
+        with openrouter_proxy(servers.upstream_url, tmp_path / "l.duckdb", budget) as client:
+            with pytest.raises(openai.RateLimitError) as refused:
+                chat(client, extra_body={"fallbacks": [{"model": OPUS}]})
+    assert "may cost up to $0.08844" in refused.value.body["message"]  # type: ignore[index]
+    assert upstream.served == []
+
+
+def test_more_fallback_models_than_a_bound_prices_are_refused(tmp_path):
+    upstream = OpenRouter()
+    budget = BudgetSettings(name="agent-cap", limit_usd=Decimal("0.05"), period="total", action="block")
+    many = [f"openai/gpt-4.1-nano-{i}" for i in range(9)]
+    with Servers(upstream.handle).running() as servers:
+        with openrouter_proxy(servers.upstream_url, tmp_path / "l.duckdb", budget) as client:
+            with pytest.raises(openai.BadRequestError) as refused:
+                chat(client, extra_body={"models": [NANO, *many]})
+    assert refused.value.body["code"] == "too_many_fallback_models"  # type: ignore[index]
+    assert upstream.served == []
+    assert [(r["http_status"], r["cost_usd"]) for r in read_rows(tmp_path / "l.duckdb")] == [(400, Decimal(0))]
