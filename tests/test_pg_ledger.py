@@ -519,3 +519,39 @@ def test_a_proxy_on_a_duckdb_ledger_does_not_load_the_postgres_driver():
     )
     found = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60)
     assert found.stdout.strip() == "[]"
+
+
+async def test_shared_books_hold_requests_that_started_before_a_rollover_to_their_own_period(tmp_path, pg_url):
+    # The shared books' twin of test_billing_faults' rollover test: on Postgres, settle counts a
+    # row in the period it started in (tw_settle), and admit must check a request that started
+    # before midnight (its body still arriving) against that day's room, not the new day's.
+    from tokenward.proxy.guard import BudgetGuard, BudgetRefusal
+
+    pg(tmp_path, pg_url)
+    budget = Budget(name="daily", limit_usd=D("1.00"), period=Period(kind="day"), action="block")
+    day1 = dt.datetime(2026, 12, 1, 23, 59, 50, tzinfo=dt.UTC)
+    books = PgBooks(pg_url, "r-rollover", lease_s=3)
+    await books.start()
+    try:
+        guard = BudgetGuard([budget], day1, store=books)
+        guard.settle(None, [make_row("seed", started_at=day1.timestamp(), cost_usd=D("0.95"))])
+        await asyncio.gather(*books._tasks)
+        day2 = dt.datetime(2026, 12, 2, 0, 0, 5, tzinfo=dt.UTC)
+        guard.settle(await guard.admit({}, D("0.01"), day2), [])  # a request of day 2 rolls the book
+        started = dt.datetime(2026, 12, 1, 23, 59, 59, tzinfo=dt.UTC)
+        admitted = 0
+        for number in range(300):
+            try:
+                held = await guard.admit({}, D("0.01"), started)
+            except BudgetRefusal:
+                break
+            admitted += 1
+            guard.settle(held, [make_row(f"r{number}", started_at=started.timestamp(), cost_usd=D("0.01"))])
+            await asyncio.gather(*books._tasks)
+        assert admitted == 5  # $1.00 - $0.95 = $0.05 of day 1 left: five requests of $0.01
+        assert rows_of(pg_url, "SELECT book, period_start, spent, held FROM budget_books ORDER BY period_start") == [
+            ("daily", dt.datetime(2026, 12, 1, tzinfo=dt.UTC), D("1.00"), D(0)),
+            ("daily", dt.datetime(2026, 12, 2, tzinfo=dt.UTC), D(0), D(0)),
+        ]
+    finally:
+        await books.stop()
