@@ -15,7 +15,13 @@ A blocking budget reserves an upper bound of a request's cost before sending it 
   execution, image generation, remote MCP, Anthropic's ``mcp_servers``; Chat Completions
   ``web_search_options``; OpenRouter's ``web`` plugin): each call adds a fee and the tokens of
   what it found, as many times as the model chooses, so such a request is *unbounded* as well;
-- a request for audio output (``modalities`` with ``audio``), priced at the audio output rate.
+- a request for audio output (``modalities`` with ``audio``), priced at the audio output rate;
+- content the client replays encrypted (OpenAI reasoning and compaction items'
+  ``encrypted_content``, Anthropic ``redacted_thinking`` blocks' ``data`` and web search results'
+  ``encrypted_content``): the provider decrypts and bills it as input, but no tokenizer can read
+  it. It is bounded by its decoded size, one input token per byte (:data:`OPAQUE_BYTES_PER_TOKEN`):
+  a token of text is at least one byte, and encryption does not make a text shorter. (This
+  assumes the provider does not compress before encrypting; neither documents the format.)
 
 Provider-run tool types: OpenAI https://platform.openai.com/docs/guides/tools (web_search,
 file_search, code_interpreter, image_generation, mcp), Anthropic
@@ -26,7 +32,10 @@ calls the server's tools and their results are billed as input), checked 2026-12
 content: https://platform.openai.com/docs/api-reference/responses/create (``input`` items of
 type ``item_reference``; ``prompt``, a template with its own instructions) and
 https://platform.openai.com/docs/api-reference/chat/create (an assistant message's ``audio.id``),
-checked 2026-12-01.
+checked 2026-12-01. Encrypted content:
+https://platform.openai.com/docs/guides/reasoning (``include=["reasoning.encrypted_content"]``,
+stateless multi-turn) and https://docs.anthropic.com/en/docs/build-with-claude/extended-thinking
+(``redacted_thinking``), checked 2026-12-01.
 """
 
 from __future__ import annotations
@@ -34,10 +43,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["AUDIO_BYTES_PER_TOKEN", "Unmetered", "scan"]
+__all__ = ["AUDIO_BYTES_PER_TOKEN", "OPAQUE_BYTES_PER_TOKEN", "Unmetered", "scan"]
 
 AUDIO_BYTES_PER_TOKEN = 100
 """8 kbit/s is 1000 bytes a second; 10 audio tokens a second: an upper bound of 1 token per 100 bytes."""
+
+OPAQUE_BYTES_PER_TOKEN = 1
+"""Encrypted content replayed as input: a bound of one token per decoded byte (see the module docstring)."""
 
 _IMAGE_TYPES = frozenset({"image_url", "input_image", "image", "computer_screenshot"})  # the last: computer use
 _FILE_TYPES = frozenset({"file", "input_file", "document"})
@@ -58,7 +70,8 @@ class Unmetered:
     """Counts of request content outside the tokenizer's reach.
 
     ``images``: image parts; ``audio_tokens``: an upper bound on audio input tokens;
-    ``files``: parts that refer to stored files or documents; ``stateful``: the request
+    ``files``: parts that refer to stored files or documents; ``opaque_tokens``: an upper bound
+    on the input tokens of encrypted content (base64, bounded by its decoded size); ``stateful``: the request
     continues or reuses stored state (``previous_response_id``, ``conversation``,
     ``item_reference``, a ``prompt`` template, an earlier audio reply); ``audio_output``: audio
     was asked for in the reply; ``server_tools``: tools the provider runs itself (fees and found
@@ -68,6 +81,7 @@ class Unmetered:
     images: int = 0
     audio_tokens: int = 0
     files: int = 0
+    opaque_tokens: int = 0
     stateful: bool = False
     audio_output: bool = False
     server_tools: int = 0
@@ -144,6 +158,11 @@ def _walk(node: Any, found: Unmetered, depth: int) -> None:
         size = len(data) * 3 // 4 if isinstance(data, str) else 0
         found.audio_tokens += max(size // AUDIO_BYTES_PER_TOKEN, 1)
         return
+    opaque = node.get("encrypted_content")
+    if kind == "redacted_thinking":
+        opaque = node.get("data")
+    if isinstance(opaque, str):
+        found.opaque_tokens += len(opaque) * 3 // 4 // OPAQUE_BYTES_PER_TOKEN + 1
     for value in node.values():
         if isinstance(value, dict | list):
             _walk(value, found, depth + 1)

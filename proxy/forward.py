@@ -672,7 +672,8 @@ class Forwarder:
         margin = settings.input_margin
         if not tokenizer.encoding_name_known(model):
             margin *= settings.foreign_tokenizer_margin
-        input_tokens = math.ceil(counted * margin) + settings.input_margin_tokens + extra.audio_tokens
+        uncounted = settings.input_margin_tokens + extra.audio_tokens + extra.opaque_tokens  # added, not scaled
+        input_tokens = math.ceil(counted * margin) + uncounted
         limit = max_output if max_output is not None else _output_limit(head, settings.default_max_output_tokens)
         choices = _choices(head)
         dearest: Decimal | None = None
@@ -680,7 +681,7 @@ class Forwarder:
         for candidate in (model, *ex.fallback_models):
             if candidate != model and not tokenizer.encoding_name_known(candidate):
                 tokens = math.ceil(counted * settings.input_margin * settings.foreign_tokenizer_margin)
-                tokens += settings.input_margin_tokens + extra.audio_tokens
+                tokens += uncounted
             else:
                 tokens = input_tokens
             bound = worst_case(

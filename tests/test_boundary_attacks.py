@@ -315,33 +315,29 @@ TOOL_TURN = [
 ]
 
 
-class ToolTurnUpstream:
-    """OpenAI Responses billing what the model read: the message, the call's arguments and its output."""
+class ResponsesUpstream:
+    """OpenAI Responses billing what the model read (``usage``, costing ``billed`` USD), after 0.5 s."""
 
-    def __init__(self) -> None:
+    def __init__(self, billed: str, input_tokens: int) -> None:
+        self.price, self.input_tokens = Decimal(billed), input_tokens
         self.billed: list[Decimal] = []
 
     async def handle(self, request: web.Request, body: bytes) -> web.StreamResponse:
-        self.billed.append(Decimal("0.01500765"))  # gpt-4o-mini, default tier: 100,011 x 0.15 + 10 x 0.60
+        self.billed.append(self.price)
         await asyncio.sleep(0.5)
+        usage = {"input_tokens": self.input_tokens, "output_tokens": 10, "total_tokens": self.input_tokens + 10}
         return web.json_response(
             {"id": "resp_1", "object": "response", "status": "completed", "model": "gpt-4o-mini",
-             "service_tier": "default", "error": None, "output": [],
-             "usage": {"input_tokens": 100_011, "output_tokens": 10, "total_tokens": 100_021}}
+             "service_tier": "default", "error": None, "output": [], "usage": usage}
         )  # fmt: skip
 
 
-def test_tool_call_outputs_and_arguments_count_toward_the_bound(tmp_path):
-    # A function call's output is input the provider bills. Counted as the message alone (6 tokens:
-    # ceil(6 x 1.1) + 300 = 307 in, 307 x 0.15 + 10 x 0.60 = $0.00005205), four concurrent requests were all
-    # admitted against room for one and a half ($0.0225) and billed 4 x $0.01500765 = $0.0600306 (+167 %).
-    # Counted with the arguments and the output, 6 + 5 + 100,000 = 100,011 tokens: ceil(100,011 x 1.1) + 300 =
-    # 110,313 in, 110,313 x 0.15 + 10 x 0.60 = $0.01655295 each: one fits, the others get 429.
-    upstream = ToolTurnUpstream()
+def four_at_once(tmp_path: Path, upstream: ResponsesUpstream, limit: str, turn: list, **extra: Any) -> tuple[list, list]:
+    """Four concurrent Responses requests of ``turn`` under a hard limit of ``limit`` USD: (admitted, refused)."""
     with Servers(upstream.handle).running() as servers:
         config = attacker_config(
             tmp_path / "l.duckdb",
-            BudgetSettings(name="cap", limit_usd=Decimal("0.0225"), period="total", action="block"),
+            BudgetSettings(name="cap", limit_usd=Decimal(limit), period="total", action="block"),
             ("openai", f"{servers.upstream_url}/v1", "openai"),
         )
         with running_in_thread(create_app(config)) as url:
@@ -350,7 +346,7 @@ def test_tool_call_outputs_and_arguments_count_toward_the_bound(tmp_path):
                 async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0) as client:
                     calls = (
                         client.responses.with_raw_response.create(
-                            model="gpt-4o-mini", input=TOOL_TURN, max_output_tokens=10, service_tier="default"
+                            model="gpt-4o-mini", input=turn, max_output_tokens=10, service_tier="default", **extra
                         )
                         for _ in range(4)
                     )
@@ -358,11 +354,65 @@ def test_tool_call_outputs_and_arguments_count_toward_the_bound(tmp_path):
 
             replies = asyncio.run(fire())
     admitted = [r for r in replies if not isinstance(r, Exception)]
-    refused = [r for r in replies if isinstance(r, openai.RateLimitError)]
+    return admitted, [r for r in replies if isinstance(r, openai.RateLimitError)]
+
+
+def test_tool_call_outputs_and_arguments_count_toward_the_bound(tmp_path):
+    # A function call's output is input the provider bills. Counted as the message alone (6 tokens:
+    # ceil(6 x 1.1) + 300 = 307 in, 307 x 0.15 + 10 x 0.60 = $0.00005205), four concurrent requests were all
+    # admitted against room for one and a half ($0.0225) and billed 4 x $0.01500765 = $0.0600306 (+167 %).
+    # Counted with the arguments and the output, 6 + 5 + 100,000 = 100,011 tokens: ceil(100,011 x 1.1) + 300 =
+    # 110,313 in, 110,313 x 0.15 + 10 x 0.60 = $0.01655295 each: one fits, the others get 429.
+    upstream = ResponsesUpstream("0.01500765", 100_011)  # gpt-4o-mini, default tier: 100,011 x 0.15 + 10 x 0.60
+    admitted, refused = four_at_once(tmp_path, upstream, "0.0225", TOOL_TURN)
     assert (len(admitted), len(refused)) == (1, 3)
     assert "may cost up to $0.01655295" in refused[0].body["message"]  # type: ignore[index]
     assert admitted[0].headers["x-tokenward-cost-usd"] == "0.01500765"
     assert upstream.billed == [Decimal("0.01500765")]
+
+
+SEALED = "A" * 120_000  # base64 of 90,000 bytes: an encrypted reasoning item replayed by a stateless client
+SEALED_TURN = [
+    {"role": "user", "content": "Summarise the weather."},  # 6 tokens
+    {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": SEALED},
+]
+
+
+def test_encrypted_content_a_client_replays_counts_toward_the_bound(tmp_path):
+    # Stateless Responses clients (include=["reasoning.encrypted_content"], store=false) send each
+    # turn's reasoning back encrypted; the provider decrypts it and bills it as input (80,000 tokens
+    # here). Counted as the message alone (ceil(6 x 1.1) + 300 = 307 in, $0.00005205), four
+    # concurrent requests were all admitted against a $0.02 limit and billed 4 x $0.0120069 =
+    # $0.0480276 (2.4x). Bounded by its decoded size, one token per byte: 307 + 90,001 = 90,308 in,
+    # 90,308 x 0.15 + 10 x 0.60 = $0.0135522 each: one fits, the others get 429.
+    upstream = ResponsesUpstream("0.0120069", 80_006)  # 80,006 x 0.15 + 10 x 0.60
+    admitted, refused = four_at_once(
+        tmp_path, upstream, "0.02", SEALED_TURN, store=False, include=["reasoning.encrypted_content"]
+    )
+    assert (len(admitted), len(refused)) == (1, 3)
+    assert "may cost up to $0.0135522" in refused[0].body["message"]  # type: ignore[index]
+    assert upstream.billed == [Decimal("0.0120069")]
+
+
+def test_anthropic_redacted_thinking_and_encrypted_search_results_are_bounded_by_their_size():
+    from tokenward.proxy.bounds import scan
+
+    turn = {
+        "model": "claude-sonnet-4-5",
+        "messages": [
+            {"role": "user", "content": "Find it."},
+            {"role": "assistant", "content": [
+                {"type": "redacted_thinking", "data": "B" * 4_000},  # 3,000 bytes: 3,001 tokens
+                {"type": "server_tool_use", "id": "srvtoolu_1", "name": "web_search", "input": {"query": "it"}},
+                {"type": "web_search_tool_result", "tool_use_id": "srvtoolu_1", "content": [
+                    {"type": "web_search_result", "url": "https://example.com", "title": "It",
+                     "encrypted_content": "C" * 8_000},  # 6,000 bytes: 6,001 tokens
+                ]},
+            ]},
+        ],
+    }  # fmt: skip
+    found = scan(turn)
+    assert (found.opaque_tokens, found.unbounded) == (9_002, False)
 
 
 def test_a_computer_call_screenshot_is_bounded_as_an_image():
