@@ -11,7 +11,7 @@ import click
 from tokenward.pricing.catalog import CatalogError
 from tokenward.proxy.access_log import ACCESS_LOGGER
 from tokenward.proxy.config import Config, ConfigError, config_from_args, load_config
-from tokenward.proxy.preflight import check_environment
+from tokenward.proxy.preflight import check_budgets, check_environment, provider_notes
 from tokenward.reports.ledger import DuckLedger, LedgerError
 
 __all__ = ["LOG_LEVELS", "main"]
@@ -148,7 +148,7 @@ def _load(config_path: str | None, upstream: str | None, auth: str | None, provi
 
 def _preflight(config: Config, config_path: str | None) -> list[str]:
     try:
-        return check_environment(config)
+        return check_environment(config) + check_budgets(config)
     except ConfigError as exc:
         raise click.ClickException(f"{config_path}: {exc}" if config_path else str(exc)) from exc
 
@@ -209,11 +209,19 @@ def config_group() -> None:
 @config_group.command("check")
 @click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False), help="YAML config file.")
 def config_check(config_path: str) -> None:
-    """Validate FILE as `serve` would at start (schema, then environment variables)."""
+    """Validate FILE as `serve` would at start (schema, environment variables, then price files)."""
+    from tokenward.pricing.settings import build_catalog
+
     config = _load(config_path, None, None, None)
     warnings = _preflight(config, config_path)
     for warning in warnings:
         click.echo(f"warning: {warning}", err=True)
+    try:  # what create_app loads: a bad price file stops `serve`, so it fails the check too
+        catalog = build_catalog(config.pricing, refresh_file=config.refresh_file())
+    except CatalogError as exc:
+        raise click.ClickException(str(exc)) from exc
+    for note in provider_notes(config, {entry.provider for entry in catalog.entries.values()}):
+        click.echo(f"note: {note}", err=True)
     click.echo(
         f"{config_path}: ok ({len(config.upstreams)} upstreams, {len(config.budgets)} budgets, "
         f"auth {config.auth.mode}, ledger {config.open_ledger().name})"

@@ -9,21 +9,28 @@ without the proxy's secrets). Each environment variable a config names gets one 
   unauthenticated), and the first sign of it would be a budget alert that never arrives.
 * a webhook's ``url_env`` unset: **fail** when a budget, ``alerts.admins`` or the digest sends
   to that webhook (alerts would be lost the same way); **warn** when nothing sends to it.
-* an upstream's ``api_key_env`` unset: **warn** (logged by :class:`~tokenward.proxy.routing.Router`
-  when the app is built) in ``virtual_keys`` mode, where tokenward sends that key. Other
-  upstreams keep working and requests to this one are refused with an error naming the
-  variable, so a config listing providers not yet in use still starts. In ``passthrough``
-  mode the client's own key goes upstream and the variable is not used: nothing to say.
+* an upstream's ``api_key_env`` unset: **warn** in ``virtual_keys`` mode, where tokenward sends
+  that key. Other upstreams keep working and requests to this one are refused with an error
+  naming the variable, so a config listing providers not yet in use still starts. In
+  ``passthrough`` mode the client's own key goes upstream and the variable is not used: nothing
+  to say.
+* ``server.admin_token_env`` / ``metrics_token_env`` unset: **warn**: the dashboard (or
+  ``/metrics``) then refuses everyone rather than falling back to an open door.
+
+:func:`check_budgets` warns about budgets whose scope can match no request in the configured
+auth mode, and :func:`provider_notes` names upstreams whose ``provider`` has no prices. Both
+``tokenward serve`` and ``tokenward config check`` print these, so what one says the other says.
 """
 
 from __future__ import annotations
 
+import difflib
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 from tokenward.proxy.config import Config, ConfigError
 
-__all__ = ["check_environment"]
+__all__ = ["check_budgets", "check_environment", "provider_notes"]
 
 
 def check_environment(config: Config, environ: Mapping[str, str] | None = None) -> list[str]:
@@ -64,4 +71,59 @@ def check_environment(config: Config, environ: Mapping[str, str] | None = None) 
                     f"(alerts to webhook {hook.name!r} would be lost)"
                 )
             warnings.append(f"{where}: environment variable {hook.url_env} is not set (nothing sends to {hook.name!r})")
+    if config.auth.mode == "virtual_keys":
+        for upstream in config.upstreams:
+            variable = upstream.api_key_env
+            if not (variable and env.get(variable)):
+                missing = f"environment variable {variable} is not set" if variable else "no api_key_env"
+                refused = "its requests will be refused (virtual_keys mode)"
+                warnings.append(f"upstream {upstream.name}: {missing}; {refused}")
+    for option, variable, what in (
+        ("admin_token_env", config.server.admin_token_env, "the dashboard refuses everyone"),
+        ("metrics_token_env", config.server.metrics_token_env, "/metrics refuses every token"),
+    ):
+        if variable and not env.get(variable):
+            warnings.append(f"server.{option} names {variable}, which is not set: {what}")
     return warnings
+
+
+_KEY_DIMENSIONS = ("team", "project", "org", "pool")  # facts of a virtual key's definition
+
+
+def check_budgets(config: Config) -> list[str]:
+    """Warnings for budgets that can never apply: a key fact (team, project, org, pool) in passthrough mode.
+
+    In ``passthrough`` mode a request is attributed to a fingerprint of the client's key, which has
+    no team, project, org or pool, so a budget scoped (or made ``per``) on one matches nothing and a
+    ``block`` there refuses nothing. Not an error: the same file may serve reports on a ledger a
+    ``virtual_keys`` proxy wrote.
+    """
+    if config.auth.mode != "passthrough":
+        return []
+    warnings = []
+    for index, settings in enumerate(config.budgets):
+        dimensions = [d for d in _KEY_DIMENSIONS if d in settings.scope or settings.per == d]
+        if dimensions:
+            warnings.append(
+                f"budgets[{index}] {settings.name!r}: {' and '.join(dimensions)} "
+                f"{'comes' if len(dimensions) == 1 else 'come'} from virtual keys, and "
+                f"auth.mode is passthrough: this budget matches no request (set auth.mode: virtual_keys, "
+                f"or scope it on key, end_user, model, upstream or tag)"
+            )
+    return warnings
+
+
+def provider_notes(config: Config, providers: Collection[str]) -> list[str]:
+    """One note per upstream whose catalog provider has no prices among ``providers`` (a close name suggested)."""
+    notes = []
+    for upstream in config.upstreams:
+        provider = upstream.catalog_provider
+        if provider in providers:
+            continue
+        close = difflib.get_close_matches(provider, sorted(providers), n=1, cutoff=0.75)
+        hint = f" (did you mean provider: {close[0]}?)" if close else ""
+        notes.append(
+            f"upstream {upstream.name}: no prices for provider {provider!r} in the catalog{hint}; its models are "
+            "priced by name (vendor/model prefix or the same model at another provider) or stay unpriced"
+        )
+    return notes
