@@ -373,3 +373,11 @@ def test_config_check_warns_as_serve_does(tmp_path):
         "warning: budgets[1] 'per-pool': project and pool come from virtual keys, and auth.mode is passthrough: this "
         "budget matches no request (set auth.mode: virtual_keys, or scope it on key, end_user, model, upstream or tag)",
     ]
+
+
+def test_ledger_copy_onto_itself_says_so(tmp_path):
+    ledger = tmp_path / "l.duckdb"
+    assert tokenward("ledger", "migrate", "--db", str(ledger)).returncode == 0
+    copy = tokenward("ledger", "copy", "--from", str(ledger), "--to", f"{tmp_path}/./l.duckdb")
+    # before: "ledger ... is in use by another process (0 rows copied before)", the process being the copy itself
+    assert one_line_error(copy) == f"Error: --from and --to name the same ledger ({ledger}): nothing to copy"
