@@ -34,7 +34,7 @@ from tokenward.proxy.guard import BooksSpend, BudgetGuard
 from tokenward.proxy.isolation import Isolation, OwnerCache
 from tokenward.proxy.keys import Authenticator
 from tokenward.proxy.limits import BodyLimits
-from tokenward.proxy.preflight import provider_notes
+from tokenward.proxy.preflight import price_warnings, provider_notes
 from tokenward.proxy.recorder import Recorder
 from tokenward.proxy.routes import MetricsAccess, build_routes
 from tokenward.proxy.routing import Router
@@ -155,6 +155,8 @@ def create_app(
         isolation=isolation,
         dynamic=dynamic,
     )
+    for warning in price_warnings(config, catalog):
+        log.warning("%s", warning)
     for note in provider_notes(config, {entry.provider for entry in catalog.entries.values()}):
         log.info("%s", note)
 

@@ -11,7 +11,7 @@ import click
 from tokenward.pricing.catalog import CatalogError
 from tokenward.proxy.access_log import ACCESS_LOGGER
 from tokenward.proxy.config import Config, ConfigError, config_from_args, load_config
-from tokenward.proxy.preflight import check_budgets, check_environment, provider_notes
+from tokenward.proxy.preflight import check_budgets, check_environment, price_warnings, provider_notes
 from tokenward.reports.ledger import DuckLedger, LedgerError
 
 __all__ = ["LOG_LEVELS", "main"]
@@ -220,6 +220,8 @@ def config_check(config_path: str) -> None:
         catalog = build_catalog(config.pricing, refresh_file=config.refresh_file())
     except CatalogError as exc:
         raise click.ClickException(str(exc)) from exc
+    for warning in price_warnings(config, catalog):
+        click.echo(f"warning: {warning}", err=True)
     for note in provider_notes(config, {entry.provider for entry in catalog.entries.values()}):
         click.echo(f"note: {note}", err=True)
     click.echo(

@@ -18,8 +18,10 @@ without the proxy's secrets). Each environment variable a config names gets one 
   ``/metrics``) then refuses everyone rather than falling back to an open door.
 
 :func:`check_budgets` warns about budgets whose scope can match no request in the configured
-auth mode, and :func:`provider_notes` names upstreams whose ``provider`` has no prices. Both
-``tokenward serve`` and ``tokenward config check`` print these, so what one says the other says.
+auth mode, :func:`provider_notes` names upstreams whose ``provider`` has no prices, and
+:func:`price_warnings` names models the config pins or scopes that the catalog cannot price.
+Both ``tokenward serve`` and ``tokenward config check`` print these, so what one says the other
+says.
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ import difflib
 import os
 from collections.abc import Collection, Mapping
 
+from tokenward.pricing.catalog import PriceCatalog
 from tokenward.proxy.config import Config, ConfigError
 
-__all__ = ["check_budgets", "check_environment", "provider_notes"]
+__all__ = ["check_budgets", "check_environment", "price_warnings", "provider_notes"]
 
 
 def check_environment(config: Config, environ: Mapping[str, str] | None = None) -> list[str]:
@@ -127,3 +130,40 @@ def provider_notes(config: Config, providers: Collection[str]) -> list[str]:
             "priced by name (vendor/model prefix or the same model at another provider) or stay unpriced"
         )
     return notes
+
+
+def price_warnings(config: Config, catalog: PriceCatalog) -> list[str]:
+    """Models the config names that ``catalog`` cannot price (fallback rates aside).
+
+    An upstream's ``price_as``, ``pricing.price_as`` and ``pricing.aliases`` targets (a pin naming
+    an unknown model leaves every row it pins unpriced), and a budget's ``model`` scope (its
+    requests carry no cost, so the budget counts nothing for them).
+    """
+    def unknown(model: str, provider: str | None = None) -> bool:
+        return catalog.resolve(model, provider, fallback=False) is None
+
+    names = sorted({entry.model for entry in catalog.entries.values()})
+
+    def no_price(model: str) -> str:
+        close = difflib.get_close_matches(model, names, n=1, cutoff=0.8)
+        return f"no price for {model!r} in the catalog" + (f" (did you mean {close[0]!r}?)" if close else "")
+
+    warnings = []
+    for index, upstream in enumerate(config.upstreams):
+        if upstream.price_as and unknown(upstream.price_as, upstream.catalog_provider):
+            warnings.append(
+                f"upstreams[{index}].price_as: {no_price(upstream.price_as)}; "
+                f"every request to {upstream.name} will be unpriced"
+            )
+    for option, pins in (("pricing.price_as", config.pricing.price_as), ("pricing.aliases", config.pricing.aliases)):
+        for name, model in pins.items():
+            if unknown(model):
+                warnings.append(f"{option}: {name} -> {model!r}: {no_price(model)}")
+    for index, settings in enumerate(config.budgets):
+        model = settings.scope.get("model")
+        if model is not None and unknown(model):
+            warnings.append(
+                f"budgets[{index}] {settings.name!r}: scope model {model!r}: {no_price(model)}, "
+                "so this budget counts no spend for it"
+            )
+    return warnings

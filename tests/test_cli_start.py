@@ -381,3 +381,35 @@ def test_ledger_copy_onto_itself_says_so(tmp_path):
     copy = tokenward("ledger", "copy", "--from", str(ledger), "--to", f"{tmp_path}/./l.duckdb")
     # before: "ledger ... is in use by another process (0 rows copied before)", the process being the copy itself
     assert one_line_error(copy) == f"Error: --from and --to name the same ledger ({ledger}): nothing to copy"
+
+
+def test_pins_and_budgets_on_models_without_a_price_are_named(tmp_path):
+    port = free_port()
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "upstreams: [{name: azure, base_url: 'http://127.0.0.1:9/v1', provider: openai, price_as: gpt-4o-mnii}]\n"
+        "pricing: {aliases: {prod-4o: gpt-4oo}, price_as: {contoso: gpt-4o}}\n"  # contoso's pin has a price
+        "budgets: [{name: m, limit_usd: 5, scope: {model: gpt-4o-mnii}}]\n"
+        f"server: {{port: {port}}}\nledger: {{path: l.duckdb}}\n"
+    )
+    expected = [  # before: "ok", and every request pinned there was recorded unpriced
+        "upstreams[0].price_as: no price for 'gpt-4o-mnii' in the catalog (did you mean 'gpt-4o-mini'?); "
+        "every request to azure will be unpriced",
+        "pricing.aliases: prod-4o -> 'gpt-4oo': no price for 'gpt-4oo' in the catalog (did you mean 'gpt-4o'?)",
+        "budgets[0] 'm': scope model 'gpt-4o-mnii': no price for 'gpt-4o-mnii' in the catalog (did you mean "
+        "'gpt-4o-mini'?), so this budget counts no spend for it",
+    ]
+    check = tokenward("config", "check", "--config", str(path))
+    assert check.returncode == 0 and check.stderr.splitlines() == [f"warning: {w}" for w in expected]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tokenward.proxy", "serve", "--config", str(path)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", process)
+    finally:
+        stderr = stop(process)
+    for warning in expected:  # serve says the same, once
+        assert sum(line.endswith(f" WARNING tokenward.proxy: {warning}") for line in stderr.splitlines()) == 1
