@@ -124,7 +124,9 @@ def serve(
     try:
         store.migrate()
     except (LedgerError, OSError) as exc:
-        raise click.ClickException(f"cannot open the ledger {store.name}: {exc}") from exc
+        reason = str(exc)  # a Postgres error names the ledger already: say it once
+        message = reason if store.name in reason else f"cannot open the ledger {store.name}: {reason}"
+        raise click.ClickException(message) from exc
     click.echo(
         f"starting tokenward on http://{config.server.host}:{config.server.port}/v1 "
         f"(ledger {store.name}, auth {config.auth.mode})",

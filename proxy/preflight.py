@@ -121,8 +121,8 @@ def provider_notes(config: Config, providers: Collection[str]) -> list[str]:
     notes = []
     for upstream in config.upstreams:
         provider = upstream.catalog_provider
-        if provider in providers:
-            continue
+        if provider in providers or (upstream.provider is None and upstream.name == "default"):
+            continue  # the second: `serve --upstream URL` without --provider, priced by model name as asked
         close = difflib.get_close_matches(provider, sorted(providers), n=1, cutoff=0.75)
         hint = f" (did you mean provider: {close[0]}?)" if close else ""
         notes.append(

@@ -413,3 +413,23 @@ def test_pins_and_budgets_on_models_without_a_price_are_named(tmp_path):
         stderr = stop(process)
     for warning in expected:  # serve says the same, once
         assert sum(line.endswith(f" WARNING tokenward.proxy: {warning}") for line in stderr.splitlines()) == 1
+
+
+def test_a_postgres_ledger_that_is_down_is_named_once(tmp_path):
+    url = f"postgresql://tokenward:s3cret@127.0.0.1:{free_port()}/tokenward"  # nothing listens there
+    start = tokenward("serve", "--upstream", "http://127.0.0.1:9/v1", "--db", url, "--port", str(free_port()))
+    error = one_line_error_or_last(start)
+    shown = url.replace(":s3cret", ":***")  # the password never shows
+    # before: "cannot open the ledger <url>: cannot connect to the ledger <url>: connection failed: ..."
+    assert error.startswith(f"Error: cannot connect to the ledger {shown}: connection failed: ")
+    assert start.stderr.count(shown) == 1 and "s3cret" not in start.stderr
+    # `--upstream` without `--provider` prices by model name, as asked: no note that 'default' has no prices
+    assert "provider 'default'" not in start.stderr
+
+
+def one_line_error_or_last(result: subprocess.CompletedProcess[str]) -> str:
+    """The ``Error:`` line of a failed start whose reason may run on (a driver's hint on the next line)."""
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("Error: ")]
+    assert len(errors) == 1, result.stderr
+    return errors[0]
