@@ -42,6 +42,7 @@ without copying the built-in catalog, and history is never rewritten in place.
 from __future__ import annotations
 
 import datetime as dt
+import difflib
 import re
 from bisect import bisect_right
 from collections.abc import Iterable, Mapping
@@ -518,6 +519,11 @@ class _Fail:
     def __call__(self, field_name: str, problem: str) -> CatalogError:
         return CatalogError(f"{self.path}: entry {self.label!r}: field {field_name!r}: {problem}")
 
+    def unknown(self, field_name: str, allowed: Iterable[str]) -> CatalogError:
+        """``unknown field``, with the closest allowed name when one is close (a typo)."""
+        close = difflib.get_close_matches(field_name.rpartition(".")[2], sorted(allowed), n=1, cutoff=0.6)
+        return self(field_name, f"unknown field; did you mean {close[0]!r}?" if close else "unknown field")
+
 
 def _decimal(fail: _Fail, name: str, value: Any, places: int, *, positive: bool = False) -> Decimal:
     if isinstance(value, bool) or not isinstance(value, int | Decimal):
@@ -544,7 +550,7 @@ def _adjustment(fail: _Fail, prefix: str, raw: Any, allowed: frozenset[str]) -> 
         raise fail(prefix.rstrip("."), "must be a mapping of rates or a multiplier")
     unknown = sorted(set(raw) - allowed - set(RATE_NAMES) - {"multiplier"})
     if unknown:
-        raise fail(prefix + unknown[0], "unknown field")
+        raise fail.unknown(prefix + unknown[0], {*allowed, *RATE_NAMES, "multiplier"})
     rates = _rates(fail, prefix, raw)
     multiplier = raw.get("multiplier")
     if rates and multiplier is not None:
@@ -588,7 +594,7 @@ def parse_entry(path: Path, index: int, raw: Any) -> PriceEntry:
     fail = _Fail(path, str(raw.get("id", f"#{index}")))
     unknown = sorted(set(raw) - _TOP_FIELDS)
     if unknown:
-        raise fail(unknown[0], "unknown field")
+        raise fail.unknown(unknown[0], _TOP_FIELDS)
     for name in ("id", "provider", "model", "source"):
         if not isinstance(raw.get(name), str) or not raw[name].strip():
             raise fail(name, "required, a non-empty string")

@@ -72,10 +72,6 @@ class AdminAuth:
             if k.role == "admin"
         }
         self._sessions: OrderedDict[str, tuple[str, float]] = OrderedDict()
-        if self.token_env and not token:
-            log.warning(
-                "server.admin_token_env names %s, which is not set: the dashboard refuses everyone", self.token_env
-            )
 
     @property
     def loopback_only(self) -> bool:

@@ -34,6 +34,7 @@ from tokenward.proxy.guard import BooksSpend, BudgetGuard
 from tokenward.proxy.isolation import Isolation, OwnerCache
 from tokenward.proxy.keys import Authenticator
 from tokenward.proxy.limits import BodyLimits
+from tokenward.proxy.preflight import price_warnings, provider_notes
 from tokenward.proxy.recorder import Recorder
 from tokenward.proxy.routes import MetricsAccess, build_routes
 from tokenward.proxy.routing import Router
@@ -143,7 +144,7 @@ def create_app(
         isolation = Isolation(OwnerCache(ledger.state, fsync=config.ledger.fsync))
     forwarder = Forwarder(
         client,
-        Router(config.upstreams, sends_own_keys=config.auth.mode == "virtual_keys"),
+        Router(config.upstreams),
         auth,
         recorder,
         drain_timeout_s=config.server.drain_after_disconnect_s,
@@ -154,15 +155,10 @@ def create_app(
         isolation=isolation,
         dynamic=dynamic,
     )
-    known = {entry.provider for entry in catalog.entries.values()}
-    for upstream_config in config.upstreams:
-        if upstream_config.catalog_provider not in known:
-            log.info(
-                "upstream %s: no prices for provider %r in the catalog; its models are priced by name "
-                "(vendor/model prefix or the same model at another provider) or stay unpriced",
-                upstream_config.name,
-                upstream_config.catalog_provider,
-            )
+    for warning in price_warnings(config, catalog):
+        log.warning("%s", warning)
+    for note in provider_notes(config, {entry.provider for entry in catalog.entries.values()}):
+        log.info("%s", note)
 
     def spend() -> SpendSource:
         if ledger.shared:  # every replica's spend: the shared ledger, not these books

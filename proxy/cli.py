@@ -11,7 +11,7 @@ import click
 from tokenward.pricing.catalog import CatalogError
 from tokenward.proxy.access_log import ACCESS_LOGGER
 from tokenward.proxy.config import Config, ConfigError, config_from_args, load_config
-from tokenward.proxy.preflight import check_environment
+from tokenward.proxy.preflight import check_budgets, check_environment, price_warnings, provider_notes
 from tokenward.reports.ledger import DuckLedger, LedgerError
 
 __all__ = ["LOG_LEVELS", "main"]
@@ -124,7 +124,9 @@ def serve(
     try:
         store.migrate()
     except (LedgerError, OSError) as exc:
-        raise click.ClickException(f"cannot open the ledger {store.name}: {exc}") from exc
+        reason = str(exc)  # a Postgres error names the ledger already: say it once
+        message = reason if store.name in reason else f"cannot open the ledger {store.name}: {reason}"
+        raise click.ClickException(message) from exc
     click.echo(
         f"starting tokenward on http://{config.server.host}:{config.server.port}/v1 "
         f"(ledger {store.name}, auth {config.auth.mode})",
@@ -148,7 +150,7 @@ def _load(config_path: str | None, upstream: str | None, auth: str | None, provi
 
 def _preflight(config: Config, config_path: str | None) -> list[str]:
     try:
-        return check_environment(config)
+        return check_environment(config) + check_budgets(config)
     except ConfigError as exc:
         raise click.ClickException(f"{config_path}: {exc}" if config_path else str(exc)) from exc
 
@@ -209,11 +211,21 @@ def config_group() -> None:
 @config_group.command("check")
 @click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False), help="YAML config file.")
 def config_check(config_path: str) -> None:
-    """Validate FILE as `serve` would at start (schema, then environment variables)."""
+    """Validate FILE as `serve` would at start (schema, environment variables, then price files)."""
+    from tokenward.pricing.settings import build_catalog
+
     config = _load(config_path, None, None, None)
     warnings = _preflight(config, config_path)
     for warning in warnings:
         click.echo(f"warning: {warning}", err=True)
+    try:  # what create_app loads: a bad price file stops `serve`, so it fails the check too
+        catalog = build_catalog(config.pricing, refresh_file=config.refresh_file())
+    except CatalogError as exc:
+        raise click.ClickException(str(exc)) from exc
+    for warning in price_warnings(config, catalog):
+        click.echo(f"warning: {warning}", err=True)
+    for note in provider_notes(config, {entry.provider for entry in catalog.entries.values()}):
+        click.echo(f"note: {note}", err=True)
     click.echo(
         f"{config_path}: ok ({len(config.upstreams)} upstreams, {len(config.budgets)} budgets, "
         f"auth {config.auth.mode}, ledger {config.open_ledger().name})"

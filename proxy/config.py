@@ -21,6 +21,7 @@ from tokenward.pricing.budgets import Budget
 from tokenward.pricing.catalog import load_exact_yaml
 from tokenward.pricing.runs import RunPolicy, parse_duration
 from tokenward.pricing.settings import BudgetSettings, GuardSettings, PricingSettings, UnpricedPolicy
+from tokenward.proxy.config_errors import explain
 from tokenward.proxy.edge import FREE_ENDPOINTS, UnmeteredPolicy, parse_base
 from tokenward.reports.alerts import AlertSettings
 from tokenward.reports.ledger import Ledger
@@ -405,6 +406,13 @@ class Config(_Section):
         for i, settings in enumerate(self.budgets):
             if names.count(settings.name) > 1:
                 raise ValueError(f"duplicate budget name {settings.name!r} - at `$.budgets[{i}].name`")
+            scoped = settings.scope.get("upstream")
+            if scoped is not None and scoped not in {u.name for u in self.upstreams}:  # would match nothing
+                configured = ", ".join(u.name for u in self.upstreams)
+                raise ValueError(
+                    f"budget {settings.name!r}: scope upstream {scoped!r} is not a configured upstream "
+                    f"(configured: {configured}) - at `$.budgets[{i}].scope`"
+                )
             try:
                 expanded = settings.to_budgets()
             except ValueError as exc:
@@ -468,7 +476,7 @@ def load_config(path: str | Path) -> Config:
     try:
         config = msgspec.convert(document or {}, Config)
     except (msgspec.ValidationError, ValueError) as exc:
-        raise ConfigError(f"{path}: {exc}") from exc
+        raise ConfigError(f"{path}: {explain(str(exc), Config)}") from exc
     base = path.resolve().parent
     config.ledger.path = str(base / config.ledger.path)
     config.ledger.url = pick_url(config.ledger.url)

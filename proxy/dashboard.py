@@ -61,10 +61,10 @@ _LOGIN_MAX_BYTES = 16 * 1024
 """The login form is one field and anyone may post it: its body is held to 16 KiB (413) and to the
 server's ``body_timeout_s`` (408), like every body (:mod:`tokenward.proxy.limits`)."""
 _ASSET_TYPES = {
-    ".js": "text/javascript; charset=utf-8",
-    ".css": "text/css; charset=utf-8",
-    ".html": "text/html; charset=utf-8",
-    ".txt": "text/plain; charset=utf-8",
+    ".js": "text/javascript",  # Litestar adds "; charset=utf-8" to every text/ type
+    ".css": "text/css",
+    ".html": "text/html",
+    ".txt": "text/plain",
 }
 _CSP = (
     "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
@@ -322,7 +322,7 @@ def _page(body: bytes, status: int = 200) -> Response[bytes]:
     return Response(
         body,
         status_code=status,
-        media_type="text/html; charset=utf-8",
+        media_type="text/html",  # Litestar adds the charset
         headers={**_HEADERS, "cache-control": "no-store"},
     )
 

@@ -512,8 +512,9 @@ class Forwarder:
                             )
                         if plan is None:
                             headers = _budget_headers(refusal.budget, refusal.remaining) + _no_retry(refusal, now)
+                            message = str(refusal) + self._assumed_limit_note(head, endpoint)
                             raise ProxyError(
-                                429, str(refusal), "budget_exceeded", "insufficient_quota", headers
+                                429, message, "budget_exceeded", "insufficient_quota", headers
                             ) from refusal
                         body, extra = self._apply(ex, head, body, endpoint, route, plan)
                         attributes = _attributes(ex)
@@ -527,6 +528,15 @@ class Forwarder:
         if not ex.stream:  # a whole reply gets them once it is recorded (Relay's final_headers)
             return extra, body
         return reply_headers(guard, attributes, now) + extra, body
+
+    def _assumed_limit_note(self, head: _RequestHead, endpoint: Endpoint) -> str:
+        """Why a small request's bound may be large: it set no output limit, so the default was priced."""
+        if endpoint.name not in _GENERATING or _sent_limits(head):
+            return ""
+        return (
+            f" The request sets no output limit, so {self.guard_settings.default_max_output_tokens} output tokens "
+            "(guard.default_max_output_tokens) were priced: with a max_tokens it can afford it may fit."
+        )
 
     def _set_output_limit(
         self,

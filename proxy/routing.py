@@ -43,16 +43,15 @@ class Router:
     """Picks the :class:`Route` for each request.
 
     Args:
-        upstreams: the configured upstreams, in priority order.
-        sends_own_keys: tokenward sends each upstream's own key (``virtual_keys`` mode); a
-            missing key is then worth a warning at start.
+        upstreams: the configured upstreams, in priority order (a missing ``api_key_env`` is
+            warned about at start by :mod:`tokenward.proxy.preflight`).
 
     Raises:
         ValueError: an upstream's ``base_url`` cannot be parsed (:func:`~tokenward.proxy.edge.parse_base`).
     """
 
-    def __init__(self, upstreams: list[UpstreamConfig], *, sends_own_keys: bool = False) -> None:
-        self._routes = [_prepare(u, sends_own_keys) for u in upstreams]
+    def __init__(self, upstreams: list[UpstreamConfig]) -> None:
+        self._routes = [_prepare(u) for u in upstreams]
         self._by_name = {route.name: route for route in self._routes}
         defaults = [r for r in self._routes if r.config.default]
         self._default = defaults[0] if defaults else (self._routes[0] if len(self._routes) == 1 else None)
@@ -102,11 +101,8 @@ class Router:
         return found
 
 
-def _prepare(config: UpstreamConfig, sends_own_keys: bool) -> Route:
+def _prepare(config: UpstreamConfig) -> Route:
     key = config.api_key()
-    if sends_own_keys and key is None:
-        missing = f"environment variable {config.api_key_env} is not set" if config.api_key_env else "no api_key_env"
-        log.warning("upstream %s: %s; its requests will be refused (virtual_keys mode)", config.name, missing)
     header = (config.api_key_header.lower().encode(), (config.api_key_prefix + key).encode()) if key else None
     timeouts = Timeouts(connect=config.connect_timeout_s, read=config.read_timeout_s)
     return Route(config, parse_base(config.base_url), header, timeouts, config.api_dialect)

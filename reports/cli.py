@@ -28,6 +28,7 @@ from tokenward.reports.cli_common import (
     zone_named,
 )
 from tokenward.reports.ledger import LedgerError
+from tokenward.reports.ledger.factory import is_postgres_url
 from tokenward.reports.ledger.wal import copy_row
 from tokenward.reports.report_cli import report
 
@@ -114,6 +115,9 @@ def copy_command(source: str, target: str, wait: float) -> None:
     twice leaves exactly one row per request. Keys, alert claims and budget books are not
     copied (the target's own state store keeps them).
     """
+    same = source == target if is_postgres_url(source) else Path(source).resolve() == Path(target).resolve()
+    if same:  # before: "in use by another process", the process being this copy
+        raise click.ClickException(f"--from and --to name the same ledger ({source}): nothing to copy")
     reader, writer = ledger_named(source, None), ledger_named(target, None)
     try:
         writer.migrate()

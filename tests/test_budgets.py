@@ -703,3 +703,32 @@ def test_a_bytes_bound_is_never_below_the_counted_bound_numbers_in_a_tool_schema
     # the tools' JSON, 4 "user", 2 "hi") + the same 6 of overhead: (19,134 x $2.50 + $10.00) / 1M.
     # (Bounded by the body's 5,208 bytes it was $0.01303: 42 % under what the count says.)
     assert reserved[0.01] == Decimal("0.047845") and reserved[0.01] >= reserved[0]
+
+
+def test_a_refusal_of_a_request_without_an_output_limit_says_what_was_priced(start_proxy, simulator):
+    import openai
+
+    budget = BudgetSettings(name="cap", limit_usd="0.10", period="day", action="block")
+    proxy = budget_proxy(start_proxy, simulator, [budget])
+    client = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="tw-agent-key-0001", max_retries=0)
+    request = long_prompt_request(10, 1000)  # 17 tokens in
+    del request["max_tokens"]
+    with pytest.raises(openai.RateLimitError) as refused:
+        client.chat.completions.create(**request)
+    # 17 x $2.50 + 16384 (the default output limit) x $10.00 per 1M = $0.1638825, over the $0.10 left
+    message = refused.value.body["message"]
+    assert message.startswith(
+        "Budget 'cap' (all traffic) has $0.1 left of $0.1 this period; this request may cost up to $0.1638825. "
+    )
+    # before: nothing said why a 17-token request was bounded at 16 cents
+    assert message.endswith(
+        " The request sets no output limit, so 16384 output tokens (guard.default_max_output_tokens) were "
+        "priced: with a max_tokens it can afford it may fit."
+    )
+    register(simulator, "fits", {**request, "max_tokens": 1000}, prompt_tokens=17, completion_tokens=3)
+    client.chat.completions.create(**request, max_tokens=1000, extra_headers={RECORD_HEADER: "fits"})  # $0.0100425
+    with pytest.raises(openai.RateLimitError) as again:  # one that set a limit is told nothing more
+        client.chat.completions.create(**request, max_tokens=20000)
+    # 17 x $2.50 + 20000 x $10.00 per 1M
+    assert "this request may cost up to $0.2000425. It resets at " in again.value.body["message"]
+    assert again.value.body["message"].endswith("+00:00.")

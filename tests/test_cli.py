@@ -319,7 +319,10 @@ def test_serve_refuses_a_ledger_it_cannot_write(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
     result = tokenward("serve", "--upstream", "http://127.0.0.1:9/v1", "--db", str(blocker / "l.duckdb"), check=False)
-    assert result.returncode != 0 and "cannot open the ledger" in result.stderr and "Traceback" not in result.stderr
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    ledger = blocker / "l.duckdb"  # was "cannot open the ledger L: cannot open ledger L: IO Error ..."
+    error = f'Error: cannot open ledger {ledger}: IO Error: Cannot open file "{ledger}": Not a directory'
+    assert result.stderr.rstrip().endswith(error)
 
 
 def test_simulate_serves_recorded_providers(sample):

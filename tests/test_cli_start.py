@@ -152,7 +152,7 @@ def test_a_running_proxy_logs_requests_and_warnings_but_not_its_scheduler(tmp_pa
         f" api_key_env: TW_TEST_UNSET_KEY}}\n"
         f"auth: {{mode: virtual_keys}}\n"
         f"virtual_keys: [{{name: agent, key: tw-agent-key-0001}}]\n"
-        f"server: {{port: {port}}}\n"
+        f"server: {{port: {port}, admin_token_env: TW_TEST_UNSET_ADMIN}}\n"
         f"ledger: {{path: l.duckdb, flush_interval_s: 0.2}}\n"
         f"budgets: [{{name: monthly, limit_usd: 100}}]\n"
         f"alerts: {{evaluate_every_s: 1, webhooks: [{{name: spare, url_env: TW_TEST_UNSET_HOOK}}]}}\n"
@@ -181,7 +181,9 @@ def test_a_running_proxy_logs_requests_and_warnings_but_not_its_scheduler(tmp_pa
         "(nothing sends to 'spare')" in line
         for line in lines
     )
-    assert any("upstream openai: environment variable TW_TEST_UNSET_KEY is not set" in line for line in lines)
+    # each once: said by the start checks (proxy/preflight.py, as `config check` says them), not again by the app
+    assert sum("upstream openai: environment variable TW_TEST_UNSET_KEY is not set" in line for line in lines) == 1
+    assert sum("server.admin_token_env names TW_TEST_UNSET_ADMIN, which is not set" in line for line in lines) == 1
     access = [line for line in lines if " INFO tokenward.access: " in line]
     assert len(access) == 1 and "POST /v1/chat/completions 500 proxy_error upstream=openai model=gpt-4o" in access[0]
     assert any(
@@ -278,3 +280,156 @@ def test_make_run_takes_a_port(tmp_path):
         os.killpg(process.pid, signal.SIGINT)
         _, stderr = process.communicate(timeout=30)
     assert f"starting tokenward on http://127.0.0.1:{port}/v1 (ledger {ledger}, auth passthrough)" in stderr
+
+
+SIM = "upstreams: [{name: openai, base_url: 'http://127.0.0.1:9/v1', provider: openai}]\n"
+
+
+@pytest.mark.parametrize(
+    ("config", "prices", "expected"),
+    [
+        (  # before: the allowed values were left to find in the docs
+            f"{SIM}budgets: [{{name: b, limit_usd: 5, period: daily}}]",
+            None,
+            "Invalid enum value 'daily' - at `$.budgets[0].period`; expected one of day, hour, month, rolling, total, week",
+        ),
+        (
+            f"{SIM}auth: {{mode: virtual_key}}",
+            None,
+            "Invalid enum value 'virtual_key' - at `$.auth.mode`; expected one of passthrough, virtual_keys",
+        ),
+        (  # a typo is named with the field meant
+            f"{SIM}budgets: [{{name: b, limt_usd: 5}}]",
+            None,
+            "Object contains unknown field `limt_usd` - at `$.budgets[0]`; did you mean `limit_usd`?",
+        ),
+        (f"{SIM}budget: []", None, "Object contains unknown field `budget`; did you mean `budgets`?"),
+        (  # nothing close: the fields the section takes
+            f"{SIM}virtual_keys: [{{name: a, key: tw-a, max_budget: 5}}]",
+            None,
+            "Object contains unknown field `max_budget` - at `$.virtual_keys[0]`; this section takes name, key, "
+            "key_sha256, team, project, org, pool, allow_unmetered, attribution, runs, role",
+        ),
+        (  # before: accepted, and a blocking budget that matched no request refused nothing
+            f"{SIM}budgets: [{{name: b, limit_usd: 5, scope: {{upstream: opneai}}, action: block}}]",
+            None,
+            "budget 'b': scope upstream 'opneai' is not a configured upstream (configured: openai) "
+            "- at `$.budgets[0].scope`",
+        ),
+        (  # before: `config check` said ok and `serve` refused to start
+            f"{SIM}pricing: {{files: [prices.yaml]}}",
+            "entries: [{id: acme/large, provider: acme, model: large, input: 2, outptu: 6, source: 'https://a', "
+            "checked: 2026-11-29}]",
+            "{dir}/prices.yaml: entry 'acme/large': field 'outptu': unknown field; did you mean 'output'?",
+        ),
+    ],
+    ids=["enum", "enum-auth", "typo", "typo-top", "unknown-field", "budget-upstream", "price-file"],
+)
+def test_config_mistakes_say_what_to_write(tmp_path, config, prices, expected):
+    path = tmp_path / "c.yaml"
+    path.write_text(config)
+    if prices is not None:
+        (tmp_path / "prices.yaml").write_text(prices)
+    expected = expected.format(dir=tmp_path)
+    if not expected.startswith(str(tmp_path)):  # schema errors name the config file
+        expected = f"{path}: {expected}"
+    check = tokenward("config", "check", "--config", str(path))
+    assert one_line_error(check) == f"Error: {expected}"
+    serve = tokenward("serve", "--config", str(path), "--db", str(tmp_path / "l.duckdb"), "--port", str(free_port()))
+    assert one_line_error(serve) == f"Error: {expected}"  # the check says what serve says
+
+
+def test_config_check_warns_as_serve_does(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "upstreams:\n"
+        "  - {name: openai, base_url: 'http://127.0.0.1:9/v1', provider: openai, api_key_env: TW_TEST_UNSET_KEY}\n"
+        "  - {name: claude, base_url: 'http://127.0.0.1:9/v1', provider: anthropik, models: ['claude-*']}\n"
+        "server: {admin_token_env: TW_TEST_UNSET_ADMIN, metrics_token_env: TW_TEST_UNSET_METRICS}\n"
+        "auth: {mode: virtual_keys}\n"
+    )
+    check = tokenward("config", "check", "--config", str(path))
+    assert check.returncode == 0 and check.stdout.startswith(f"{path}: ok (2 upstreams")
+    assert check.stderr.splitlines() == [  # before: only "ok", and serve then logged the first four
+        "warning: upstream openai: environment variable TW_TEST_UNSET_KEY is not set; "
+        "its requests will be refused (virtual_keys mode)",
+        "warning: upstream claude: no api_key_env; its requests will be refused (virtual_keys mode)",
+        "warning: server.admin_token_env names TW_TEST_UNSET_ADMIN, which is not set: the dashboard refuses everyone",
+        "warning: server.metrics_token_env names TW_TEST_UNSET_METRICS, which is not set: /metrics refuses every token",
+        "note: upstream claude: no prices for provider 'anthropik' in the catalog (did you mean provider: anthropic?); "
+        "its models are priced by name (vendor/model prefix or the same model at another provider) or stay unpriced",
+    ]
+    passthrough = tmp_path / "p.yaml"
+    passthrough.write_text(
+        f"{SIM}budgets:\n"
+        "  - {name: research, limit_usd: 5, scope: {team: research}, action: block}\n"
+        "  - {name: per-pool, limit_usd: 5, per: pool, scope: {project: x}}\n"
+        "  - {name: users, limit_usd: 5, per: end_user}\n"
+    )
+    check = tokenward("config", "check", "--config", str(passthrough))
+    assert check.returncode == 0 and check.stderr.splitlines() == [
+        "warning: budgets[0] 'research': team comes from virtual keys, and auth.mode is passthrough: this budget "
+        "matches no request (set auth.mode: virtual_keys, or scope it on key, end_user, model, upstream or tag)",
+        "warning: budgets[1] 'per-pool': project and pool come from virtual keys, and auth.mode is passthrough: this "
+        "budget matches no request (set auth.mode: virtual_keys, or scope it on key, end_user, model, upstream or tag)",
+    ]
+
+
+def test_ledger_copy_onto_itself_says_so(tmp_path):
+    ledger = tmp_path / "l.duckdb"
+    assert tokenward("ledger", "migrate", "--db", str(ledger)).returncode == 0
+    copy = tokenward("ledger", "copy", "--from", str(ledger), "--to", f"{tmp_path}/./l.duckdb")
+    # before: "ledger ... is in use by another process (0 rows copied before)", the process being the copy itself
+    assert one_line_error(copy) == f"Error: --from and --to name the same ledger ({ledger}): nothing to copy"
+
+
+def test_pins_and_budgets_on_models_without_a_price_are_named(tmp_path):
+    port = free_port()
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "upstreams: [{name: azure, base_url: 'http://127.0.0.1:9/v1', provider: openai, price_as: gpt-4o-mnii}]\n"
+        "pricing: {aliases: {prod-4o: gpt-4oo}, price_as: {contoso: gpt-4o}}\n"  # contoso's pin has a price
+        "budgets: [{name: m, limit_usd: 5, scope: {model: gpt-4o-mnii}}]\n"
+        f"server: {{port: {port}}}\nledger: {{path: l.duckdb}}\n"
+    )
+    expected = [  # before: "ok", and every request pinned there was recorded unpriced
+        "upstreams[0].price_as: no price for 'gpt-4o-mnii' in the catalog (did you mean 'gpt-4o-mini'?); "
+        "every request to azure will be unpriced",
+        "pricing.aliases: prod-4o -> 'gpt-4oo': no price for 'gpt-4oo' in the catalog (did you mean 'gpt-4o'?)",
+        "budgets[0] 'm': scope model 'gpt-4o-mnii': no price for 'gpt-4o-mnii' in the catalog (did you mean "
+        "'gpt-4o-mini'?), so this budget counts no spend for it",
+    ]
+    check = tokenward("config", "check", "--config", str(path))
+    assert check.returncode == 0 and check.stderr.splitlines() == [f"warning: {w}" for w in expected]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tokenward.proxy", "serve", "--config", str(path)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", process)
+    finally:
+        stderr = stop(process)
+    for warning in expected:  # serve says the same, once
+        assert sum(line.endswith(f" WARNING tokenward.proxy: {warning}") for line in stderr.splitlines()) == 1
+
+
+def test_a_postgres_ledger_that_is_down_is_named_once(tmp_path):
+    url = f"postgresql://tokenward:s3cret@127.0.0.1:{free_port()}/tokenward"  # nothing listens there
+    start = tokenward("serve", "--upstream", "http://127.0.0.1:9/v1", "--db", url, "--port", str(free_port()))
+    error = one_line_error_or_last(start)
+    shown = url.replace(":s3cret", ":***")  # the password never shows
+    # before: "cannot open the ledger <url>: cannot connect to the ledger <url>: connection failed: ..."
+    assert error.startswith(f"Error: cannot connect to the ledger {shown}: connection failed: ")
+    assert start.stderr.count(shown) == 1 and "s3cret" not in start.stderr
+    # `--upstream` without `--provider` prices by model name, as asked: no note that 'default' has no prices
+    assert "provider 'default'" not in start.stderr
+
+
+def one_line_error_or_last(result: subprocess.CompletedProcess[str]) -> str:
+    """The ``Error:`` line of a failed start whose reason may run on (a driver's hint on the next line)."""
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("Error: ")]
+    assert len(errors) == 1, result.stderr
+    return errors[0]

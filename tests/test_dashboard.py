@@ -102,11 +102,12 @@ def test_passthrough_without_token_serves_loopback_only(tmp_path, simulator, sam
         assert "<form" not in page.text
         # the page's assets hold no data and are public; the page itself is not framed or sniffed
         asset = httpx.get(f"{proxy.url}/dashboard/assets/dashboard.js", headers={"x-forwarded-for": "203.0.113.9"})
-        assert asset.status_code == 200 and asset.headers["content-type"].startswith("text/javascript")
+        assert asset.status_code == 200 and asset.headers["content-type"] == "text/javascript; charset=utf-8"
         assert httpx.get(f"{proxy.url}/dashboard/assets/..%2Fdashboard.py").status_code == 404
         ok = httpx.get(f"{proxy.url}/dashboard")
         assert ok.status_code == 200 and "script-src 'self'" in ok.headers["content-security-policy"]
         assert ok.headers["x-frame-options"] == "DENY"
+        assert ok.headers["content-type"] == page.headers["content-type"] == "text/html; charset=utf-8"  # said once
         # looking at the dashboard writes no ledger rows
         assert len(proxy.rows()) == 1
 

@@ -86,7 +86,9 @@ def test_metrics_latency_ttft_upstream_errors_and_no_created_series(start_proxy,
     httpx.post(f"{proxy.url}/v1/chat/completions", json=stream, headers={RECORD_HEADER: CHAT_STREAM})
     httpx.post(f"{proxy.url}/v1/chat/completions", json=CHAT_BODY, headers={"x-tokenward-upstream": "dead"})
     rows = proxy.rows(3)
-    text = httpx.get(f"{proxy.url}/metrics").text
+    metrics = httpx.get(f"{proxy.url}/metrics")
+    assert metrics.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"  # Prometheus' text format
+    text = metrics.text
     assert "_created" not in text
     labels = '{endpoint="chat_completions",upstream="openai"}'
     assert sample_value(text, f"tokenward_request_duration_seconds_count{labels}") == 2
