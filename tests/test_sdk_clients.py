@@ -1,0 +1,270 @@
+"""Real clients as users run them: the ``openai`` and ``anthropic`` SDKs (and raw HTTP/1.1) -> tokenward -> a real
+HTTP upstream that answers as the provider does.
+
+Each test compares what the client got through tokenward with what the same upstream sends directly
+(status, the headers the SDKs read, body bytes, SSE events one by one) and checks the request's one
+ledger row against counts and costs worked out by hand from the built-in catalog's rates (USD per 1M
+tokens unless stated).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import openai
+import pytest
+from aiohttp import web
+
+from tests.conftest import Proxy
+from tests.servers import Servers
+from tokenward.proxy.app import create_app
+from tokenward.proxy.config import AuthConfig, Config, LedgerConfig, ServerConfig, UpstreamConfig, VirtualKeyConfig
+from tokenward.proxy.server import running_in_thread
+
+ALICE, BOB = "tw-alice-0123456789", "tw-bob-0123456789ab"
+
+
+def sse(events: list[tuple[str | None, dict[str, Any]]]) -> list[bytes]:
+    """SSE frames as OpenAI (``event`` None) and Anthropic/Responses (named events) send them."""
+    frames = []
+    for name, data in events:
+        head = f"event: {name}\n".encode() if name else b""
+        frames.append(head + b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n")
+    return frames
+
+
+class Provider:
+    """Scripted replies by path: ``routes[path] = handler(request, body) -> StreamResponse``."""
+
+    def __init__(self) -> None:
+        self.routes: dict[str, Any] = {}
+        self.calls: list[dict[str, Any]] = []
+
+    async def __call__(self, request: web.Request, body: bytes) -> web.StreamResponse:
+        self.calls.append({"path": request.path, "headers": dict(request.headers), "body": body})
+        handler = self.routes.get(request.path)
+        if handler is None:
+            return web.json_response({"error": {"message": f"no route {request.path}"}}, status=404)
+        return await handler(request, body)
+
+
+async def stream_frames(
+    request: web.Request, frames: list[bytes], headers: dict[str, str] | None = None
+) -> web.StreamResponse:
+    reply = web.StreamResponse(headers={"content-type": "text/event-stream", **(headers or {})})
+    await reply.prepare(request)
+    for frame in frames:
+        await reply.write(frame)
+    await reply.write_eof()
+    return reply
+
+
+@pytest.fixture
+def provider() -> Iterator[tuple[Provider, Servers]]:
+    script = Provider()
+    with Servers(script).running() as servers:
+        yield script, servers
+
+
+@contextmanager
+def start(servers: Servers, ledger: Path, **server: Any) -> Iterator[Proxy]:
+    config = Config(
+        upstreams=[
+            UpstreamConfig(name="openai", base_url=f"{servers.upstream_url}/v1", provider="openai", default=True),
+            UpstreamConfig(
+                name="anthropic",
+                base_url=f"{servers.upstream_url}/anthropic/v1",
+                provider="anthropic",
+                models=["claude-*"],
+            ),
+        ],
+        ledger=LedgerConfig(path=str(ledger), flush_interval_s=0.05),
+        auth=AuthConfig(mode="passthrough"),
+        server=ServerConfig(**server),
+    )
+    app = create_app(config)
+    with running_in_thread(app) as url:
+        yield Proxy(url, app, ledger)
+
+
+def sdk(proxy: Proxy, **kw: Any) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=f"{proxy.url}/v1", api_key="sk-client-key", max_retries=kw.pop("max_retries", 0), **kw
+    )
+
+
+def claude(proxy: Proxy, **kw: Any) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=proxy.url, api_key="sk-ant-client", max_retries=kw.pop("max_retries", 0), **kw)
+
+
+def ledger_tokens(row: dict[str, Any]) -> tuple[int, ...]:
+    return (
+        row["input_tokens"],
+        row["cached_input_tokens"],
+        row["cache_write_tokens"],
+        row["output_tokens"],
+        row["reasoning_tokens"],
+    )
+
+
+RESPONSE_USAGE = {
+    "input_tokens": 1200,
+    "input_tokens_details": {"cached_tokens": 1024},
+    "output_tokens": 420,
+    "output_tokens_details": {"reasoning_tokens": 384},
+    "total_tokens": 1620,
+}
+RESPONSE_OUTPUT = [
+    {"id": "rs_1", "type": "reasoning", "summary": [{"type": "summary_text", "text": "Look it up."}]},
+    {
+        "id": "fc_1",
+        "type": "function_call",
+        "status": "completed",
+        "call_id": "call_1",
+        "name": "get_weather",
+        "arguments": '{"city":"Paris"}',
+    },
+]
+
+
+def response_object(status: str, *, usage: Any, output: list[Any]) -> dict[str, Any]:
+    return {
+        "id": "resp_1", "object": "response", "created_at": 1764600000, "status": status, "error": None,
+        "incomplete_details": None, "instructions": None, "max_output_tokens": None, "model": "o4-mini-2025-04-16",
+        "output": output, "parallel_tool_calls": True, "previous_response_id": None,
+        "reasoning": {"effort": "medium", "summary": "auto"}, "store": True, "temperature": 1.0,
+        "text": {"format": {"type": "text"}}, "tool_choice": "auto", "tools": [], "top_p": 1.0,
+        "truncation": "disabled", "usage": usage, "user": None, "metadata": {},
+    }  # fmt: skip
+
+
+def responses_frames() -> list[bytes]:
+    reasoning, call = RESPONSE_OUTPUT
+    events: list[tuple[str | None, dict[str, Any]]] = [
+        ("response.created", {"type": "response.created", "sequence_number": 0,
+                              "response": response_object("in_progress", usage=None, output=[])}),
+        ("response.output_item.added", {"type": "response.output_item.added", "sequence_number": 1, "output_index": 0,
+                                        "item": {**reasoning, "summary": []}}),
+        ("response.reasoning_summary_text.delta", {"type": "response.reasoning_summary_text.delta", "sequence_number": 2,
+                                                   "item_id": "rs_1", "output_index": 0, "summary_index": 0,
+                                                   "delta": "Look it up."}),
+        ("response.output_item.done", {"type": "response.output_item.done", "sequence_number": 3, "output_index": 0,
+                                       "item": reasoning}),
+        ("response.output_item.added", {"type": "response.output_item.added", "sequence_number": 4, "output_index": 1,
+                                        "item": {**call, "arguments": "", "status": "in_progress"}}),
+        ("response.function_call_arguments.delta", {"type": "response.function_call_arguments.delta",
+                                                    "sequence_number": 5, "item_id": "fc_1", "output_index": 1,
+                                                    "delta": '{"city":"Paris"}'}),
+        ("response.function_call_arguments.done", {"type": "response.function_call_arguments.done",
+                                                   "sequence_number": 6, "item_id": "fc_1", "output_index": 1,
+                                                   "arguments": '{"city":"Paris"}'}),
+        ("response.output_item.done", {"type": "response.output_item.done", "sequence_number": 7, "output_index": 1,
+                                       "item": call}),
+        ("response.completed", {"type": "response.completed", "sequence_number": 8,
+                                "response": response_object("completed", usage=RESPONSE_USAGE, output=RESPONSE_OUTPUT)}),
+    ]  # fmt: skip
+    return sse(events)
+
+
+async def responses_route(request: web.Request, body: bytes) -> web.StreamResponse:
+    if json.loads(body).get("stream"):
+        return await stream_frames(request, responses_frames(), {"x-request-id": "req_stream"})
+    document = response_object("completed", usage=RESPONSE_USAGE, output=RESPONSE_OUTPUT)
+    return web.json_response(document, headers={"x-request-id": "req_whole"})
+
+
+def test_responses_stream_with_reasoning_and_a_tool_call_is_relayed_event_by_event_and_billed_as_the_whole_reply(
+    provider, tmp_path
+):
+    script, servers = provider
+    script.routes["/v1/responses"] = responses_route
+    tools = [{"type": "function", "name": "get_weather", "parameters": {"type": "object", "properties": {}}}]
+    request = {"model": "o4-mini", "input": "Weather in Paris?", "tools": tools, "reasoning": {"summary": "auto"}}
+    with openai.OpenAI(base_url=f"{servers.upstream_url}/v1", api_key="sk-direct", max_retries=0) as direct:
+        expected = [event.to_dict() for event in direct.responses.create(stream=True, **request)]
+    with start(servers, tmp_path / "l.duckdb") as proxy:
+        with sdk(proxy) as client, client.responses.with_streaming_response.create(stream=True, **request) as raw:
+            assert raw.headers["x-request-id"] == "req_stream"
+            wire = b"".join(raw.iter_bytes())
+            got = [event.to_dict() for event in client.responses.create(stream=True, **request)]
+            whole = client.responses.create(**request)
+        assert wire == b"".join(responses_frames())  # byte for byte
+        assert got == expected and len(got) == 9
+        assert whole.output[1].arguments == '{"city":"Paris"}'
+        streamed_a, streamed_b, plain = proxy.rows(3)
+    # o4-mini: 176 uncached x 1.10 + 1024 cached x 0.275 + 420 output x 4.40 = 193.6 + 281.6 + 1848 -> $0.0023232
+    for row in (streamed_a, streamed_b, plain):
+        assert ledger_tokens(row) == (1200, 1024, 0, 420, 384)
+        assert row["cost_usd"] == Decimal("0.0023232") and row["usage_source"] == "reported"
+        assert row["outcome"] == "ok" and row["served_model"] == "o4-mini-2025-04-16"
+    assert (streamed_a["stream"], plain["stream"]) == (True, False)
+
+
+COMPACTION = {
+    "id": "cmp_1", "object": "response.compaction", "created_at": 1764600000,
+    "output": [{"id": "cmp_item_1", "type": "compaction", "encrypted_content": "gAAAA..."}],
+    "usage": RESPONSE_USAGE,
+}  # fmt: skip
+
+
+def test_a_responses_compaction_is_metered_as_the_model_pass_it_is(provider, tmp_path):
+    """``POST /v1/responses/compact`` runs the model over the conversation and reports (and bills) its usage."""
+    script, servers = provider
+
+    async def compact(request: web.Request, body: bytes) -> web.StreamResponse:
+        return web.json_response(COMPACTION, headers={"x-request-id": "req_compact"})
+
+    script.routes["/v1/responses/compact"] = compact
+    with start(servers, tmp_path / "l.duckdb") as proxy:
+        with sdk(proxy) as client:
+            raw = client.responses.with_raw_response.compact(model="o4-mini", input="a long conversation")
+        assert raw.headers["x-request-id"] == "req_compact" and raw.parse().usage.output_tokens == 420
+        assert json.loads(raw.content) == COMPACTION
+        (row,) = proxy.rows(1)
+    assert json.loads(script.calls[0]["body"]) == {"model": "o4-mini", "input": "a long conversation"}  # untouched
+    assert (row["endpoint"], row["path"], row["outcome"]) == ("responses_compact", "/v1/responses/compact", "ok")
+    assert ledger_tokens(row) == (1200, 1024, 0, 420, 384) and row["usage_source"] == "reported"
+    # o4-mini, as a Responses call: 176 x 1.10 + 1024 x 0.275 + 420 x 4.40 = 2323.2 / 1M -> $0.0023232
+    assert row["cost_usd"] == Decimal("0.0023232") and row["price_status"] == "priced"
+
+
+def test_a_compaction_reaches_only_the_callers_stored_responses(provider, tmp_path, monkeypatch):
+    """Metered now, a compaction's ``previous_response_id`` is still held to the caller's own responses."""
+    script, servers = provider
+    monkeypatch.setenv("ACCOUNT_SECRET", "sk-account")
+
+    async def respond(request: web.Request, body: bytes) -> web.StreamResponse:
+        return web.json_response(response_object("completed", usage=RESPONSE_USAGE, output=RESPONSE_OUTPUT))
+
+    async def compact(request: web.Request, body: bytes) -> web.StreamResponse:
+        return web.json_response(COMPACTION)
+
+    script.routes.update({"/v1/responses": respond, "/v1/responses/compact": compact})
+    config = Config(
+        upstreams=[UpstreamConfig(name="openai", base_url=f"{servers.upstream_url}/v1", api_key_env="ACCOUNT_SECRET")],
+        ledger=LedgerConfig(path=str(tmp_path / "l.duckdb"), flush_interval_s=0.05),
+        auth=AuthConfig(mode="virtual_keys"),
+        virtual_keys=[VirtualKeyConfig(name="alice", key=ALICE), VirtualKeyConfig(name="bob", key=BOB)],
+    )
+    app = create_app(config)
+    with running_in_thread(app) as url:
+        alice, bob = (openai.OpenAI(base_url=f"{url}/v1", api_key=k, max_retries=0) for k in (ALICE, BOB))
+        stored = alice.responses.create(model="o4-mini", input="the secret plan").id
+        with pytest.raises(openai.NotFoundError):
+            bob.responses.compact(model="o4-mini", previous_response_id=stored)
+        assert alice.responses.compact(model="o4-mini", previous_response_id=stored).usage.input_tokens == 1200
+        rows = Proxy(url, app, tmp_path / "l.duckdb").rows(3)
+        alice.close(), bob.close()
+    assert [c["path"] for c in script.calls] == ["/v1/responses", "/v1/responses/compact"]  # bob's never left
+    alice_id, bob_id = rows[0]["principal"], rows[1]["principal"]
+    assert alice_id != bob_id
+    assert [(r["principal"], r["endpoint"], r["http_status"], r["cost_usd"]) for r in rows[1:]] == [
+        (bob_id, "responses_compact", 404, Decimal(0)),  # refused before it was sent: nothing billed
+        (alice_id, "responses_compact", 200, Decimal("0.0023232")),
+    ]
