@@ -65,7 +65,9 @@ __all__ = ["METERED_ENDPOINTS", "Endpoint", "Forwarder"]
 
 log = logging.getLogger("tokenward.proxy")
 
-_NOT_FORWARDED = HOP_BY_HOP | {b"host", b"content-length"}
+# ``Expect: 100-continue`` was answered by tokenward's server when it read the body: forwarded, the HTTP
+# client would wait for the upstream's own ``100`` before sending a body tokenward already holds
+_NOT_FORWARDED = HOP_BY_HOP | {b"host", b"content-length", b"expect"}
 _UPSTREAM_HEADER = b"x-tokenward-upstream"
 _TAGS_HEADER = b"x-tokenward-tags"
 _SESSION_HEADER = b"x-tokenward-session"
@@ -756,7 +758,7 @@ class Forwarder:
                 from :meth:`Authenticator.identify`.
         """
         passthrough = self.auth.passthrough
-        dropped = HOP_BY_HOP | {b"host"} if keep_length else _NOT_FORWARDED
+        dropped = HOP_BY_HOP | {b"host", b"expect"} if keep_length else _NOT_FORWARDED
         inbound = _Inbound(headers=[])
         has_encoding = False
         claimed_names = self.auth.attribution_headers

@@ -9,7 +9,9 @@ tokens unless stated).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from decimal import Decimal
@@ -22,6 +24,7 @@ import pytest
 from aiohttp import web
 
 from tests.conftest import Proxy
+from tests.raw_upstream import RawUpstream
 from tests.servers import Servers
 from tokenward.proxy.app import create_app
 from tokenward.proxy.config import AuthConfig, Config, LedgerConfig, ServerConfig, UpstreamConfig, VirtualKeyConfig
@@ -268,3 +271,58 @@ def test_a_compaction_reaches_only_the_callers_stored_responses(provider, tmp_pa
         (bob_id, "responses_compact", 404, Decimal(0)),  # refused before it was sent: nothing billed
         (alice_id, "responses_compact", 200, Decimal("0.0023232")),
     ]
+
+
+def curl_like_post(url: str, path: bytes, body: bytes, timeout: float) -> bytes:
+    """POST as curl does for a large body: ``Expect: 100-continue``, wait for ``100 Continue``, then the body."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=timeout) as sock:
+        head = b"POST " + path + b" HTTP/1.1\r\nHost: tokenward\r\nAuthorization: Bearer sk-client\r\n"
+        head += b"Content-Type: application/json\r\nExpect: 100-continue\r\nContent-Length: %d\r\n\r\n" % len(body)
+        sock.sendall(head)
+        assert sock.recv(100) == b"HTTP/1.1 100 Continue\r\n\r\n"
+        sock.sendall(body)
+        data = b""
+        with contextlib.suppress(TimeoutError):
+            while not data.endswith(b"}") and (chunk := sock.recv(65536)):
+                data += chunk
+        return data
+
+
+CHAT_DOC = json.dumps(
+    {
+        "id": "c1", "object": "chat.completion", "created": 1, "model": "gpt-4o-mini-2024-07-18",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "pong"}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 30, "completion_tokens": 12, "total_tokens": 42},
+    }
+).encode()  # fmt: skip
+
+
+@pytest.mark.parametrize("path", [b"/v1/chat/completions", b"/v1/files"])
+def test_a_client_expecting_100_continue_is_answered_even_by_an_upstream_that_never_sends_100(tmp_path, path):
+    """tokenward answers the client's ``Expect`` itself and holds the body: the upstream gets it with the head.
+
+    An upstream that does not send ``100 Continue`` (RFC 9110 lets a server skip it and lets a client
+    send the body anyway) used to get the ``Expect`` header forwarded, and tokenward's HTTP client then
+    waited for a ``100`` before sending the body, while the upstream waited for the body: the client got
+    nothing for as long as the upstream kept the connection open.
+    """
+    upstream = RawUpstream()
+    reply = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(CHAT_DOC)
+    upstream.script = lambda head, body: [reply + CHAT_DOC]
+    body = json.dumps({"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "ping"}]}).encode()
+    with upstream.running():
+        config = Config(
+            upstreams=[UpstreamConfig(name="openai", base_url=f"{upstream.url}/v1", default=True)],
+            ledger=LedgerConfig(path=str(tmp_path / "l.duckdb"), flush_interval_s=0.05),
+        )
+        app = create_app(config)
+        with running_in_thread(app) as url:
+            data = curl_like_post(url, path, body, timeout=5)
+            (row,) = Proxy(url, app, tmp_path / "l.duckdb").rows(1)
+    assert data.startswith(b"HTTP/1.1 200 OK\r\n") and data.endswith(b"\r\n\r\n" + CHAT_DOC)
+    ((head, sent),) = upstream.requests
+    assert sent == body and b"expect" not in head.lower()
+    assert row["outcome"] == "ok"
+    if path == b"/v1/chat/completions":  # gpt-4o-mini: 30 x 0.15 + 12 x 0.60 = 11.7 / 1M -> $0.0000117
+        assert (row["input_tokens"], row["output_tokens"], row["cost_usd"]) == (30, 12, Decimal("0.0000117"))
