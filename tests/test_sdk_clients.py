@@ -9,8 +9,10 @@ tokens unless stated).
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
+import random
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -29,6 +31,7 @@ from tests.servers import Servers
 from tokenward.proxy.app import create_app
 from tokenward.proxy.config import AuthConfig, Config, LedgerConfig, ServerConfig, UpstreamConfig, VirtualKeyConfig
 from tokenward.proxy.server import running_in_thread
+from tokenward.proxy.sse import MAX_EVENT_BYTES
 
 ALICE, BOB = "tw-alice-0123456789", "tw-bob-0123456789ab"
 
@@ -326,3 +329,80 @@ def test_a_client_expecting_100_continue_is_answered_even_by_an_upstream_that_ne
     assert row["outcome"] == "ok"
     if path == b"/v1/chat/completions":  # gpt-4o-mini: 30 x 0.15 + 12 x 0.60 = 11.7 / 1M -> $0.0000117
         assert (row["input_tokens"], row["output_tokens"], row["cost_usd"]) == (30, 12, Decimal("0.0000117"))
+
+
+IMAGE_USAGE = {
+    "total_tokens": 6290,
+    "input_tokens": 50,
+    "input_tokens_details": {"text_tokens": 40, "image_tokens": 10},
+    "output_tokens": 6240,
+}
+# gpt-image-1: 40 text x 5.00 + 10 image x 10.00 + 6240 output x 40.00 = 200 + 100 + 249,600 -> $0.2499
+IMAGE_COST = Decimal("0.2499")
+
+
+@pytest.fixture(scope="module")
+def big_image() -> str:
+    """A base64 PNG-sized payload whose event is over the SSE cap (8 MiB): a 1024x1536 high-quality image can be."""
+    return base64.b64encode(random.Random(5).randbytes(MAX_EVENT_BYTES * 3 // 4 + 4096)).decode()
+
+
+def test_a_streamed_image_whose_completed_event_is_over_the_event_cap_is_billed_as_reported(
+    provider, tmp_path, big_image
+):
+    script, servers = provider
+    done = {
+        "type": "image_generation.completed", "b64_json": big_image, "created_at": 1764600000, "size": "1024x1536",
+        "quality": "high", "background": "opaque", "output_format": "png", "usage": IMAGE_USAGE,
+    }  # fmt: skip
+    frames = sse([("image_generation.completed", done)])
+    assert len(frames[0]) > MAX_EVENT_BYTES
+
+    async def generate(request: web.Request, body: bytes) -> web.StreamResponse:
+        return await stream_frames(request, frames)
+
+    script.routes["/v1/images/generations"] = generate
+    with start(servers, tmp_path / "l.duckdb") as proxy:
+        with sdk(proxy, timeout=60) as client:
+            request = {"model": "gpt-image-1", "prompt": "a lighthouse", "size": "1024x1536", "quality": "high"}
+            with client.images.with_streaming_response.generate(stream=True, **request) as raw:
+                assert raw.read() == frames[0]  # byte for byte
+            (event,) = list(client.images.generate(stream=True, **request))
+        assert event.b64_json == big_image and event.usage.output_tokens == 6240
+        rows = proxy.rows(2)
+    for row in rows:
+        assert (row["outcome"], row["usage_source"], row["error"]) == ("ok", "reported", None)
+        assert (row["input_tokens"], row["image_input_tokens"], row["output_tokens"]) == (50, 10, 6240)
+        assert row["cost_usd"] == IMAGE_COST and row["price_status"] == "priced"
+
+
+def test_a_responses_stream_whose_completed_event_carries_a_big_generated_image_is_billed_as_reported(
+    provider, tmp_path, big_image
+):
+    """The Responses image tool puts the image in ``response.completed`` (with the usage after it)."""
+    script, servers = provider
+    call = {"id": "ig_1", "type": "image_generation_call", "status": "completed", "result": big_image}
+    completed = response_object("completed", usage=RESPONSE_USAGE, output=[call])
+    frames = sse(
+        [
+            ("response.created", {"type": "response.created", "sequence_number": 0,
+                                  "response": response_object("in_progress", usage=None, output=[])}),
+            ("response.completed", {"type": "response.completed", "sequence_number": 1, "response": completed}),
+        ]
+    )  # fmt: skip
+
+    async def respond(request: web.Request, body: bytes) -> web.StreamResponse:
+        return await stream_frames(request, frames)
+
+    script.routes["/v1/responses"] = respond
+    with start(servers, tmp_path / "l.duckdb") as proxy:
+        with sdk(proxy, timeout=60) as client:
+            events = list(
+                client.responses.create(
+                    model="o4-mini", input="draw", tools=[{"type": "image_generation"}], stream=True
+                )
+            )
+        assert events[-1].response.output[0].result == big_image
+        (row,) = proxy.rows(1)
+    assert (row["outcome"], row["usage_source"], row["error"]) == ("ok", "reported", None)
+    assert ledger_tokens(row) == (1200, 1024, 0, 420, 384) and row["cost_usd"] == Decimal("0.0023232")
