@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import gzip
 import json
 import random
 import socket
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from decimal import Decimal
@@ -21,11 +23,16 @@ from pathlib import Path
 from typing import Any
 
 import anthropic
+import brotli
+import httpx
 import openai
 import pytest
+import zstandard
 from aiohttp import web
 
+from tests import test_isolation as isolation_tests
 from tests.conftest import Proxy
+from tests.object_store import ObjectStore
 from tests.raw_upstream import RawUpstream
 from tests.servers import Servers
 from tokenward.proxy.app import create_app
@@ -406,3 +413,70 @@ def test_a_responses_stream_whose_completed_event_carries_a_big_generated_image_
         (row,) = proxy.rows(1)
     assert (row["outcome"], row["usage_source"], row["error"]) == ("ok", "reported", None)
     assert ledger_tokens(row) == (1200, 1024, 0, 420, 384) and row["cost_usd"] == Decimal("0.0023232")
+
+
+CODERS = {
+    "gzip": gzip.compress,
+    "deflate": zlib.compress,
+    "br": brotli.compress,
+    "zstd": zstandard.ZstdCompressor(level=3).compress,
+}
+
+
+@pytest.mark.parametrize("coding", sorted(CODERS))
+def test_a_compressed_request_body_is_metered_and_reaches_the_upstream_as_the_same_json(provider, tmp_path, coding):
+    """The Codex CLI sends large ``/v1/responses`` bodies zstd-compressed; OpenAI and Anthropic accept gzip bodies."""
+    script, servers = provider
+    script.routes["/v1/responses"] = responses_route
+    document = {"model": "o4-mini", "input": "Summarize: " + "the lighthouse keeper " * 500, "max_output_tokens": 900}
+    body = json.dumps(document).encode()
+    with start(servers, tmp_path / "l.duckdb") as proxy:
+        headers = {"authorization": "Bearer sk-client", "content-type": "application/json", "content-encoding": coding}
+        reply = httpx.post(f"{proxy.url}/v1/responses", content=CODERS[coding](body), headers=headers)
+        (row,) = proxy.rows(1)
+    assert reply.status_code == 200 and reply.json()["usage"] == RESPONSE_USAGE
+    (call,) = script.calls
+    assert call["body"] == body and "Content-Encoding" not in call["headers"]  # the same JSON, decoded
+    assert (row["outcome"], row["requested_model"], row["cost_usd"]) == ("ok", "o4-mini", Decimal("0.0023232"))
+
+
+def test_a_compressed_request_body_is_decoded_within_the_body_limit(provider, tmp_path):
+    script, servers = provider
+    script.routes["/v1/responses"] = responses_route
+    bomb = gzip.compress(b'{"model":"o4-mini","input":"' + b"a" * (3 * 1024 * 1024) + b'"}')  # 3 MiB from ~3 KiB
+    with start(servers, tmp_path / "l.duckdb", max_body_mib=2) as proxy:
+        headers = {"authorization": "Bearer sk-client", "content-type": "application/json"}
+        too_big = httpx.post(f"{proxy.url}/v1/responses", content=bomb, headers={**headers, "content-encoding": "gzip"})
+        corrupt = httpx.post(
+            f"{proxy.url}/v1/responses", content=b"not gzip", headers={**headers, "content-encoding": "gzip"}
+        )
+        unknown = httpx.post(f"{proxy.url}/v1/responses", content=b"{}", headers={**headers, "content-encoding": "lz4"})
+        rows = proxy.rows(3)
+    assert len(bomb) < 8192 and too_big.status_code == 413 and too_big.json()["error"]["code"] == "request_too_large"
+    assert [r.status_code for r in (corrupt, unknown)] == [400, 400]
+    assert {r.json()["error"]["code"] for r in (corrupt, unknown)} == {"invalid_content_encoding"}
+    assert script.calls == [] and [r["http_status"] for r in rows] == [413, 400, 400]
+    assert {r["outcome"] for r in rows} == {"client_error"}
+
+
+def test_a_compressed_body_naming_objects_is_checked_decoded_and_forwarded_as_sent(tmp_path, monkeypatch):
+    """A gzip body naming another key's file is refused as the plain one is; the caller's own passes untouched."""
+    monkeypatch.setenv("OBJECTS_SECRET", isolation_tests.SECRET)
+    with ObjectStore().running() as store, isolation_tests.proxy(store, tmp_path / "l.duckdb") as url:
+        with isolation_tests.gpt(url, isolation_tests.ALICE) as alice:
+            alice_file = isolation_tests.upload(alice, "alice.jsonl")
+
+        def batch(key: str) -> httpx.Response:
+            document = {"input_file_id": alice_file, "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+            headers = {"authorization": f"Bearer {key}", "content-type": "application/json", "content-encoding": "gzip"}
+            return httpx.post(
+                f"{url}/v1/batches", content=gzip.compress(json.dumps(document).encode()), headers=headers
+            )
+
+        sent = len(store.requests)
+        refused = batch(isolation_tests.BOB)
+        assert refused.status_code == 404 and store.requests[sent:] == []  # bob's never left
+        assert refused.json()["error"]["message"] == f"No such File object: {alice_file}"
+        created = batch(isolation_tests.ALICE)
+        assert created.status_code == 200 and created.json()["input_file_id"] == alice_file
+        assert store.requests[sent:] == [("POST", "/v1/batches")]
