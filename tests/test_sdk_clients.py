@@ -35,6 +35,7 @@ from tests.conftest import Proxy
 from tests.object_store import ObjectStore
 from tests.raw_upstream import RawUpstream
 from tests.servers import Servers
+from tokenward.pricing.settings import BudgetSettings, GuardSettings
 from tokenward.proxy.app import create_app
 from tokenward.proxy.config import AuthConfig, Config, LedgerConfig, ServerConfig, UpstreamConfig, VirtualKeyConfig
 from tokenward.proxy.server import running_in_thread
@@ -480,3 +481,44 @@ def test_a_compressed_body_naming_objects_is_checked_decoded_and_forwarded_as_se
         created = batch(isolation_tests.ALICE)
         assert created.status_code == 200 and created.json()["input_file_id"] == alice_file
         assert store.requests[sent:] == [("POST", "/v1/batches")]
+
+
+def test_background_responses_count_their_reservation_against_a_blocking_budget(provider, tmp_path):
+    """A ``background: true`` response is billed when it finishes, after its reply (``usage: null``) came back.
+
+    Its row is ``deferred`` (cost unknown yet); it must go on counting its worst case against the
+    budget, as a row the provider may have billed does, or a key could spend without limit in the
+    background while every budget reads $0.
+    """
+    script, servers = provider
+
+    async def queue(request: web.Request, body: bytes) -> web.StreamResponse:
+        queued = response_object("queued", usage=None, output=[])
+        return web.json_response({**queued, "id": f"resp_bg_{len(script.calls)}", "background": True})
+
+    script.routes["/v1/responses"] = queue
+    config = Config(
+        upstreams=[UpstreamConfig(name="openai", base_url=f"{servers.upstream_url}/v1", default=True)],
+        ledger=LedgerConfig(path=str(tmp_path / "l.duckdb"), flush_interval_s=0.05),
+        budgets=[BudgetSettings(name="daily", limit_usd="0.10", period="day", action="block")],
+        guard=GuardSettings(input_margin=1, input_margin_tokens=0, bytes_bound_share=0),
+    )
+    app = create_app(config)
+    with (
+        running_in_thread(app) as url,
+        openai.OpenAI(base_url=f"{url}/v1", api_key="sk-client", max_retries=0) as client,
+    ):
+        request = {"model": "o4-mini", "input": "Research lighthouses.", "max_output_tokens": 5000, "background": True}
+        first, second = (client.responses.create(**request) for _ in range(2))
+        with pytest.raises(openai.RateLimitError) as refused:
+            client.responses.create(**request)
+        rows = Proxy(url, app, tmp_path / "l.duckdb").rows(3)
+    assert (first.status, second.status) == ("queued", "queued") and len(script.calls) == 2
+    assert refused.value.body["code"] == "budget_exceeded"
+    # worst case each, at o4-mini's priority rates (no service_tier sent: the dearest it may be served at):
+    # 5 input tokens ("Research lighthouses." in o200k_base) x 2.00 + 5000 output x 8.00 = 40,010 / 1M;
+    # two held $0.08002 of $0.10, so a third ($0.04001 more) is refused
+    assert [(r["price_status"], r["cost_usd"], r["reserved_usd"]) for r in rows[:2]] == [
+        ("deferred", None, Decimal("0.04001"))
+    ] * 2
+    assert rows[2]["outcome"] == "rejected"
