@@ -522,3 +522,31 @@ def test_background_responses_count_their_reservation_against_a_blocking_budget(
         ("deferred", None, Decimal("0.04001"))
     ] * 2
     assert rows[2]["outcome"] == "rejected"
+
+
+def test_sdk_retries_are_one_row_per_attempt_and_the_refused_attempt_costs_nothing(provider, tmp_path):
+    """The SDKs retry a 429 (honouring ``retry-after-ms``) with a new request each time: each attempt has its row."""
+    script, servers = provider
+
+    async def chat(request: web.Request, body: bytes) -> web.StreamResponse:
+        if len(script.calls) == 1:
+            error = {"error": {"message": "Rate limit reached", "type": "requests", "code": "rate_limit_exceeded"}}
+            return web.json_response(error, status=429, headers={"retry-after-ms": "10", "x-request-id": "req_429"})
+        return web.Response(body=CHAT_DOC, content_type="application/json", headers={"x-request-id": "req_ok"})
+
+    script.routes["/v1/chat/completions"] = chat
+    with start(servers, tmp_path / "l.duckdb") as proxy, sdk(proxy, max_retries=2) as client:
+        raw = client.chat.completions.with_raw_response.create(
+            model="gpt-4o-mini", messages=[{"role": "user", "content": "ping"}]
+        )
+        assert raw.headers["x-request-id"] == "req_ok" and raw.retries_taken == 1
+        refused, served = proxy.rows(2)
+    assert [c["headers"]["x-stainless-retry-count"] for c in script.calls] == ["0", "1"]
+    assert (refused["http_status"], refused["outcome"], refused["price_status"]) == (
+        429,
+        "upstream_error",
+        "not_billed",
+    )
+    assert refused["cost_usd"] == 0 and refused["error"] == "Rate limit reached"
+    # gpt-4o-mini: 30 x 0.15 + 12 x 0.60 = 11.7 / 1M
+    assert (served["outcome"], served["cost_usd"]) == ("ok", Decimal("0.0000117"))
