@@ -69,6 +69,8 @@ METERED_ENDPOINTS: dict[str, Endpoint] = {
     "completions": Endpoint("completions", "openai", True),
     "embeddings": Endpoint("embeddings", "openai", False),
     "responses": Endpoint("responses", "openai", False),
+    # a compaction runs the model over the conversation and bills its usage (a Responses usage object)
+    "responses/compact": Endpoint("responses_compact", "openai", False),
     "messages": Endpoint("anthropic_messages", "anthropic", False),
     "images/generations": Endpoint("images", "media", False),
     "images/edits": Endpoint("images", "media", False),

@@ -55,6 +55,7 @@ from tokenward.proxy.media import estimate as media_estimate
 from tokenward.proxy.metering import Meter, count_input, estimate, input_bytes
 from tokenward.proxy.recorder import Recorder
 from tokenward.proxy.relay import HOP_BY_HOP, DisconnectWatch, GiveUp, Relay, header
+from tokenward.proxy.request_coding import decode_request_body, request_encodings
 from tokenward.proxy.routing import Route, Router
 from tokenward.proxy.run_budgets import DynamicBudgets
 from tokenward.proxy.splice import find_member, set_member
@@ -65,7 +66,9 @@ __all__ = ["METERED_ENDPOINTS", "Endpoint", "Forwarder"]
 
 log = logging.getLogger("tokenward.proxy")
 
-_NOT_FORWARDED = HOP_BY_HOP | {b"host", b"content-length"}
+# ``Expect: 100-continue`` was answered by tokenward's server when it read the body: forwarded, the HTTP
+# client would wait for the upstream's own ``100`` before sending a body tokenward already holds
+_NOT_FORWARDED = HOP_BY_HOP | {b"host", b"content-length", b"expect"}
 _UPSTREAM_HEADER = b"x-tokenward-upstream"
 _TAGS_HEADER = b"x-tokenward-tags"
 _SESSION_HEADER = b"x-tokenward-session"
@@ -269,7 +272,11 @@ class Forwarder:
                 await plan.check()
                 if has_body and plan.reads_body:  # a body that may name objects: read it once, check it
                     body = await read_body(request.receive, scope["headers"], self.limits)
-                    await plan.check_body(body, scope["headers"])
+                    codings = request_encodings(scope["headers"])  # checked decoded, forwarded as sent
+                    decoded = body
+                    if codings:
+                        decoded = await asyncio.to_thread(decode_request_body, body, codings, self.limits.max_bytes)
+                    await plan.check_body(decoded, scope["headers"])
             route = self.router.pick(None, inbound.upstream, request_dialect(found.tail, inbound.anthropic))
             self._attach(ex, route, inbound)
             if plan is not None:
@@ -311,6 +318,10 @@ class Forwarder:
         inbound = self._inbound(scope, ex, keep_length=False)
         self.recorder.admit(ex)  # from here on, a crash leaves this request a row
         body = await read_body(request.receive, scope["headers"], self.limits)  # one copy; not request.body()
+        codings = request_encodings(scope["headers"])
+        if codings:  # a compressed body (the Codex CLI's zstd): read and forwarded decoded
+            body = await asyncio.to_thread(decode_request_body, body, codings, self.limits.max_bytes)
+            inbound.headers = [h for h in inbound.headers if h[0] != b"content-encoding"]
         media = None
         if endpoint.dialect == "media":
             media, head = await self._read_media(found, body, scope)
@@ -767,7 +778,7 @@ class Forwarder:
                 from :meth:`Authenticator.identify`.
         """
         passthrough = self.auth.passthrough
-        dropped = HOP_BY_HOP | {b"host"} if keep_length else _NOT_FORWARDED
+        dropped = HOP_BY_HOP | {b"host", b"expect"} if keep_length else _NOT_FORWARDED
         inbound = _Inbound(headers=[])
         has_encoding = False
         claimed_names = self.auth.attribution_headers

@@ -117,7 +117,7 @@ def spend_amount(row: Mapping[str, Any]) -> Decimal | None:
     """What a ledger row counts against its budgets (USD; ``SPEND_EXPRESSION`` in SQL).
 
     Its cost, or the reservation a row with no cost still holds when the provider may have billed
-    it (``HELD_STATUSES``: ``usage_unknown``, ``unpriced``, ``usage_invalid``).
+    it (``HELD_STATUSES``: ``usage_unknown``, ``unpriced``, ``usage_invalid``, ``deferred``).
     """
     cost = row.get("cost_usd")
     if cost is None and row.get("price_status") in HELD_STATUSES:

@@ -89,7 +89,7 @@ _KIND = {kind.name: kind for kind in KINDS}
 _CHAT = _KIND["chat_completion"]
 _RESPONSE = _KIND["response"]
 _EVAL = _KIND["eval"]
-_BODY_CHECKED = frozenset({"chat_completions", "responses", "anthropic_messages"})
+_BODY_CHECKED = frozenset({"chat_completions", "responses", "responses_compact", "anthropic_messages"})
 _JSON_CHECKED = frozenset({"images"})
 """Metered endpoints whose JSON bodies (not their multipart ones) may name files: an image edit's
 ``images[].file_id`` and ``mask.file_id`` (platform.openai.com/docs/api-reference/images/createEdit)."""

@@ -39,7 +39,7 @@ import msgspec
 from tokenward.pricing.usage import Usage, UsageSource
 from tokenward.proxy import tokenizer
 from tokenward.proxy.dialects import DIALECTS, Observation
-from tokenward.proxy.sse import Fragment, SSEDecoder, parse_event
+from tokenward.proxy.sse import Elider, Fragment, LastFragment, SSEDecoder, parse_event
 
 __all__ = ["Meter", "MeterResult", "count_input", "estimate"]
 
@@ -117,11 +117,14 @@ class Meter:
         "_complete",
         "_decoder",
         "_dialect",
+        "_elided",
+        "_elider",
         "_inflate",
         "_kept",
         "_kept_bytes",
         "_seen",
         "_undecodable",
+        "_unparsed",
         "events",
         "terminal",
     )
@@ -130,6 +133,9 @@ class Meter:
         self._dialect: ModuleType = DIALECTS[dialect]
         self._seen = Observation()
         self._decoder = SSEDecoder()
+        self._elider: Elider | None = None
+        self._elided = 0  # long strings left out of oversized events that were metered
+        self._unparsed = 0  # oversized events not metered
         self._inflate = _decompressor(content_encoding)
         self._kept: list[bytes] = []
         self._kept_bytes = 0
@@ -186,6 +192,7 @@ class Meter:
 
     def _inspect(self, block: bytes) -> None:
         if isinstance(block, Fragment):
+            self._elide(block)
             return
         self.events += 1
         if not self.terminal and _may_end(block) and _TERMINAL.search(block) is not None:
@@ -202,6 +209,29 @@ class Meter:
         except (msgspec.DecodeError, msgspec.ValidationError):
             if event == "error":
                 self._seen.error = data.decode("utf-8", "replace")[:500]
+
+    def _elide(self, fragment: Fragment) -> None:
+        """Feed a piece of an event over the size cap to its copy; meter the copy when the event ends."""
+        elider = self._elider
+        if elider is None:
+            elider = self._elider = Elider()
+        elider.feed(fragment)
+        if not isinstance(fragment, LastFragment):
+            return
+        self._elider = None
+        copy = elider.result()
+        data = parse_event(copy)[1] if copy is not None else None
+        try:
+            if data is not None and data != b"[DONE]":
+                msgspec.json.decode(data)
+        except (msgspec.DecodeError, RecursionError):
+            data = None
+        if data is None:
+            self._unparsed += 1
+            return
+        self._elided += elider.elided
+        assert copy is not None
+        self._inspect(copy)
 
     def _keep(self, data: bytes) -> None:
         if self._kept_bytes < _KEEP_FOR_ESTIMATE:
@@ -232,8 +262,11 @@ class Meter:
         """What was relayed without being metered: an event over the size cap, an undecodable body."""
         if self._undecodable:
             return "the reply's content-encoding could not be decoded: relayed, not metered"
-        if self._decoder.overflowed:
-            return f"an SSE event over {self._decoder.max_event_bytes} bytes: relayed, not metered"
+        cap = self._decoder.max_event_bytes
+        if self._unparsed or self._elider is not None:
+            return f"an SSE event over {cap} bytes: relayed, not metered"
+        if self._elided and self._seen.usage is None:  # only an estimate reads the strings left out
+            return f"an SSE event over {cap} bytes: metered without its strings over 64 KiB"
         return None
 
     @property

@@ -262,6 +262,7 @@ _MARKERS: dict[str, tuple[bytes, ...]] = {
     "chat_completions": (b"file_id",),
     "anthropic_messages": (b"file_id", b'"container"'),
     "responses": (b"file_id", b"vector_store_id", b"previous_response_id", b'"conversation"', b'"container"'),
+    "responses_compact": (b"file_id", b"previous_response_id", b'"conversation"'),
     "images": (b"file_id",),
 }
 """What :func:`may_reference` looks for per metered endpoint: the fields of :data:`REFERENCE_FIELDS`

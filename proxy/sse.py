@@ -19,15 +19,17 @@ Responses output). A longer event comes back as :class:`Fragment` blocks whateve
 sizes were: one block when it arrived whole, else, once the cap is passed, what was held and
 then each later piece of it up to its blank line as it arrives (the decoder stops holding it).
 Fragments are still bytes, so a relay forwards them unchanged and concatenation still gives
-back the input; the meter never parses them, and :attr:`SSEDecoder.overflowed` records that it
-happened. Memory stays bounded by the cap plus one read whatever the upstream sends.
+back the input; the last one of an event is a :class:`LastFragment`, and
+:attr:`SSEDecoder.overflowed` records that it happened. The meter never parses fragments: it
+feeds them to an :class:`Elider`, whose copy of the event, long strings emptied, it parses.
+Memory stays bounded by the cap plus one read whatever the upstream sends.
 """
 
 from __future__ import annotations
 
 import re
 
-__all__ = ["MAX_EVENT_BYTES", "Fragment", "SSEDecoder", "parse_event"]
+__all__ = ["MAX_EVENT_BYTES", "Elider", "Fragment", "LastFragment", "SSEDecoder", "parse_event"]
 
 MAX_EVENT_BYTES = 8 * 1024 * 1024
 """Default cap on one event's size in bytes (8 MiB)."""
@@ -41,6 +43,99 @@ class Fragment(bytes):
     """Bytes of an event past the size cap: relayed as received, never parsed as an event."""
 
     __slots__ = ()
+
+
+class LastFragment(Fragment):
+    """The last bytes of an event past the size cap (its blank line included, unless the stream ended first)."""
+
+    __slots__ = ()
+
+
+_STRING_SPECIAL = re.compile(rb'[\\"]')
+
+
+class Elider:
+    """A copy of one oversized event, fed its fragments in order, with every long JSON string emptied.
+
+    What makes an event that large is one string (a base64 image in ``image_generation.completed``,
+    an image tool's ``result`` in ``response.completed``); the usage, type and ids beside it are
+    small. Every string of the event's JSON longer than ``keep`` bytes becomes ``""``, so the copy
+    parses like the event with those strings left out. A string is held whole until it ends or
+    passes ``keep`` (never cut mid-escape or mid-character); the copy is bounded by ``limit``
+    bytes, past which :meth:`result` is ``None`` (the event is not metered).
+    """
+
+    __slots__ = ("_escape", "_held", "_in_string", "_keep", "_limit", "_out", "elided")
+
+    def __init__(self, keep: int = 64 * 1024, limit: int = MAX_EVENT_BYTES) -> None:
+        self._out: bytearray | None = bytearray()
+        self._held: bytearray | None = None  # the current string's content while it is short enough
+        self._in_string = False
+        self._escape = False  # the previous piece ended with a backslash inside a string
+        self._limit = limit
+        self._keep = keep
+        self.elided = 0
+        """Strings emptied so far."""
+
+    def feed(self, data: bytes) -> None:
+        """Add the event's next bytes."""
+        out = self._out
+        if out is None:
+            return
+        at, end = 0, len(data)
+        while at < end:
+            if self._escape:  # the byte escaped by a backslash that ended the previous piece
+                self._hold(data[at : at + 1])
+                self._escape = False
+                at += 1
+            elif not self._in_string:
+                quote = data.find(b'"', at)
+                if quote < 0:
+                    out += data[at:]
+                    break
+                out += data[at : quote + 1]
+                self._in_string, self._held = True, bytearray()
+                at = quote + 1
+            else:
+                special = _STRING_SPECIAL.search(data, at)
+                if special is None:
+                    self._hold(data[at:])
+                    break
+                stop = special.start()
+                self._hold(data[at:stop])
+                if data[stop] == 0x5C:  # a backslash: it and the byte it escapes stay together
+                    if stop + 1 < end:
+                        self._hold(data[stop : stop + 2])
+                        at = stop + 2
+                    else:
+                        self._hold(b"\\")
+                        self._escape = True
+                        at = stop + 1
+                else:  # the closing quote
+                    if self._held is None:
+                        self.elided += 1
+                    else:
+                        out += self._held
+                    out += b'"'
+                    self._in_string, self._held = False, None
+                    at = stop + 1
+            if len(out) > self._limit:
+                self._out = None
+                return
+
+    def _hold(self, piece: bytes) -> None:
+        held = self._held
+        if held is not None:
+            if len(held) + len(piece) > self._keep:
+                self._held = None
+            else:
+                held += piece
+
+    def result(self) -> bytes | None:
+        """The copy (``None`` past ``limit``, or when the event ended inside a string)."""
+        if self._out is None or self._in_string:
+            return None
+        return bytes(self._out)
 
 
 class SSEDecoder:
@@ -86,7 +181,7 @@ class SSEDecoder:
             block = bytes(buffer[start:end])
             if self._skipping or (cap is not None and end - start > cap):  # whatever the read sizes were
                 self.overflowed = True
-                block = Fragment(block)
+                block = LastFragment(block)
             blocks.append(block)
             self._skipping = False
             start = end
@@ -123,7 +218,7 @@ class SSEDecoder:
         skipping, self._skipping = self._skipping, False
         if not rest:
             return []
-        return [Fragment(rest) if skipping else rest]
+        return [LastFragment(rest) if skipping else rest]
 
 
 def parse_event(block: bytes) -> tuple[str | None, bytes | None]:

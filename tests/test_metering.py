@@ -14,6 +14,7 @@ import zstandard
 from tokenward.pricing.usage import Usage, UsageSource
 from tokenward.proxy import metering, tokenizer
 from tokenward.proxy.metering import Meter, count_input, estimate
+from tokenward.proxy.sse import MAX_EVENT_BYTES
 
 CHAT_STREAM = "tests/models/cassettes/test_openai/test_run_stream_sync_streams_real_model.yaml#0"
 GROQ_STREAM = "tests/models/cassettes/test_groq/test_tool_use_failed_error_streaming.yaml#1"
@@ -360,3 +361,24 @@ def test_member_names_inside_generated_text_neither_end_a_stream_nor_carry_usage
     meter.feed_stream(b'data: {"choices": [], "usage" : {"prompt_tokens": 7, "completion_tokens": 3}}\n\n')
     result = meter.finish()
     assert (result.usage.input_tokens, result.usage.output_tokens) == (7, 3)
+
+
+def test_an_event_over_the_cap_is_metered_from_its_copy_and_the_row_says_what_was_left_out():
+    cap = MAX_EVENT_BYTES
+    usage = b'"usage":{"prompt_tokens":9,"completion_tokens":3,"total_tokens":12}'
+    big = b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"' + b"a" * cap + b'"}}],' + usage + b"}\n\n"
+    for reads in ([big], [big[: cap // 2], big[cap // 2 :]], [big[i : i + 65536] for i in range(0, len(big), 65536)]):
+        meter = Meter("openai")
+        for read in reads:
+            meter.feed_stream(read)
+        result = meter.finish()
+        assert (result.usage.input_tokens, result.usage.output_tokens) == (9, 3) and result.unmetered is None
+    # no usage in it: an estimate would miss the content left out, and the row says so
+    meter = Meter("openai")
+    meter.feed_stream(big.replace(b"," + usage, b""))
+    assert meter.finish().unmetered == f"an SSE event over {cap} bytes: metered without its strings over 64 KiB"
+    # a copy that cannot be made small (millions of short strings) is not metered, as before
+    meter = Meter("openai")
+    meter.feed_stream(b'data: {"parts":[' + b",".join([b'"ab"'] * (cap // 4)) + b"]," + usage + b"}\n\n")
+    result = meter.finish()
+    assert result.usage is None and result.unmetered == f"an SSE event over {cap} bytes: relayed, not metered"

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tokenward.proxy.sse import Fragment, SSEDecoder, parse_event
+from tokenward.proxy.sse import Elider, Fragment, SSEDecoder, parse_event
 
 STREAM = (
     b": OPENROUTER PROCESSING\n\n"
@@ -109,3 +110,38 @@ def test_crlf_boundaries_across_reads_with_the_lookbehind():
         for second in range(first, len(data) + 1):
             blocks = split_all(data, [first, second])
             assert [parse_event(b) for b in blocks] == expected and b"".join(blocks) == data, (first, second)
+
+
+def elided(event: bytes, cuts: list[int], keep: int = 40, limit: int = 1 << 20) -> bytes | None:
+    elider = Elider(keep=keep, limit=limit)
+    for start, end in zip([0, *cuts], [*cuts, len(event)], strict=True):
+        elider.feed(event[start:end])
+    return elider.result()
+
+
+def test_an_oversized_events_copy_empties_its_long_strings_wherever_the_pieces_split():
+    document = {
+        "type": "response.completed",
+        "b64": "QUJD" * 50,
+        "escaped": 'a "quoted" \\ back\\slash \u00e9\u20ac\U0001f600 and more text, more than 40 bytes',
+        "short": 'x"y \u00e9\\',
+        "usage": {"input_tokens": 12, "output_tokens": 4},
+    }
+    expected = {**document, "b64": "", "escaped": ""}
+    for ascii_only in (True, False):  # escapes, or raw UTF-8 (a character is never split)
+        event = b"event: response.completed\ndata: " + json.dumps(document, ensure_ascii=ascii_only).encode() + b"\n\n"
+        for offset in range(len(event) + 1):
+            for second in (offset, min(offset + 1, len(event)), min(offset + 7, len(event))):
+                copy = elided(event, sorted({offset, second}))
+                assert copy is not None
+                name, data = parse_event(copy)
+                assert (name, json.loads(data)) == ("response.completed", expected), (offset, second)
+    # unicode and escapes kept whole when the string is short enough
+    small = b'data: {"t":"\\u00e9\\"\xc3\xa9"}\n\n'
+    assert elided(small, [13, 14, 15, 19], keep=64) == small
+
+
+def test_an_oversized_events_copy_is_bounded():
+    event = b'data: {"parts":[' + b",".join([b'"abc"'] * 1000) + b"]}\n\n"
+    assert elided(event, [100], keep=8, limit=1000) is None  # many short strings: the copy would pass the limit
+    assert elided(b'data: {"cut": "abc', [], keep=8) is None  # ended inside a string

@@ -75,9 +75,9 @@ a cost that the provider may have billed (``usage_unknown``, ``unpriced``, ``usa
 counting it as spend until reconciled. ``org``/``pool`` come from the key, ``run_id`` from
 ``X-Tokenward-Run``; ``sent_model`` and ``degraded`` record what a budget changed."""
 
-HELD_STATUSES: tuple[str, ...] = ("usage_unknown", "unpriced", "usage_invalid")
+HELD_STATUSES: tuple[str, ...] = ("usage_unknown", "unpriced", "usage_invalid", "deferred")
 """Price statuses of rows with no cost that the provider may have billed: they count what their
-budget reservation held."""
+budget reservation held (``deferred``: a background response, billed when it finishes)."""
 
 SPEND_EXPRESSION = (
     "coalesce(cost_usd, CASE WHEN price_status IN ("

@@ -1,0 +1,101 @@
+"""Request bodies a client compressed (``Content-Encoding``), decoded within the body limit.
+
+Clients compress large request bodies: the Codex CLI sends ``/v1/responses`` bodies with
+``Content-Encoding: zstd`` (and gzip), and api.anthropic.com and OpenAI accept gzip-encoded
+bodies. tokenward reads a metered request's JSON (model, limits, the ids it names, the text a
+budget's bound counts), so it decodes such a body first and forwards the decoded bytes without the
+header: the upstream reads the same JSON. Decoding is bounded: a body that would decode past the
+limit is refused (413) as soon as the limit is passed, whatever its compression ratio.
+"""
+
+from __future__ import annotations
+
+import io
+import zlib
+
+from tokenward.proxy.errors import ProxyError
+
+__all__ = ["decode_request_body", "request_encodings"]
+
+_PIECE = 64 * 1024
+
+
+def request_encodings(headers: list[tuple[bytes, bytes]]) -> list[str]:
+    """The codings of a request's ``Content-Encoding`` header(s), in the order applied (``identity`` left out)."""
+    codings: list[str] = []
+    for name, value in headers:
+        if name.lower() == b"content-encoding":
+            for coding in value.decode("latin-1").split(","):
+                coding = coding.strip().lower()
+                if coding and coding != "identity":
+                    codings.append(coding)
+    return codings
+
+
+def decode_request_body(body: bytes, codings: list[str], limit: int) -> bytes:
+    """``body`` with ``codings`` (gzip, x-gzip, deflate, br, zstd) undone, last applied first.
+
+    Raises:
+        ProxyError: 400 ``invalid_content_encoding`` for a coding tokenward does not know or a body
+            that does not decode; 413 ``request_too_large`` when it decodes to more than ``limit`` bytes.
+    """
+    for coding in reversed(codings):
+        try:
+            body = _decode(body, coding, limit)
+        except ProxyError:
+            raise
+        except Exception as exc:  # zlib, brotli and zstandard each raise their own error on a corrupt body
+            raise _invalid(f"The request body is not valid {coding} ({type(exc).__name__}).") from exc
+    return body
+
+
+def _decode(body: bytes, coding: str, limit: int) -> bytes:
+    if coding in ("gzip", "x-gzip", "deflate"):
+        wbits = 31 if coding != "deflate" else (zlib.MAX_WBITS if body[:1] == b"\x78" else -zlib.MAX_WBITS)
+        inflate = zlib.decompressobj(wbits=wbits)
+        out = bytearray()
+        pending = body
+        while pending:
+            out += inflate.decompress(pending, limit + 1 - len(out))
+            _check(out, limit)
+            pending = inflate.unconsumed_tail
+            if inflate.eof:
+                break
+        if not inflate.eof:
+            raise _invalid(f"The request body is not valid {coding} (it ends before its stream does).")
+        return bytes(out)
+    if coding == "br":
+        import brotli
+
+        decoder = brotli.Decompressor()
+        out = bytearray()
+        for start in range(0, len(body), _PIECE):
+            out += decoder.process(body[start : start + _PIECE], output_buffer_limit=limit + 1 - len(out))
+            _check(out, limit)
+            while not decoder.can_accept_more_data():
+                out += decoder.process(b"", output_buffer_limit=limit + 1 - len(out))
+                _check(out, limit)
+        if not decoder.is_finished():
+            raise _invalid("The request body is not valid br (it ends before its stream does).")
+        return bytes(out)
+    if coding == "zstd":
+        import zstandard
+
+        with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(body), read_across_frames=True) as reader:
+            out = reader.read(limit + 1)
+        _check(out, limit)
+        return bytes(out)
+    raise _invalid(f"Content-Encoding {coding!r} is not supported for request bodies (gzip, deflate, br, zstd are).")
+
+
+def _check(out: bytes | bytearray, limit: int) -> None:
+    if len(out) > limit:
+        raise ProxyError(
+            413,
+            f"The request body decodes to more than the {limit:,} bytes this tokenward accepts (server.max_body_mib).",
+            "request_too_large",
+        )
+
+
+def _invalid(message: str) -> ProxyError:
+    return ProxyError(400, message, "invalid_content_encoding")
