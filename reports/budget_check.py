@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import replace
 from decimal import Decimal
@@ -37,6 +39,7 @@ from tokenward.reports.ledger.state import AlertKey, DeliveryRecord, StateStore
 from tokenward.reports.sanitize import printable
 
 __all__ = [
+    "LEASE_MARGIN_S",
     "claim_alerts",
     "deliver",
     "digest_alert",
@@ -445,9 +448,41 @@ def record_deliveries(state: StateStore, alert: Alert, deliveries: list[Delivery
     return failed
 
 
-async def deliver(state: StateStore, notifier: Notifier, alert: Alert) -> list[Delivery]:
-    """Send ``alert``, storing each target's outcome for each of its thresholds as soon as it is known."""
-    keys = _keys(alert.budget, alert.period_start, alert.kind, alert.thresholds)
+LEASE_MARGIN_S = 5.0
+"""Seconds a delivery lease lasts beyond the most one target's delivery can take (to store its outcome)."""
+
+
+async def deliver(state: StateStore, notifier: Notifier, alert: Alert) -> tuple[Alert, list[Delivery]] | None:
+    """Send ``alert``, storing each target's outcome for each of its thresholds as soon as it is known.
+
+    First its claims are leased (:meth:`StateStore.lease`), so that of several evaluators at once
+    (replicas, ``tokenward budgets check``, a restart) one only delivers them; the lease lasts one
+    target's longest delivery (:meth:`AlertSettings.target_bound_s`) plus :data:`LEASE_MARGIN_S`,
+    and is renewed after each target. A process killed mid-delivery leaves the claims to whoever
+    evaluates once the lease has run out: at least once, never twice at once.
+
+    Returns:
+        The alert as sent (the thresholds leased, the targets they had not reached) and its
+        deliveries; ``None`` when another process holds the lease or nothing is left to send.
+    """
+    holder = uuid.uuid4().hex
+    bound = notifier.settings.target_bound_s() + LEASE_MARGIN_S
+
+    def lease(keys: list[AlertKey]) -> list[AlertKey]:
+        moment = time.time()
+        return state.lease(keys, holder, moment + bound, moment)
+
+    def leased() -> tuple[list[AlertKey], set[str]]:
+        won = lease(_keys(alert.budget, alert.period_start, alert.kind, alert.thresholds))
+        reached = set.intersection(*(state.delivered(k) for k in won)) if won else set()
+        return won, reached  # read under the lease: a holder before this one may have reached some targets
+
+    keys, reached = await asyncio.to_thread(leased)
+    targets = tuple(t for t in alert.targets if t not in reached)
+    if not keys or not targets:
+        return None
+    thresholds = tuple(k.threshold for k in keys)
+    alert = replace(alert, thresholds=thresholds, threshold=max(thresholds), targets=targets)
 
     async def stored(delivery: Delivery) -> None:
         moment = dt.datetime.now(dt.UTC)
@@ -455,9 +490,9 @@ async def deliver(state: StateStore, notifier: Notifier, alert: Alert) -> list[D
             DeliveryRecord(k, delivery.channel, delivery.target, delivery.ok, delivery.attempts, delivery.error, moment)
             for k in keys
         ]
-        await asyncio.to_thread(lambda: [state.record_delivery(r) for r in records])
+        await asyncio.to_thread(lambda: ([state.record_delivery(r) for r in records], lease(keys)))
 
-    return await notifier.send(alert, on_delivery=stored)
+    return alert, await notifier.send(alert, on_delivery=stored)
 
 
 async def evaluate_and_notify(
@@ -483,15 +518,18 @@ async def evaluate_and_notify(
     if dry_run:
         return [(alert, []) for alert in alerts]
     sent = []
-    for alert in alerts:
-        deliveries = await deliver(state, notifier, alert)
+    for due in alerts:
+        done = await deliver(state, notifier, due)
+        if done is None:  # another evaluator is delivering it (or has)
+            continue
+        alert, deliveries = done
         failed = await asyncio.to_thread(record_deliveries, state, alert, deliveries, now)
         sent.append((alert, deliveries))
         if failed is not None and settings.admins:
-            failed = replace(failed, targets=tuple(settings.admins))
-            more = await deliver(state, notifier, failed)
-            await asyncio.to_thread(record_deliveries, state, failed, more, now)
-            sent.append((failed, more))
+            reported = await deliver(state, notifier, replace(failed, targets=tuple(settings.admins)))
+            if reported is not None:
+                await asyncio.to_thread(record_deliveries, state, *reported, now)
+                sent.append(reported)
     return sent
 
 

@@ -445,3 +445,10 @@ def m009_run_starts(conn: Any) -> None:
     """``budget_runs``: the first request of each run on any replica, so its ``ttl`` is one clock for all."""
     conn.execute("CREATE TABLE budget_runs (name text PRIMARY KEY, started_at timestamptz NOT NULL)")
     conn.execute("CREATE INDEX budget_runs_by_start ON budget_runs (started_at)")
+
+
+@migration
+def m010_alert_leases(conn: Any) -> None:
+    """``alert_claims.lease_holder``/``lease_until`` (epoch s): the one process delivering a pending claim."""
+    conn.execute("ALTER TABLE alert_claims ADD COLUMN lease_holder text")
+    conn.execute("ALTER TABLE alert_claims ADD COLUMN lease_until double precision")

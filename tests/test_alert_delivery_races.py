@@ -1,0 +1,242 @@
+"""Alerts under faults: evaluators that overlap, a SIGKILL mid-delivery, receivers that hang.
+
+Real processes (``tokenward budgets check`` as subprocesses), a real SMTP server (aiosmtpd) that
+is slow or kills the sender at the worst moment, and real HTTP receivers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from aiosmtpd.controller import Controller
+
+from tokenward.reports.alerts import Alert, AlertSettings, Notifier, SmtpSettings, WebhookSettings
+
+from .test_alerts import Inbox, cost_row, free_port, seed
+
+CHECK_AT = "2026-11-10T10:00:00+00:00"
+
+
+class SlowInbox(Inbox):
+    """An SMTP server that takes ``delay_s`` to accept each message."""
+
+    def __init__(self, delay_s: float) -> None:
+        super().__init__()
+        self.delay_s = delay_s
+        self.receiving = threading.Event()
+
+    async def handle_DATA(self, server, session, envelope):  # noqa: N802 - aiosmtpd's hook name
+        self.receiving.set()
+        await asyncio.sleep(self.delay_s)
+        return await super().handle_DATA(server, session, envelope)
+
+
+class KillingInbox(Inbox):
+    """Keeps the message, then SIGKILLs the sending process before answering 250: accepted, never recorded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.victim: int | None = None
+
+    async def handle_DATA(self, server, session, envelope):  # noqa: N802 - aiosmtpd's hook name
+        reply = await super().handle_DATA(server, session, envelope)
+        if self.victim is not None:
+            os.kill(self.victim, signal.SIGKILL)
+            self.victim = None
+            await asyncio.sleep(0.5)  # the sender is gone before it can read the reply
+        return reply
+
+
+def write_config(folder: Path, smtp_port: int, *, smtp_timeout_s: float = 30, retries: int = 0) -> Path:
+    """A config with one $100 total budget (thresholds 50/80/100, no forecast) mailing lead@example.com."""
+    folder.mkdir(exist_ok=True)
+    config = folder / "tokenward.yaml"
+    config.write_text(
+        'upstreams: [{name: a, base_url: "http://upstream.invalid"}]\n'
+        "budgets:\n"
+        "  - {name: research, limit_usd: 100, scope: {team: research}, period: total, notify: [lead@example.com]}\n"
+        "alerts:\n"
+        f"  retries: {retries}\n"
+        "  backoff_s: 0.01\n"
+        f"  smtp: {{host: 127.0.0.1, port: {smtp_port}, security: none, sender: tokenward@test, "
+        f"timeout_s: {smtp_timeout_s}}}\n",
+        encoding="utf-8",
+    )
+    return config
+
+
+def check_command(config: Path, ledger: Path | str) -> list[str]:
+    tokenward = str(Path(sys.executable).parent / "tokenward")
+    return [tokenward, "budgets", "check", "--config", str(config), "--db", str(ledger), "--at", CHECK_AT]
+
+
+def home(path: Path) -> dict[str, str]:
+    return {**os.environ, "HOME": str(path)}
+
+
+@pytest.mark.parametrize("engine", ["duckdb", "postgres"])
+def test_two_checks_at_once_against_a_slow_mail_server_mail_each_threshold_once(engine, tmp_path, request):
+    """Two evaluators (replicas, a cron'd ``budgets check``) overlap while a mail is in flight."""
+    inbox = SlowInbox(delay_s=6.0)
+    smtp = Controller(inbox, hostname="127.0.0.1", port=free_port())
+    smtp.start()
+    try:
+        rows = [cost_row("a", "2026-11-10T09:00:00+00:00", "85.00")]  # 85 %: past 50 and 80
+        if engine == "duckdb":
+            ledger: Path | str = tmp_path / "l.duckdb"
+            seed(ledger, rows)
+        else:
+            from .test_pg_ledger import pg
+
+            ledger = request.getfixturevalue("pg_url")
+            pg(tmp_path, ledger).write_rows(rows)
+        # as on two hosts: a Postgres ledger's local files (report copy in ~/.cache, spool beside the config)
+        homes = [tmp_path / "one", tmp_path / "two"]
+        configs = [write_config(home_dir, smtp.port) for home_dir in homes]
+        first = subprocess.Popen(
+            check_command(configs[0], ledger), stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=home(homes[0])
+        )
+        assert inbox.receiving.wait(30)  # the first one has claimed, and the mail server is taking its time
+        second = subprocess.run(
+            check_command(configs[1], ledger), capture_output=True, text=True, timeout=60, env=home(homes[1])
+        )
+        out, err = first.communicate(timeout=60)
+        assert first.returncode == 0 and second.returncode == 0, (err, second.stderr)
+        time.sleep(0.5)
+        # one mail names 50 % and 80 %; the second evaluator leaves the claim in flight alone
+        assert [m["Subject"] for m in inbox.messages] == [
+            "[tokenward] budget research: 85.00% of $100.00 (crossed 50%, 80%)"
+        ]
+        assert second.stdout.strip() == "no alerts due"
+        assert first.returncode == 0 and "(email lead@example.com: ok)" in out.decode()
+    finally:
+        smtp.stop()
+
+
+def test_sigkill_after_the_mail_server_accepted_resends_once_with_the_same_message_id(tmp_path):
+    """The README promises at least once: a crash between 250 and the record resends, once, recognisably."""
+    inbox = KillingInbox()
+    smtp = Controller(inbox, hostname="127.0.0.1", port=free_port())
+    smtp.start()
+    try:
+        ledger = tmp_path / "l.duckdb"
+        seed(ledger, [cost_row("a", "2026-11-10T09:00:00+00:00", "55.00")])
+        config = write_config(tmp_path, smtp.port, smtp_timeout_s=1)
+        victim = subprocess.Popen(check_command(config, ledger), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        inbox.victim = victim.pid
+        victim.communicate(timeout=60)
+        assert victim.returncode == -signal.SIGKILL
+        assert len(inbox.messages) == 1
+        # the dead process's claim is still leased for its delivery (1 s timeout, 5 s margin): not yet
+        started = time.monotonic()
+        soon = subprocess.run(check_command(config, ledger), capture_output=True, text=True, timeout=60)
+        assert soon.stdout.strip() == "no alerts due" and len(inbox.messages) == 1
+        time.sleep(max(0.0, 6.5 - (time.monotonic() - started)))
+        later = subprocess.run(check_command(config, ledger), capture_output=True, text=True, timeout=60)
+        assert "lead@example.com (email lead@example.com: ok)" in later.stdout, later.stdout + later.stderr
+        mails = inbox.wait_for(2)
+        assert [m["Subject"] for m in mails] == ["[tokenward] budget research: 55.00% of $100.00 (crossed 50%)"] * 2
+        assert mails[0]["Message-ID"] == mails[1]["Message-ID"]  # the receiver can drop the duplicate
+        again = subprocess.run(check_command(config, ledger), capture_output=True, text=True, timeout=60)
+        assert again.stdout.strip() == "no alerts due" and len(inbox.messages) == 2
+    finally:
+        smtp.stop()
+
+
+class DrippingReceiver:
+    """A server that never finishes its answer, sending a little every 0.3 s (so no read ever times out).
+
+    ``http``: 200 with a 1000-byte body, one byte at a time; ``smtp``: a greeting of endless
+    ``220-`` continuation lines.
+    """
+
+    def __init__(self, protocol: str) -> None:
+        self.protocol = protocol
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen()
+        self.port = self.sock.getsockname()[1]
+        self.requests = 0
+        self.stop = threading.Event()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        self.sock.settimeout(0.2)
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:  # closed
+                return
+            self.requests += 1
+            threading.Thread(target=self._drip, args=(conn,), daemon=True).start()
+
+    def _drip(self, conn: socket.socket) -> None:
+        with conn:
+            if self.protocol == "http":
+                conn.recv(65536)
+                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 1000\r\ncontent-type: text/plain\r\n\r\n")
+            for _ in range(1000):
+                if self.stop.is_set():
+                    return
+                try:
+                    conn.sendall(b"x" if self.protocol == "http" else b"220-still here\r\n")
+                except OSError:
+                    return
+                time.sleep(0.3)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.sock.close()
+
+
+@pytest.mark.parametrize("channel", ["webhook", "email"])
+def test_a_receiver_that_never_finishes_is_given_up_after_its_timeout(channel, tmp_path):
+    """A receiver that trickles its answer must not hold every other alert for minutes (or forever)."""
+    dripping = DrippingReceiver("http" if channel == "webhook" else "smtp")
+    inbox = Inbox()
+    smtp = Controller(inbox, hostname="127.0.0.1", port=free_port())
+    smtp.start()
+    try:
+        if channel == "webhook":
+            hook = WebhookSettings(name="ops", url=f"http://127.0.0.1:{dripping.port}/hook", timeout_s=1)
+            settings = AlertSettings(
+                smtp=SmtpSettings(host="127.0.0.1", port=smtp.port, security="none", sender="tokenward@test"),
+                webhooks=[hook],
+                retries=1,
+                backoff_s=0.01,
+            )
+            targets = ("ops", "lead@example.com")
+        else:  # an SMTP server that drips its greeting: aiosmtplib's timeout is per read
+            settings = AlertSettings(
+                smtp=SmtpSettings(
+                    host="127.0.0.1", port=dripping.port, security="none", sender="tokenward@test", timeout_s=1
+                ),
+                retries=1,
+                backoff_s=0.01,
+            )
+            targets = ("lead@example.com",)
+        alert = Alert("b", "2026-11-10", "threshold", 50, "[tokenward] b: 50%", "text", "<p>x</p>", targets)
+        started = time.monotonic()
+        deliveries = asyncio.run(Notifier(settings).send(alert))
+        took = time.monotonic() - started
+        # two attempts of at most 1 s each (and the 0.01 s backoff), not 300 s of dripping
+        assert took < 4, took
+        assert deliveries[0].ok is False and deliveries[0].attempts == 2
+        assert "TimeoutError" in (deliveries[0].error or "")
+        assert dripping.requests == 2
+        if channel == "webhook":
+            assert deliveries[1].ok and [m["To"] for m in inbox.wait_for(1)] == ["lead@example.com"]
+    finally:
+        dripping.close()
+        smtp.stop()
