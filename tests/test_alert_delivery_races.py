@@ -19,9 +19,11 @@ from pathlib import Path
 import pytest
 from aiosmtpd.controller import Controller
 
+from tokenward.pricing.settings import BudgetSettings
 from tokenward.reports.alerts import Alert, AlertSettings, Notifier, SmtpSettings, WebhookSettings
+from tokenward.reports.ledger import DuckLedger
 
-from .test_alerts import Inbox, cost_row, free_port, seed
+from .test_alerts import Inbox, cost_row, free_port, run_check, seed, settings_for, smtp  # noqa: F401 - smtp: fixture
 
 CHECK_AT = "2026-11-10T10:00:00+00:00"
 
@@ -240,3 +242,27 @@ def test_a_receiver_that_never_finishes_is_given_up_after_its_timeout(channel, t
     finally:
         dripping.close()
         smtp.stop()
+
+
+def test_a_rolling_threshold_crossed_again_while_mail_is_down_is_not_taken_for_delivered(tmp_path, smtp):
+    """The first crossing reached lead@; at the second (after re-arming) the mail server is down."""
+    inbox, port = smtp
+    path = tmp_path / "l.duckdb"
+    budget = BudgetSettings(
+        name="last-2h", limit_usd=1, period="rolling", rolling_hours=2, thresholds=[50], notify=["lead@example.com"]
+    ).to_budget()
+    seed(path, [cost_row("a", "2026-11-10T09:00:00+00:00", "0.60")])
+    assert len(run_check(path, [budget], settings_for(port), "2026-11-10T10:00:00+00:00")) == 1
+    assert run_check(path, [budget], settings_for(port), "2026-11-10T11:01:00+00:00") == []  # 0 %: re-armed
+    seed(path, [cost_row("b", "2026-11-10T11:05:00+00:00", "0.55")])
+    down = run_check(path, [budget], settings_for(free_port()), "2026-11-10T11:06:00+00:00")
+    assert [(a.kind, d[0].ok) for a, d in down] == [("threshold", False)]
+    state = DuckLedger(path).state
+    assert [(c.key.threshold, c.status) for c in state.claims(kind="threshold")] == [(50, "pending")]
+    back = run_check(path, [budget], settings_for(port), "2026-11-10T11:10:00+00:00")
+    assert [(a.targets, d[0].ok) for a, d in back] == [(("lead@example.com",), True)]
+    assert [m["Subject"] for m in inbox.wait_for(2)] == [
+        "[tokenward] budget last-2h: 60.00% of $1.00 (crossed 50%)",
+        "[tokenward] budget last-2h: 55.00% of $1.00 (crossed 50%)",
+    ]
+    assert run_check(path, [budget], settings_for(port), "2026-11-10T11:15:00+00:00") == []
