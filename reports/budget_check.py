@@ -180,6 +180,7 @@ def _budget_alert(
         )
     )
     money = usd
+    runs_out = status.runs_out_at
     headline = {
         "threshold": f"crossed {', '.join(f'{t}%' for t in thresholds)}",
         "forecast": f"projected to reach {money(status.forecast or 0)} by {resets}",
@@ -198,6 +199,7 @@ def _budget_alert(
         ),
         ("Resets", resets),
         ("Forecast for the period", money(status.forecast) if status.forecast is not None else "n/a"),
+        ("Limit reached at this rate", runs_out.astimezone(zone).isoformat() if runs_out else "n/a"),
         ("At the limit", "requests are refused (429)" if budget.blocking else "alerts only"),
     ]
     sections = [
@@ -218,6 +220,7 @@ def _budget_alert(
         "period_start": status.start.isoformat(),
         "period_end": status.end.isoformat(),
         "forecast_usd": None if status.forecast is None else str(status.forecast),
+        "runs_out_at": None if runs_out is None else runs_out.isoformat(),
     }
     return Alert(
         budget.name,

@@ -89,8 +89,8 @@ def home(path: Path) -> dict[str, str]:
 def test_two_checks_at_once_against_a_slow_mail_server_mail_each_threshold_once(engine, tmp_path, request):
     """Two evaluators (replicas, a cron'd ``budgets check``) overlap while a mail is in flight."""
     inbox = SlowInbox(delay_s=6.0)
-    smtp = Controller(inbox, hostname="127.0.0.1", port=free_port())
-    smtp.start()
+    server = Controller(inbox, hostname="127.0.0.1", port=free_port())
+    server.start()
     try:
         rows = [cost_row("a", "2026-11-10T09:00:00+00:00", "85.00")]  # 85 %: past 50 and 80
         if engine == "duckdb":
@@ -103,7 +103,7 @@ def test_two_checks_at_once_against_a_slow_mail_server_mail_each_threshold_once(
             pg(tmp_path, ledger).write_rows(rows)
         # as on two hosts: a Postgres ledger's local files (report copy in ~/.cache, spool beside the config)
         homes = [tmp_path / "one", tmp_path / "two"]
-        configs = [write_config(home_dir, smtp.port) for home_dir in homes]
+        configs = [write_config(home_dir, server.port) for home_dir in homes]
         first = subprocess.Popen(
             check_command(configs[0], ledger), stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=home(homes[0])
         )
@@ -121,18 +121,18 @@ def test_two_checks_at_once_against_a_slow_mail_server_mail_each_threshold_once(
         assert second.stdout.strip() == "no alerts due"
         assert first.returncode == 0 and "(email lead@example.com: ok)" in out.decode()
     finally:
-        smtp.stop()
+        server.stop()
 
 
 def test_sigkill_after_the_mail_server_accepted_resends_once_with_the_same_message_id(tmp_path):
     """The README promises at least once: a crash between 250 and the record resends, once, recognisably."""
     inbox = KillingInbox()
-    smtp = Controller(inbox, hostname="127.0.0.1", port=free_port())
-    smtp.start()
+    server = Controller(inbox, hostname="127.0.0.1", port=free_port())
+    server.start()
     try:
         ledger = tmp_path / "l.duckdb"
         seed(ledger, [cost_row("a", "2026-11-10T09:00:00+00:00", "55.00")])
-        config = write_config(tmp_path, smtp.port, smtp_timeout_s=1)
+        config = write_config(tmp_path, server.port, smtp_timeout_s=1)
         victim = subprocess.Popen(check_command(config, ledger), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         inbox.victim = victim.pid
         victim.communicate(timeout=60)
@@ -151,7 +151,7 @@ def test_sigkill_after_the_mail_server_accepted_resends_once_with_the_same_messa
         again = subprocess.run(check_command(config, ledger), capture_output=True, text=True, timeout=60)
         assert again.stdout.strip() == "no alerts due" and len(inbox.messages) == 2
     finally:
-        smtp.stop()
+        server.stop()
 
 
 class DrippingReceiver:
@@ -207,19 +207,19 @@ def test_a_receiver_that_never_finishes_is_given_up_after_its_timeout(channel, t
     """A receiver that trickles its answer must not hold every other alert for minutes (or forever)."""
     dripping = DrippingReceiver("http" if channel == "webhook" else "smtp")
     inbox = Inbox()
-    smtp = Controller(inbox, hostname="127.0.0.1", port=free_port())
-    smtp.start()
+    server = Controller(inbox, hostname="127.0.0.1", port=free_port())
+    server.start()
     try:
         if channel == "webhook":
             hook = WebhookSettings(name="ops", url=f"http://127.0.0.1:{dripping.port}/hook", timeout_s=1)
             settings = AlertSettings(
-                smtp=SmtpSettings(host="127.0.0.1", port=smtp.port, security="none", sender="tokenward@test"),
+                smtp=SmtpSettings(host="127.0.0.1", port=server.port, security="none", sender="tokenward@test"),
                 webhooks=[hook],
                 retries=1,
                 backoff_s=0.01,
             )
             targets = ("ops", "lead@example.com")
-        else:  # an SMTP server that drips its greeting: aiosmtplib's timeout is per read
+        else:  # an SMTP server that drips its greeting
             settings = AlertSettings(
                 smtp=SmtpSettings(
                     host="127.0.0.1", port=dripping.port, security="none", sender="tokenward@test", timeout_s=1
@@ -241,10 +241,10 @@ def test_a_receiver_that_never_finishes_is_given_up_after_its_timeout(channel, t
             assert deliveries[1].ok and [m["To"] for m in inbox.wait_for(1)] == ["lead@example.com"]
     finally:
         dripping.close()
-        smtp.stop()
+        server.stop()
 
 
-def test_a_rolling_threshold_crossed_again_while_mail_is_down_is_not_taken_for_delivered(tmp_path, smtp):
+def test_a_rolling_threshold_crossed_again_while_mail_is_down_is_not_taken_for_delivered(tmp_path, smtp):  # noqa: F811
     """The first crossing reached lead@; at the second (after re-arming) the mail server is down."""
     inbox, port = smtp
     path = tmp_path / "l.duckdb"
