@@ -31,7 +31,7 @@ from decimal import Decimal
 from typing import Any
 from zoneinfo import ZoneInfo
 
-from tokenward.pricing.budgets import Budget, BudgetStatus, evaluate
+from tokenward.pricing.budgets import CALENDAR_PERIODS, Budget, BudgetStatus, evaluate
 from tokenward.pricing.velocity import VelocityStatus, velocity_status, velocity_windows
 from tokenward.reports.alerts import Alert, AlertSettings, Delivery, Notifier, html_document, html_text
 from tokenward.reports.ledger.spend import SpendSource
@@ -39,6 +39,7 @@ from tokenward.reports.ledger.state import AlertKey, DeliveryRecord, StateStore
 from tokenward.reports.sanitize import printable
 
 __all__ = [
+    "ENDED_PERIOD_WATCH",
     "LEASE_MARGIN_S",
     "claim_alerts",
     "deliver",
@@ -131,15 +132,9 @@ def claim_alerts(
             due.append(("forecast", (0,), None))
         if refused and ("refusing", 0) not in claimed:
             due.append(("refusing", (0,), _refusal_targets(budget, settings)))
-        for kind, thresholds, targets in due:
-            alert = _budget_alert(spend, status, key, kind, thresholds, targets)
-            if not dry_run:
-                won = state.claim(_keys(budget.name, key, kind, thresholds), _detail(alert), now)
-                if not won:
-                    continue  # another process claimed it first
-                won_thresholds = tuple(k.threshold for k in won)
-                alert = replace(alert, thresholds=won_thresholds, threshold=max(won_thresholds))
-            alerts.append(alert)
+        alerts += _claimed(spend, state, status, key, due, now, dry_run)
+        if budget.period.kind in CALENDAR_PERIODS and now - status.start < ENDED_PERIOD_WATCH:
+            alerts += _ended_period_alerts(spend, state, budget, status.start, now, dry_run)
     alerts += _velocity_alerts(rates or spend, state, budgets, now, dry_run)
     if settings.admins:
         alerts += _unpriced_alerts(spend, state, settings, now, dry_run)
@@ -147,6 +142,54 @@ def claim_alerts(
         fresh = {(a.budget, a.period_start, a.kind, t) for a in alerts for t in a.thresholds}
         alerts += _pending(state, budgets, settings, exclude=fresh)
     return [a for a in alerts if a.targets]
+
+
+ENDED_PERIOD_WATCH = dt.timedelta(hours=1)
+"""How long after a calendar period ends its thresholds are still evaluated (requests in flight at the rollover)."""
+
+
+def _claimed(
+    spend: SpendSource,
+    state: StateStore,
+    status: BudgetStatus,
+    key: dt.datetime,
+    due: list[tuple[str, tuple[int, ...], tuple[str, ...] | None]],
+    now: dt.datetime,
+    dry_run: bool,
+) -> list[Alert]:
+    """The alerts ``due`` for ``status``'s budget and period, each claimed (those another process won are left out)."""
+    alerts = []
+    for kind, thresholds, targets in due:
+        alert = _budget_alert(spend, status, key, kind, thresholds, targets)
+        if not dry_run:
+            won = state.claim(_keys(status.budget.name, key, kind, thresholds), _detail(alert), now)
+            if not won:
+                continue  # another process claimed it first
+            won_thresholds = tuple(k.threshold for k in won)
+            alert = replace(alert, thresholds=won_thresholds, threshold=max(won_thresholds))
+        alerts.append(alert)
+    return alerts
+
+
+def _ended_period_alerts(
+    spend: SpendSource, state: StateStore, budget: Budget, start: dt.datetime, now: dt.datetime, dry_run: bool
+) -> list[Alert]:
+    """Thresholds the calendar period that ended at ``start`` crossed and never alerted.
+
+    A request crossing a threshold in a period's last seconds (or one that started before the
+    rollover and ended after it, counted in the period it started in) is seen by the first
+    evaluation of the next period: the crossing is still the ended period's, and is mailed
+    once, as such.
+    """
+    last = start - dt.timedelta(microseconds=1)
+    before, _ = budget.period.window(last)
+    try:
+        ended = evaluate(budget, spend.spend_in(budget, before, start), last)
+    except LookupError:  # a source that no longer has that period
+        return []
+    claimed = state.claimed(budget.name, before)
+    new = tuple(t for t in ended.crossed if ("threshold", t) not in claimed)
+    return _claimed(spend, state, ended, before, [("threshold", new, None)], now, dry_run) if new else []
 
 
 def _detail(alert: Alert) -> dict[str, Any]:
@@ -181,8 +224,10 @@ def _budget_alert(
     )
     money = usd
     runs_out = status.runs_out_at
+    ended = budget.period.kind in CALENDAR_PERIODS and status.at >= status.end - dt.timedelta(microseconds=1)
     headline = {
-        "threshold": f"crossed {', '.join(f'{t}%' for t in thresholds)}",
+        "threshold": f"crossed {', '.join(f'{t}%' for t in thresholds)}"
+        + (f" before the reset at {resets}" if ended else ""),
         "forecast": f"projected to reach {money(status.forecast or 0)} by {resets}",
         "refusing": "requests are being refused",
     }[kind]
