@@ -124,6 +124,10 @@ def claim_alerts(
         if budget.period.kind == "rolling" and not dry_run:
             state.rearm(budget.name, key, status.crossed, bool(refused))
         claimed = state.claimed(budget.name, key)
+        if not dry_run and any(k == "threshold" and t not in status.crossed for k, t in claimed):
+            # a threshold claimed but no longer crossed: the limit was raised since (a rolling window is re-armed above)
+            state.rearm(budget.name, key, status.crossed, bool(refused), limit=str(budget.limit_usd))
+            claimed = state.claimed(budget.name, key)
         new = tuple(t for t in status.crossed if ("threshold", t) not in claimed)
         due: list[tuple[str, tuple[int, ...], tuple[str, ...] | None]] = []
         if new:

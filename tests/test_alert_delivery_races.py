@@ -266,3 +266,33 @@ def test_a_rolling_threshold_crossed_again_while_mail_is_down_is_not_taken_for_d
         "[tokenward] budget last-2h: 55.00% of $1.00 (crossed 50%)",
     ]
     assert run_check(path, [budget], settings_for(port), "2026-11-10T11:15:00+00:00") == []
+
+
+@pytest.mark.parametrize("engine", ["sqlite", "postgres"])
+def test_leases_and_re_arming_in_each_state_store(engine, tmp_path, request):
+    import datetime as dt
+
+    from tokenward.reports.ledger.state import AlertKey, DeliveryRecord
+
+    if engine == "sqlite":
+        state = DuckLedger(tmp_path / "l.duckdb").state
+    else:
+        from .test_pg_ledger import pg
+
+        state = pg(tmp_path, request.getfixturevalue("pg_url")).state
+    at = dt.datetime(2026, 11, 10, 10, tzinfo=dt.UTC)
+    key = AlertKey("team", at, "threshold", 50)
+    assert state.claim([key], {"payload": {"limit_usd": "100"}}, at) == [key]
+    # one holder at a time; the holder renews; another takes over once the lease has run out
+    assert state.lease([key], "one", 1000.0, 900.0) == [key]
+    assert state.lease([key], "two", 1100.0, 950.0) == []
+    assert state.lease([key], "one", 1200.0, 990.0) == [key]
+    assert state.lease([key], "two", 1300.0, 1200.0) == [key]
+    state.record_delivery(DeliveryRecord(key, "email", "lead@example.com", True, 1, None, at))
+    state.set_status(key, "sent")  # ends the lease; a sent claim is never leased again
+    assert state.lease([key], "three", 9999.0, 9000.0) == []
+    # re-arming for an edited limit: the claim made at $100 is kept at $100, forgotten at $200
+    state.rearm("team", at, [], False, limit="100")
+    assert state.claimed("team", at) == {("threshold", 50)}
+    state.rearm("team", at, [], False, limit="200")
+    assert state.claimed("team", at) == set() and state.delivered(key) == set()

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime as dt
+from decimal import Decimal
 
 from tokenward.pricing.settings import BudgetSettings
 from tokenward.proxy.guard import BooksSpend, BudgetGuard
@@ -113,3 +115,28 @@ def test_the_proxys_books_still_know_the_day_that_just_ended(tmp_path, smtp):  #
     ]
     (mail,) = inbox.wait_for(1)
     assert "before the reset at 2026-10-26T00:00:00+01:00" in mail["Subject"]
+
+
+def test_a_limit_raised_after_its_50_percent_mail_mails_50_percent_of_the_new_limit(tmp_path, smtp):  # noqa: F811
+    inbox, port = smtp
+    path = tmp_path / "l.duckdb"
+    budget = BudgetSettings(
+        name="team", limit_usd=100, scope={"team": "research"}, period="total", notify=["lead@example.com"]
+    ).to_budget()
+    seed(path, [cost_row("a", "2026-11-10T09:00:00+00:00", "55.00")])
+    assert [a.thresholds for a, _ in run_check(path, [budget], settings_for(port), "2026-11-10T10:00:00+00:00")] == [
+        (50,)
+    ]
+    raised = dataclasses.replace(budget, limit_usd=Decimal(200))  # the config edited, the proxy restarted
+    assert run_check(path, [raised], settings_for(port), "2026-11-10T11:00:00+00:00") == []  # 27.5 % of $200
+    seed(path, [cost_row("b", "2026-11-10T12:00:00+00:00", "50.00")])  # $105: 52.5 % of the new limit
+    sent = run_check(path, [raised], settings_for(port), "2026-11-10T12:01:00+00:00")
+    assert [(a.thresholds, a.payload["limit_usd"]) for a, _ in sent] == [((50,), "200")]
+    assert run_check(path, [raised], settings_for(port), "2026-11-10T12:02:00+00:00") == []
+    assert [m["Subject"] for m in inbox.wait_for(2)] == [
+        "[tokenward] budget team: 55.00% of $100.00 (crossed 50%)",
+        "[tokenward] budget team: 52.50% of $200.00 (crossed 50%)",
+    ]
+    # the same limit again, as the config file is read at a restart: nothing is re-armed or resent
+    assert run_check(path, [raised], settings_for(port), "2026-11-10T13:00:00+00:00") == []
+    assert len(inbox.wait_for(3, timeout=0.5)) == 2

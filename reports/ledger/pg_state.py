@@ -105,13 +105,18 @@ class PgState:
                     won.append(key)
         return won
 
-    def rearm(self, budget: str, period_start: dt.datetime, crossed: Sequence[int], refused: bool) -> None:
+    def rearm(
+        self, budget: str, period_start: dt.datetime, crossed: Sequence[int], refused: bool, *, limit: str | None = None
+    ) -> None:
         """See :meth:`StateStore.rearm`."""
         stale = (
             "budget = %s AND period_start = %s AND status <> 'pending' AND "
             "((kind = 'threshold' AND NOT (threshold = ANY (%s))) OR (kind = 'refusing' AND NOT %s))"
         )
-        params = [budget, period_start, list(crossed), refused]
+        params: list[Any] = [budget, period_start, list(crossed), refused]
+        if limit is not None:
+            stale += " AND kind = 'threshold' AND (detail -> 'payload' ->> 'limit_usd') IS DISTINCT FROM %s"
+            params.append(limit)
         with self._pool.connection() as conn, conn.transaction():  # the next crossing has reached no one yet
             conn.execute(
                 "DELETE FROM alert_deliveries WHERE (budget, period_start, kind, threshold) IN "

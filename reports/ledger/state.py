@@ -112,8 +112,14 @@ class StateStore(Protocol):
         """
         ...
 
-    def rearm(self, budget: str, period_start: dt.datetime, crossed: Sequence[int], refused: bool) -> None:
-        """Forget a rolling budget's sent claims that no longer hold (thresholds not in ``crossed``), deliveries too."""
+    def rearm(
+        self, budget: str, period_start: dt.datetime, crossed: Sequence[int], refused: bool, *, limit: str | None = None
+    ) -> None:
+        """Forget a rolling budget's sent claims that no longer hold (thresholds not in ``crossed``), deliveries too.
+
+        With ``limit`` (a budget whose limit may have been edited): only threshold claims made
+        at another limit (their stored ``payload.limit_usd``) are forgotten.
+        """
         ...
 
     def record_delivery(self, record: DeliveryRecord) -> None:
@@ -370,7 +376,9 @@ class SqliteState:
             conn.close()
         return won
 
-    def rearm(self, budget: str, period_start: dt.datetime, crossed: Sequence[int], refused: bool) -> None:
+    def rearm(
+        self, budget: str, period_start: dt.datetime, crossed: Sequence[int], refused: bool, *, limit: str | None = None
+    ) -> None:
         """See :meth:`StateStore.rearm`."""
         fallen = f"threshold NOT IN ({','.join('?' * len(crossed))})" if crossed else "TRUE"
         stale = (
@@ -378,6 +386,9 @@ class SqliteState:
             f"((kind = 'threshold' AND {fallen}) OR (kind = 'refusing' AND NOT ?))"
         )
         params = [budget, _iso(period_start), *crossed, int(refused)]
+        if limit is not None:
+            stale += " AND kind = 'threshold' AND json_extract(detail, '$.payload.limit_usd') IS NOT ?"
+            params.append(limit)
         conn = self._connect()
         try:  # the deliveries go too: the next crossing has reached no one yet
             conn.execute("BEGIN IMMEDIATE")
