@@ -350,14 +350,21 @@ class BudgetGuard:
         return books
 
     async def admit(
-        self, attributes: Mapping[str, Any], worst_case: Decimal, now: dt.datetime, *, unbounded: bool = False
+        self,
+        attributes: Mapping[str, Any],
+        worst_case: Decimal,
+        now: dt.datetime,
+        *,
+        unbounded: bool = False,
+        request_id: str | None = None,
     ) -> Reservation:
         """Reserve ``worst_case`` USD against every blocking budget in scope, or refuse.
 
         ``unbounded``: the request's input cannot be bounded (it points at stored files or an
         earlier response), so it reserves everything left in each budget: it runs alone, and
         only when more than ``worst_case`` (the part that can be counted) is left. All or none,
-        in one step of the book store (one round trip to a shared one).
+        in one step of the book store (one round trip to a shared one). ``request_id``: the
+        request it is for (a shared store counts a dead replica's hold as its spend).
 
         Raises:
             BudgetRefusal: a blocking budget in scope would go over its limit (the tightest one).
@@ -368,7 +375,11 @@ class BudgetGuard:
             book.roll(now)
         asks = [Ask(book.key_at(now) or book.key, book.budget.limit_usd, worst_case) for book in books]
         try:
-            hold = await self.store.reserve(asks, all_left=unbounded) if asks else Hold([])
+            hold = (
+                await self.store.reserve(asks, all_left=unbounded, request_id=request_id, started=now)
+                if asks
+                else Hold([])
+            )
         except Refused as refused:
             book = books[refused.index]
             book.refused += 1
