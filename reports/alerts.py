@@ -47,12 +47,14 @@ __all__ = [
     "Delivery",
     "DigestSettings",
     "Notifier",
+    "REFUSED",
     "SmtpSettings",
     "WebhookSettings",
     "delivery_id",
     "html_document",
     "html_text",
     "message_id",
+    "refused_for_good",
 ]
 
 log = logging.getLogger("tokenward.alerts")
@@ -182,9 +184,13 @@ def delivery_id(alert: Alert, target: str) -> str:
     return hashlib.sha256(seed.encode()).hexdigest()[:32]
 
 
+REFUSED = "refused for good: "
+"""How the error of a delivery the receiver refused permanently starts (SMTP 5xx, HTTP 4xx but 408/425/429)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Delivery:
-    """How sending one alert to one target went."""
+    """How sending one alert to one target went (``error`` starts with :data:`REFUSED` if never to be retried)."""
 
     channel: str
     target: str
@@ -193,8 +199,27 @@ class Delivery:
     error: str | None = None
 
 
+def refused_for_good(exc: BaseException) -> bool:
+    """Whether a delivery failed in a way trying again cannot change: an SMTP 5xx reply, an HTTP 4xx.
+
+    Sources: RFC 5321 4.2.1 (5yz: permanent negative completion); RFC 9110 15.5 (4xx client
+    errors; 408, 425 and 429 invite a retry).
+    """
+    import aiosmtplib
+    import httpx
+
+    if isinstance(exc, aiosmtplib.SMTPRecipientsRefused):
+        return bool(exc.recipients) and all(500 <= r.code < 600 for r in exc.recipients)
+    if isinstance(exc, aiosmtplib.SMTPResponseException):
+        return 500 <= exc.code < 600
+    if isinstance(exc, httpx.HTTPStatusError):
+        status = exc.response.status_code
+        return 400 <= status < 500 and status not in (408, 425, 429)
+    return False
+
+
 class Notifier:
-    """Sends alerts by email and webhook with retries; never raises.
+    """Sends alerts by email and webhook with retries (none after a refusal for good); never raises.
 
     Args:
         settings: channels and retry policy.
@@ -241,9 +266,11 @@ class Notifier:
                 async with asyncio.timeout(timeout_s):  # the whole attempt: a receiver may answer byte by byte
                     await attempt()
                 return Delivery(channel, target, True, number)
-            except Exception as exc:  # any failure is retried, then reported
+            except Exception as exc:  # any failure is retried (unless refused for good), then reported
                 error = f"{type(exc).__name__}: {exc or f'no answer within {timeout_s:g} s'}"
                 log.warning("alert delivery by %s to %s failed (attempt %d): %s", channel, target, number, error)
+                if refused_for_good(exc):
+                    return Delivery(channel, target, False, number, REFUSED + error)
                 if number <= self.settings.retries:
                     await asyncio.sleep(delay)
                     delay *= 2

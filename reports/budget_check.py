@@ -33,7 +33,7 @@ from zoneinfo import ZoneInfo
 
 from tokenward.pricing.budgets import CALENDAR_PERIODS, Budget, BudgetStatus, evaluate
 from tokenward.pricing.velocity import VelocityStatus, velocity_status, velocity_windows
-from tokenward.reports.alerts import Alert, AlertSettings, Delivery, Notifier, html_document, html_text
+from tokenward.reports.alerts import REFUSED, Alert, AlertSettings, Delivery, Notifier, html_document, html_text
 from tokenward.reports.ledger.spend import SpendSource
 from tokenward.reports.ledger.state import AlertKey, DeliveryRecord, StateStore
 from tokenward.reports.sanitize import printable
@@ -85,6 +85,13 @@ def velocity_of(spend: SpendSource, budget: Budget, now: dt.datetime) -> Velocit
 
 def _keys(budget: str, start: dt.datetime, kind: str, thresholds: Sequence[int]) -> list[AlertKey]:
     return [AlertKey(budget, start, kind, t) for t in thresholds]
+
+
+def _settled(state: StateStore, key: AlertKey) -> tuple[set[str], set[str]]:
+    """Targets ``key``'s alert reached, and those that refused it for good (never tried again)."""
+    records = state.deliveries(key)
+    reached = {d.target for d in records if d.ok}
+    return reached, {d.target for d in records if not d.ok and (d.error or "").startswith(REFUSED)} - reached
 
 
 def claim_alerts(
@@ -435,8 +442,8 @@ def _pending(
             to = ()  # the budget is no longer configured
         else:
             to = _refusal_targets(known, settings) if kind == "refusing" else known.notify
-        done = set.intersection(*(state.delivered(c.key) for c in claims))
-        to = tuple(t for t in to if t not in done)  # only where it has not arrived yet
+        done = set.intersection(*(set.union(*_settled(state, c.key)) for c in claims))
+        to = tuple(t for t in to if t not in done)  # only where it has not arrived yet (nor been refused for good)
         if not to:
             for claim in claims:
                 state.set_status(claim.key, "sent")
@@ -472,10 +479,11 @@ def record_deliveries(state: StateStore, alert: Alert, deliveries: list[Delivery
     keys = _keys(alert.budget, alert.period_start, alert.kind, alert.thresholds)
     errors = "; ".join(f"{d.channel} {d.target}: {d.error}" for d in deliveries if not d.ok) or None
     for key in keys:
-        reached = state.delivered(key)
-        complete = all(t in reached for t in alert.targets)
-        if complete:
+        reached, refused = _settled(state, key)
+        if all(t in reached for t in alert.targets):
             state.set_status(key, "sent", None)
+        elif all(t in reached or t in refused for t in alert.targets):
+            state.set_status(key, "failed", errors)  # what is left refused it for good: no more attempts
         else:
             state.set_status(key, "failed" if alert.kind == "delivery_failed" else "pending", errors)
     if errors is None or alert.kind == "delivery_failed":
@@ -526,7 +534,7 @@ async def deliver(state: StateStore, notifier: Notifier, alert: Alert) -> tuple[
 
     def leased() -> tuple[list[AlertKey], set[str]]:
         won = lease(_keys(alert.budget, alert.period_start, alert.kind, alert.thresholds))
-        reached = set.intersection(*(state.delivered(k) for k in won)) if won else set()
+        reached = set.intersection(*(set.union(*_settled(state, k)) for k in won)) if won else set()
         return won, reached  # read under the lease: a holder before this one may have reached some targets
 
     keys, reached = await asyncio.to_thread(leased)

@@ -296,3 +296,111 @@ def test_leases_and_re_arming_in_each_state_store(engine, tmp_path, request):
     assert state.claimed("team", at) == {("threshold", 50)}
     state.rearm("team", at, [], False, limit="200")
     assert state.claimed("team", at) == set() and state.delivered(key) == set()
+
+
+class RefusingInbox(Inbox):
+    """Answers RCPT for one address with 550 (a permanent refusal), counting how often it was asked."""
+
+    def __init__(self, refused: str) -> None:
+        super().__init__()
+        self.refused = refused
+        self.refusals = 0
+
+    async def handle_RCPT(self, server, session, envelope, address, rcpt_options):  # noqa: N802 - aiosmtpd's hook name
+        if address == self.refused:
+            self.refusals += 1
+            return "550 5.1.1 no such user"
+        envelope.rcpt_tos.append(address)
+        return "250 OK"
+
+
+def test_a_recipient_the_mail_server_refuses_for_good_is_not_asked_again_at_every_evaluation(tmp_path):
+    inbox = RefusingInbox("gone@example.com")
+    server = Controller(inbox, hostname="127.0.0.1", port=free_port())
+    server.start()
+    try:
+        path = tmp_path / "l.duckdb"
+        seed(path, [cost_row("a", "2026-11-10T09:00:00+00:00", "55.00")])
+        budget = BudgetSettings(
+            name="team", limit_usd=100, period="total", notify=["gone@example.com", "lead@example.com"]
+        ).to_budget()
+        settings = AlertSettings(
+            smtp=SmtpSettings(host="127.0.0.1", port=server.port, security="none", sender="tokenward@test"),
+            admins=["ops@example.com"],
+            retries=3,
+            backoff_s=0.01,
+        )
+        sent = run_check(path, [budget], settings, "2026-11-10T10:00:00+00:00")
+        assert [(a.kind, [(d.target, d.ok, d.attempts) for d in ds]) for a, ds in sent] == [
+            ("threshold", [("gone@example.com", False, 1), ("lead@example.com", True, 1)]),  # a 550 is not retried
+            ("delivery_failed", [("ops@example.com", True, 1)]),
+        ]
+        assert "550" in (sent[0][1][0].error or "")
+        state = DuckLedger(path).state
+        assert [(c.key.kind, c.status) for c in state.claims()] == [("threshold", "failed"), ("delivery_failed", "sent")]
+        for minute in range(1, 4):  # later evaluations leave the refused address alone
+            assert run_check(path, [budget], settings, f"2026-11-10T10:0{minute}:00+00:00") == []
+        assert inbox.refusals == 1
+        assert sorted(m["To"] for m in inbox.messages) == ["lead@example.com", "ops@example.com"]
+    finally:
+        server.stop()
+
+
+class Receiver:
+    """A real HTTP webhook receiver (aiohttp, in a thread) answering each POST with the next of ``statuses``."""
+
+    def __init__(self, statuses: list[int]) -> None:
+        self.statuses = statuses
+        self.keys: list[str] = []
+        self.port = 0
+        self._ready = threading.Event()
+        self._stop: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
+
+    def __enter__(self) -> Receiver:
+        self._thread.start()
+        assert self._ready.wait(10)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._loop is not None and self._stop is not None
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(10)
+
+    async def _main(self) -> None:
+        from aiohttp import web
+
+        async def hook(request: web.Request) -> web.Response:
+            self.keys.append(request.headers["Idempotency-Key"])
+            return web.Response(status=self.statuses.pop(0) if self.statuses else 200)
+
+        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        app = web.Application()
+        app.router.add_post("/hook", hook)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self._ready.set()
+        await self._stop.wait()
+        await runner.cleanup()
+
+
+@pytest.mark.parametrize(("statuses", "posts", "status"), [([500, 500, 200], 3, "sent"), ([410], 1, "failed")])
+def test_a_webhook_that_fails_is_retried_with_one_idempotency_key_or_left_when_gone(statuses, posts, status, tmp_path):
+    """500 twice (both attempts of the first evaluation), then 200 at the next; a 410 is not asked again."""
+    with Receiver(list(statuses)) as receiver:
+        path = tmp_path / "l.duckdb"
+        seed(path, [cost_row("a", "2026-11-10T09:00:00+00:00", "55.00")])
+        hook = WebhookSettings(name="ops", url=f"http://127.0.0.1:{receiver.port}/hook")
+        settings = AlertSettings(webhooks=[hook], retries=1, backoff_s=0.01)
+        budget = BudgetSettings(name="team", limit_usd=100, period="total", notify=["ops"]).to_budget()
+        first = run_check(path, [budget], settings, "2026-11-10T10:00:00+00:00")
+        assert [(d.ok, d.attempts) for _, ds in first for d in ds] == [(False, min(posts, 2))]
+        for minute in range(1, 4):
+            run_check(path, [budget], settings, f"2026-11-10T10:0{minute}:00+00:00")
+        assert len(receiver.keys) == posts and len(set(receiver.keys)) == 1  # one key: the receiver can de-duplicate
+        state = DuckLedger(path).state
+        assert [c.status for c in state.claims(kind="threshold")] == [status]
