@@ -347,45 +347,36 @@ def test_a_recipient_the_mail_server_refuses_for_good_is_not_asked_again_at_ever
 
 
 class Receiver:
-    """A real HTTP webhook receiver (aiohttp, in a thread) answering each POST with the next of ``statuses``."""
+    """A real HTTP webhook receiver (the stdlib's server, in a thread) answering each POST with the next of ``statuses``."""
 
     def __init__(self, statuses: list[int]) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        receiver = self
         self.statuses = statuses
         self.keys: list[str] = []
-        self.port = 0
-        self._ready = threading.Event()
-        self._stop: asyncio.Event | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
+
+        class Hook(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - the stdlib's hook name
+                self.rfile.read(int(self.headers["content-length"]))
+                receiver.keys.append(self.headers["Idempotency-Key"])
+                self.send_response(receiver.statuses.pop(0) if receiver.statuses else 200)
+                self.send_header("content-length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Hook)
+        self.port = self.server.server_address[1]
 
     def __enter__(self) -> Receiver:
-        self._thread.start()
-        assert self._ready.wait(10)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        assert self._loop is not None and self._stop is not None
-        self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(10)
-
-    async def _main(self) -> None:
-        from aiohttp import web
-
-        async def hook(request: web.Request) -> web.Response:
-            self.keys.append(request.headers["Idempotency-Key"])
-            return web.Response(status=self.statuses.pop(0) if self.statuses else 200)
-
-        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
-        app = web.Application()
-        app.router.add_post("/hook", hook)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        self._ready.set()
-        await self._stop.wait()
-        await runner.cleanup()
+        self.server.shutdown()
+        self.server.server_close()
 
 
 @pytest.mark.parametrize(("statuses", "posts", "status"), [([500, 500, 200], 3, "sent"), ([410], 1, "failed")])
