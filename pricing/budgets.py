@@ -272,12 +272,28 @@ class BudgetStatus:
     def forecast_exceeds(self) -> bool:
         """Whether spend is projected past the limit before the period ends.
 
-        Only once :data:`FORECAST_AFTER` of the period has gone: a burst in a month's first
-        hours says little about its end.
+        Once :data:`FORECAST_AFTER` of the period has gone; before that, only once half the limit
+        is spent (the rate so far then reaches the limit within the time already seen): a burst
+        in a month's first hours says little about its end, but an agent that would run out on
+        the month's second day must hear of it before then, not never.
         """
         if self.forecast is None or self.forecast <= self.budget.limit_usd:
             return False
-        return (self.at - self.start) >= (self.end - self.start) * FORECAST_AFTER
+        if (self.at - self.start) >= (self.end - self.start) * FORECAST_AFTER:
+            return True
+        return self.spent * 2 >= self.budget.limit_usd
+
+    @property
+    def runs_out_at(self) -> dt.datetime | None:
+        """When spend reaches the limit at the period's average rate so far (UTC, to the second).
+
+        ``None`` without a forecast, with nothing spent, or with the limit already reached.
+        """
+        if self.forecast is None or not 0 < self.spent < self.budget.limit_usd:
+            return None
+        elapsed = Decimal(round((self.at - self.start).total_seconds(), 6))
+        seconds = (elapsed * self.budget.limit_usd / self.spent).quantize(Decimal(1))
+        return self.start + dt.timedelta(seconds=int(seconds))
 
 
 def evaluate(budget: Budget, spent: Decimal, now: dt.datetime) -> BudgetStatus:

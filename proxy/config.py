@@ -97,7 +97,7 @@ class LedgerConfig(_Section):
     request). ``url``: a ``postgresql://`` URL puts the ledger, the state store and the budget
     books in Postgres, shared by every replica (the ``TOKENWARD_LEDGER_URL`` environment variable
     overrides it); ``path`` is then unused. ``lease_s``: Postgres only: a replica that stops
-    renewing its lease for this long (killed, cut off) loses its budget reservations.
+    renewing its lease for this long (killed, cut off) has its budget reservations counted as spend.
     """
 
     path: str = "tokenward.duckdb"

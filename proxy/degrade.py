@@ -62,6 +62,7 @@ async def degrade(
     model: str | None,
     max_output_tokens: int,
     bound: Bound,
+    request_id: str | None = None,
 ) -> Plan | None:
     """A degraded version of a request that did not fit, reserved; ``None`` when there is none.
 
@@ -73,6 +74,7 @@ async def degrade(
         model: the requested model.
         max_output_tokens: its output limit per choice (as sent, or the guard's default).
         bound: prices the request for another model or output limit (:data:`Bound`).
+        request_id: the request's id, for its reservation (:meth:`BudgetGuard.admit`).
 
     Only when every blocking budget the request does not fit has a ``degrade`` allowing the
     step: a budget without one still refuses.
@@ -89,7 +91,7 @@ async def degrade(
         if cheaper is not None and priced is not None:
             sent, scope = cheaper, _with_model(attributes, cheaper)
             try:
-                return Plan(await guard.admit(scope, priced, now), priced, cheaper, None, first)
+                return Plan(await guard.admit(scope, priced, now, request_id=request_id), priced, cheaper, None, first)
             except BudgetRefusal:
                 pass  # still too dear: a smaller answer from the cheaper model, if allowed
     if not all(policy is not None and policy.clamp for policy in policies):
@@ -107,7 +109,7 @@ async def degrade(
     if priced is None:
         return None
     try:
-        reservation = await guard.admit(scope, priced, now)
+        reservation = await guard.admit(scope, priced, now, request_id=request_id)
     except BudgetRefusal:
         return None  # the books moved while we priced: refuse as usual
     return Plan(reservation, priced, sent if sent != model else None, tokens, first)

@@ -504,7 +504,9 @@ class Forwarder:
                 try:
                     try:
                         try:
-                            ex.reservation = await guard.admit(attributes, worst, now, unbounded=unbounded)
+                            ex.reservation = await guard.admit(
+                                attributes, worst, now, unbounded=unbounded, request_id=ex.request_id
+                            )
                         except BudgetRefusal:
                             if counts:
                                 raise
@@ -513,7 +515,9 @@ class Forwarder:
                             worst, unbounded = await self._worst_case(ex, head, body, endpoint, now, counts=counts)
                             if worst is None:
                                 raise
-                            ex.reservation = await guard.admit(attributes, worst, now, unbounded=unbounded)
+                            ex.reservation = await guard.admit(
+                                attributes, worst, now, unbounded=unbounded, request_id=ex.request_id
+                            )
                         ex.reserved_usd = ex.reservation.amount
                     except BudgetRefusal as refusal:
                         plan = None
@@ -610,6 +614,7 @@ class Forwarder:
             model=ex.requested_model,
             max_output_tokens=_output_limit(head, self.guard_settings.default_max_output_tokens),
             bound=bound,
+            request_id=ex.request_id,
         )
 
     def _apply(
@@ -762,7 +767,7 @@ class Forwarder:
                 "model_not_priced",
             )
         try:
-            ex.reservation = await self.guard.admit(attributes, hold, now)
+            ex.reservation = await self.guard.admit(attributes, hold, now, request_id=ex.request_id)
             ex.reserved_usd = ex.reservation.amount
         except BudgetRefusal as refusal:
             headers = _budget_headers(refusal.budget, refusal.remaining) + _no_retry(refusal, now)

@@ -34,7 +34,7 @@ from decimal import Decimal
 from typing import Any
 from zoneinfo import ZoneInfo
 
-from tokenward.pricing.budgets import Budget, evaluate
+from tokenward.pricing.budgets import CALENDAR_PERIODS, Budget, evaluate
 from tokenward.reports.ledger.books import ROLLING_START, Ask, BookKey, BookStore, Hold, MemoryBooks, Refused
 from tokenward.reports.ledger.schema import HELD_STATUSES
 
@@ -350,14 +350,21 @@ class BudgetGuard:
         return books
 
     async def admit(
-        self, attributes: Mapping[str, Any], worst_case: Decimal, now: dt.datetime, *, unbounded: bool = False
+        self,
+        attributes: Mapping[str, Any],
+        worst_case: Decimal,
+        now: dt.datetime,
+        *,
+        unbounded: bool = False,
+        request_id: str | None = None,
     ) -> Reservation:
         """Reserve ``worst_case`` USD against every blocking budget in scope, or refuse.
 
         ``unbounded``: the request's input cannot be bounded (it points at stored files or an
         earlier response), so it reserves everything left in each budget: it runs alone, and
         only when more than ``worst_case`` (the part that can be counted) is left. All or none,
-        in one step of the book store (one round trip to a shared one).
+        in one step of the book store (one round trip to a shared one). ``request_id``: the
+        request it is for (a shared store counts a dead replica's hold as its spend).
 
         Raises:
             BudgetRefusal: a blocking budget in scope would go over its limit (the tightest one).
@@ -368,7 +375,11 @@ class BudgetGuard:
             book.roll(now)
         asks = [Ask(book.key_at(now) or book.key, book.budget.limit_usd, worst_case) for book in books]
         try:
-            hold = await self.store.reserve(asks, all_left=unbounded) if asks else Hold([])
+            hold = (
+                await self.store.reserve(asks, all_left=unbounded, request_id=request_id, started=now)
+                if asks
+                else Hold([])
+            )
         except Refused as refused:
             book = books[refused.index]
             book.refused += 1
@@ -516,11 +527,15 @@ class BooksSpend:
         self, guard: BudgetGuard | None, now: dt.datetime, unpriced: Mapping[tuple[Any, Any], Mapping[str, Any]]
     ) -> None:
         self._books: dict[str, tuple[dt.datetime, Decimal, dict[str, Decimal], dict[str, Decimal], int]] = {}
+        self._previous: dict[str, tuple[dt.datetime, Decimal, dict[str, Decimal], dict[str, Decimal], int]] = {}
         for book in guard._books if guard is not None else ():
             book.roll(now)
             self._books[book.budget.name] = (
                 book.start, book.spent, dict(book.by_model), dict(book.by_key), book.refused
             )
+            if book.budget.period.kind in CALENDAR_PERIODS:  # the period that ended: its late rows count there
+                before = book.budget.period.window(book.start - dt.timedelta(microseconds=1))[0]
+                self._previous[book.budget.name] = (before, book.store.spent((book.budget.name, before)), {}, {}, 0)
         self._unpriced = [
             (
                 status,
@@ -536,13 +551,17 @@ class BooksSpend:
         ]
 
     def _book(self, budget: Budget, start: dt.datetime) -> tuple[Any, ...]:
-        found = self._books.get(budget.name)
-        if found is None or (found[0] != start and budget.period.kind != "rolling"):
-            raise LookupError(f"no books for budget {budget.name!r} from {start.isoformat()}")
-        return found
+        for found in (self._books.get(budget.name), self._previous.get(budget.name)):
+            if found is not None and (found[0] == start or budget.period.kind == "rolling"):
+                return found
+        raise LookupError(f"no books for budget {budget.name!r} from {start.isoformat()}")
 
     def spend_in(self, budget: Budget, start: dt.datetime, end: dt.datetime) -> Decimal:
-        """USD in ``budget``'s current period (``start`` must be its start)."""
+        """USD in ``budget``'s current period, or the calendar period before it (``start`` must be its start).
+
+        The period before holds only its total (no models, keys or refusals), as this process
+        counted it: rows of requests that started before the rollover and ended after it.
+        """
         spent: Decimal = self._book(budget, start)[1]
         return spent
 

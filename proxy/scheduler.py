@@ -216,8 +216,10 @@ async def send_digest(
         alert = await asyncio.to_thread(ledger.read_spend, claim)
         if alert is None:
             return False
-        deliveries = await deliver(state, notifier, alert)
-        await asyncio.to_thread(record_deliveries, state, alert, deliveries, when)
+        done = await deliver(state, notifier, alert)
+        if done is None:
+            return False
+        await asyncio.to_thread(record_deliveries, state, *done, when)
     except Exception:
         log.exception("spend digest failed")
         return False

@@ -30,6 +30,7 @@ import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from email.message import EmailMessage
+from functools import partial
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
@@ -46,12 +47,14 @@ __all__ = [
     "Delivery",
     "DigestSettings",
     "Notifier",
+    "REFUSED",
     "SmtpSettings",
     "WebhookSettings",
     "delivery_id",
     "html_document",
     "html_text",
     "message_id",
+    "refused_for_good",
 ]
 
 log = logging.getLogger("tokenward.alerts")
@@ -70,11 +73,16 @@ class SmtpSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class WebhookSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """A webhook receiving Slack-compatible JSON: its URL, or the environment variable holding it."""
+    """A webhook receiving Slack-compatible JSON: its URL, or the environment variable holding it.
+
+    ``timeout_s`` bounds one attempt as a whole (connect, send, the whole reply), like the SMTP
+    server's ``timeout_s``: a receiver that trickles its answer is given up then.
+    """
 
     name: Annotated[str, msgspec.Meta(min_length=1)]
     url: str | None = None
     url_env: str | None = None
+    timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
 
     def __post_init__(self) -> None:
         if (self.url is None) == (self.url_env is None):
@@ -131,6 +139,12 @@ class AlertSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             if names.count(name) > 1:
                 raise ValueError(f"duplicate webhook name {name!r}")
 
+    def target_bound_s(self) -> float:
+        """Seconds one target's delivery can take at most: every attempt at its timeout, and the backoffs."""
+        timeouts = [w.timeout_s for w in self.webhooks] + ([self.smtp.timeout_s] if self.smtp else [])
+        waits = self.backoff_s * (2**self.retries - 1)
+        return (self.retries + 1) * max(timeouts, default=0.0) + waits
+
 
 @dataclass(frozen=True, slots=True)
 class Alert:
@@ -170,9 +184,13 @@ def delivery_id(alert: Alert, target: str) -> str:
     return hashlib.sha256(seed.encode()).hexdigest()[:32]
 
 
+REFUSED = "refused for good: "
+"""How the error of a delivery the receiver refused permanently starts (SMTP 5xx, HTTP 4xx but 408/425/429)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Delivery:
-    """How sending one alert to one target went."""
+    """How sending one alert to one target went (``error`` starts with :data:`REFUSED` if never to be retried)."""
 
     channel: str
     target: str
@@ -181,8 +199,27 @@ class Delivery:
     error: str | None = None
 
 
+def refused_for_good(exc: BaseException) -> bool:
+    """Whether a delivery failed in a way trying again cannot change: an SMTP 5xx reply, an HTTP 4xx.
+
+    Sources: RFC 5321 4.2.1 (5yz: permanent negative completion); RFC 9110 15.5 (4xx client
+    errors; 408, 425 and 429 invite a retry).
+    """
+    import aiosmtplib
+    import httpx
+
+    if isinstance(exc, aiosmtplib.SMTPRecipientsRefused):
+        return bool(exc.recipients) and all(500 <= r.code < 600 for r in exc.recipients)
+    if isinstance(exc, aiosmtplib.SMTPResponseException):
+        return 500 <= exc.code < 600
+    if isinstance(exc, httpx.HTTPStatusError):
+        status = exc.response.status_code
+        return 400 <= status < 500 and status not in (408, 425, 429)
+    return False
+
+
 class Notifier:
-    """Sends alerts by email and webhook with retries; never raises.
+    """Sends alerts by email and webhook with retries (none after a refusal for good); never raises.
 
     Args:
         settings: channels and retry policy.
@@ -208,28 +245,32 @@ class Notifier:
                 if self.settings.smtp is None:  # a configuration problem: no point retrying
                     result = Delivery("email", target, False, 0, "no SMTP server is configured (alerts.smtp)")
                 else:
-                    result = await self._retry("email", target, lambda t=target: self._email(alert, t))
+                    email_attempt = partial(self._email, alert, target)
+                    result = await self._retry("email", target, email_attempt, self.settings.smtp.timeout_s)
             else:
                 hook = self._webhooks.get(target)
                 if hook is None:
                     result = Delivery("webhook", target, False, 0, f"no webhook named {target!r} is configured")
                 else:
-                    result = await self._retry("webhook", target, lambda hook=hook: self._webhook(alert, hook))
+                    result = await self._retry("webhook", target, partial(self._webhook, alert, hook), hook.timeout_s)
             results.append(result)
             if on_delivery is not None:
                 await on_delivery(result)
         return results
 
-    async def _retry(self, channel: str, target: str, attempt: Any) -> Delivery:
+    async def _retry(self, channel: str, target: str, attempt: Any, timeout_s: float) -> Delivery:
         delay = self.settings.backoff_s
         error = None
         for number in range(1, self.settings.retries + 2):
             try:
-                await attempt()
+                async with asyncio.timeout(timeout_s):  # the whole attempt: a receiver may answer byte by byte
+                    await attempt()
                 return Delivery(channel, target, True, number)
-            except Exception as exc:  # any failure is retried, then reported
-                error = f"{type(exc).__name__}: {exc}"
+            except Exception as exc:  # any failure is retried (unless refused for good), then reported
+                error = f"{type(exc).__name__}: {exc or f'no answer within {timeout_s:g} s'}"
                 log.warning("alert delivery by %s to %s failed (attempt %d): %s", channel, target, number, error)
+                if refused_for_good(exc):
+                    return Delivery(channel, target, False, number, REFUSED + error)
                 if number <= self.settings.retries:
                     await asyncio.sleep(delay)
                     delay *= 2
@@ -276,7 +317,7 @@ class Notifier:
         body = {"text": text, "tokenward": {**alert.payload, "idempotency_key": key}}
         import httpx
 
-        async with httpx.AsyncClient(transport=self._transport, timeout=30) as client:
+        async with httpx.AsyncClient(transport=self._transport, timeout=hook.timeout_s) as client:
             response = await client.post(url, json=body, headers={"Idempotency-Key": key})
             response.raise_for_status()
 

@@ -23,20 +23,24 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import replace
 from decimal import Decimal
 from typing import Any
 from zoneinfo import ZoneInfo
 
-from tokenward.pricing.budgets import Budget, BudgetStatus, evaluate
+from tokenward.pricing.budgets import CALENDAR_PERIODS, Budget, BudgetStatus, evaluate
 from tokenward.pricing.velocity import VelocityStatus, velocity_status, velocity_windows
-from tokenward.reports.alerts import Alert, AlertSettings, Delivery, Notifier, html_document, html_text
+from tokenward.reports.alerts import REFUSED, Alert, AlertSettings, Delivery, Notifier, html_document, html_text
 from tokenward.reports.ledger.spend import SpendSource
 from tokenward.reports.ledger.state import AlertKey, DeliveryRecord, StateStore
 from tokenward.reports.sanitize import printable
 
 __all__ = [
+    "ENDED_PERIOD_WATCH",
+    "LEASE_MARGIN_S",
     "claim_alerts",
     "deliver",
     "digest_alert",
@@ -83,6 +87,13 @@ def _keys(budget: str, start: dt.datetime, kind: str, thresholds: Sequence[int])
     return [AlertKey(budget, start, kind, t) for t in thresholds]
 
 
+def _settled(state: StateStore, key: AlertKey) -> tuple[set[str], set[str]]:
+    """Targets ``key``'s alert reached, and those that refused it for good (never tried again)."""
+    records = state.deliveries(key)
+    reached = {d.target for d in records if d.ok}
+    return reached, {d.target for d in records if not d.ok and (d.error or "").startswith(REFUSED)} - reached
+
+
 def claim_alerts(
     spend: SpendSource,
     state: StateStore,
@@ -120,6 +131,10 @@ def claim_alerts(
         if budget.period.kind == "rolling" and not dry_run:
             state.rearm(budget.name, key, status.crossed, bool(refused))
         claimed = state.claimed(budget.name, key)
+        if not dry_run and any(k == "threshold" and t not in status.crossed for k, t in claimed):
+            # a threshold claimed but no longer crossed: the limit was raised since (a rolling window is re-armed above)
+            state.rearm(budget.name, key, status.crossed, bool(refused), limit=str(budget.limit_usd))
+            claimed = state.claimed(budget.name, key)
         new = tuple(t for t in status.crossed if ("threshold", t) not in claimed)
         due: list[tuple[str, tuple[int, ...], tuple[str, ...] | None]] = []
         if new:
@@ -128,15 +143,9 @@ def claim_alerts(
             due.append(("forecast", (0,), None))
         if refused and ("refusing", 0) not in claimed:
             due.append(("refusing", (0,), _refusal_targets(budget, settings)))
-        for kind, thresholds, targets in due:
-            alert = _budget_alert(spend, status, key, kind, thresholds, targets)
-            if not dry_run:
-                won = state.claim(_keys(budget.name, key, kind, thresholds), _detail(alert), now)
-                if not won:
-                    continue  # another process claimed it first
-                won_thresholds = tuple(k.threshold for k in won)
-                alert = replace(alert, thresholds=won_thresholds, threshold=max(won_thresholds))
-            alerts.append(alert)
+        alerts += _claimed(spend, state, status, key, due, now, dry_run)
+        if budget.period.kind in CALENDAR_PERIODS and now - status.start < ENDED_PERIOD_WATCH:
+            alerts += _ended_period_alerts(spend, state, budget, status.start, now, dry_run)
     alerts += _velocity_alerts(rates or spend, state, budgets, now, dry_run)
     if settings.admins:
         alerts += _unpriced_alerts(spend, state, settings, now, dry_run)
@@ -144,6 +153,54 @@ def claim_alerts(
         fresh = {(a.budget, a.period_start, a.kind, t) for a in alerts for t in a.thresholds}
         alerts += _pending(state, budgets, settings, exclude=fresh)
     return [a for a in alerts if a.targets]
+
+
+ENDED_PERIOD_WATCH = dt.timedelta(hours=1)
+"""How long after a calendar period ends its thresholds are still evaluated (requests in flight at the rollover)."""
+
+
+def _claimed(
+    spend: SpendSource,
+    state: StateStore,
+    status: BudgetStatus,
+    key: dt.datetime,
+    due: list[tuple[str, tuple[int, ...], tuple[str, ...] | None]],
+    now: dt.datetime,
+    dry_run: bool,
+) -> list[Alert]:
+    """The alerts ``due`` for ``status``'s budget and period, each claimed (those another process won are left out)."""
+    alerts = []
+    for kind, thresholds, targets in due:
+        alert = _budget_alert(spend, status, key, kind, thresholds, targets)
+        if not dry_run:
+            won = state.claim(_keys(status.budget.name, key, kind, thresholds), _detail(alert), now)
+            if not won:
+                continue  # another process claimed it first
+            won_thresholds = tuple(k.threshold for k in won)
+            alert = replace(alert, thresholds=won_thresholds, threshold=max(won_thresholds))
+        alerts.append(alert)
+    return alerts
+
+
+def _ended_period_alerts(
+    spend: SpendSource, state: StateStore, budget: Budget, start: dt.datetime, now: dt.datetime, dry_run: bool
+) -> list[Alert]:
+    """Thresholds the calendar period that ended at ``start`` crossed and never alerted.
+
+    A request crossing a threshold in a period's last seconds (or one that started before the
+    rollover and ended after it, counted in the period it started in) is seen by the first
+    evaluation of the next period: the crossing is still the ended period's, and is mailed
+    once, as such.
+    """
+    last = start - dt.timedelta(microseconds=1)
+    before, _ = budget.period.window(last)
+    try:
+        ended = evaluate(budget, spend.spend_in(budget, before, start), last)
+    except LookupError:  # a source that no longer has that period
+        return []
+    claimed = state.claimed(budget.name, before)
+    new = tuple(t for t in ended.crossed if ("threshold", t) not in claimed)
+    return _claimed(spend, state, ended, before, [("threshold", new, None)], now, dry_run) if new else []
 
 
 def _detail(alert: Alert) -> dict[str, Any]:
@@ -177,8 +234,11 @@ def _budget_alert(
         )
     )
     money = usd
+    runs_out = status.runs_out_at
+    ended = budget.period.kind in CALENDAR_PERIODS and status.at >= status.end - dt.timedelta(microseconds=1)
     headline = {
-        "threshold": f"crossed {', '.join(f'{t}%' for t in thresholds)}",
+        "threshold": f"crossed {', '.join(f'{t}%' for t in thresholds)}"
+        + (f" before the reset at {resets}" if ended else ""),
         "forecast": f"projected to reach {money(status.forecast or 0)} by {resets}",
         "refusing": "requests are being refused",
     }[kind]
@@ -195,6 +255,7 @@ def _budget_alert(
         ),
         ("Resets", resets),
         ("Forecast for the period", money(status.forecast) if status.forecast is not None else "n/a"),
+        ("Limit reached at this rate", runs_out.astimezone(zone).isoformat() if runs_out else "n/a"),
         ("At the limit", "requests are refused (429)" if budget.blocking else "alerts only"),
     ]
     sections = [
@@ -215,6 +276,7 @@ def _budget_alert(
         "period_start": status.start.isoformat(),
         "period_end": status.end.isoformat(),
         "forecast_usd": None if status.forecast is None else str(status.forecast),
+        "runs_out_at": None if runs_out is None else runs_out.isoformat(),
     }
     return Alert(
         budget.name,
@@ -380,8 +442,8 @@ def _pending(
             to = ()  # the budget is no longer configured
         else:
             to = _refusal_targets(known, settings) if kind == "refusing" else known.notify
-        done = set.intersection(*(state.delivered(c.key) for c in claims))
-        to = tuple(t for t in to if t not in done)  # only where it has not arrived yet
+        done = set.intersection(*(set.union(*_settled(state, c.key)) for c in claims))
+        to = tuple(t for t in to if t not in done)  # only where it has not arrived yet (nor been refused for good)
         if not to:
             for claim in claims:
                 state.set_status(claim.key, "sent")
@@ -417,10 +479,11 @@ def record_deliveries(state: StateStore, alert: Alert, deliveries: list[Delivery
     keys = _keys(alert.budget, alert.period_start, alert.kind, alert.thresholds)
     errors = "; ".join(f"{d.channel} {d.target}: {d.error}" for d in deliveries if not d.ok) or None
     for key in keys:
-        reached = state.delivered(key)
-        complete = all(t in reached for t in alert.targets)
-        if complete:
+        reached, refused = _settled(state, key)
+        if all(t in reached for t in alert.targets):
             state.set_status(key, "sent", None)
+        elif all(t in reached or t in refused for t in alert.targets):
+            state.set_status(key, "failed", errors)  # what is left refused it for good: no more attempts
         else:
             state.set_status(key, "failed" if alert.kind == "delivery_failed" else "pending", errors)
     if errors is None or alert.kind == "delivery_failed":
@@ -445,9 +508,41 @@ def record_deliveries(state: StateStore, alert: Alert, deliveries: list[Delivery
     return failed
 
 
-async def deliver(state: StateStore, notifier: Notifier, alert: Alert) -> list[Delivery]:
-    """Send ``alert``, storing each target's outcome for each of its thresholds as soon as it is known."""
-    keys = _keys(alert.budget, alert.period_start, alert.kind, alert.thresholds)
+LEASE_MARGIN_S = 5.0
+"""Seconds a delivery lease lasts beyond the most one target's delivery can take (to store its outcome)."""
+
+
+async def deliver(state: StateStore, notifier: Notifier, alert: Alert) -> tuple[Alert, list[Delivery]] | None:
+    """Send ``alert``, storing each target's outcome for each of its thresholds as soon as it is known.
+
+    First its claims are leased (:meth:`StateStore.lease`), so that of several evaluators at once
+    (replicas, ``tokenward budgets check``, a restart) one only delivers them; the lease lasts one
+    target's longest delivery (:meth:`AlertSettings.target_bound_s`) plus :data:`LEASE_MARGIN_S`,
+    and is renewed after each target. A process killed mid-delivery leaves the claims to whoever
+    evaluates once the lease has run out: at least once, never twice at once.
+
+    Returns:
+        The alert as sent (the thresholds leased, the targets they had not reached) and its
+        deliveries; ``None`` when another process holds the lease or nothing is left to send.
+    """
+    holder = uuid.uuid4().hex
+    bound = notifier.settings.target_bound_s() + LEASE_MARGIN_S
+
+    def lease(keys: list[AlertKey]) -> list[AlertKey]:
+        moment = time.time()
+        return state.lease(keys, holder, moment + bound, moment)
+
+    def leased() -> tuple[list[AlertKey], set[str]]:
+        won = lease(_keys(alert.budget, alert.period_start, alert.kind, alert.thresholds))
+        reached = set.intersection(*(set.union(*_settled(state, k)) for k in won)) if won else set()
+        return won, reached  # read under the lease: a holder before this one may have reached some targets
+
+    keys, reached = await asyncio.to_thread(leased)
+    targets = tuple(t for t in alert.targets if t not in reached)
+    if not keys or not targets:
+        return None
+    thresholds = tuple(k.threshold for k in keys)
+    alert = replace(alert, thresholds=thresholds, threshold=max(thresholds), targets=targets)
 
     async def stored(delivery: Delivery) -> None:
         moment = dt.datetime.now(dt.UTC)
@@ -455,9 +550,9 @@ async def deliver(state: StateStore, notifier: Notifier, alert: Alert) -> list[D
             DeliveryRecord(k, delivery.channel, delivery.target, delivery.ok, delivery.attempts, delivery.error, moment)
             for k in keys
         ]
-        await asyncio.to_thread(lambda: [state.record_delivery(r) for r in records])
+        await asyncio.to_thread(lambda: ([state.record_delivery(r) for r in records], lease(keys)))
 
-    return await notifier.send(alert, on_delivery=stored)
+    return alert, await notifier.send(alert, on_delivery=stored)
 
 
 async def evaluate_and_notify(
@@ -483,15 +578,18 @@ async def evaluate_and_notify(
     if dry_run:
         return [(alert, []) for alert in alerts]
     sent = []
-    for alert in alerts:
-        deliveries = await deliver(state, notifier, alert)
+    for due in alerts:
+        done = await deliver(state, notifier, due)
+        if done is None:  # another evaluator is delivering it (or has)
+            continue
+        alert, deliveries = done
         failed = await asyncio.to_thread(record_deliveries, state, alert, deliveries, now)
         sent.append((alert, deliveries))
         if failed is not None and settings.admins:
-            failed = replace(failed, targets=tuple(settings.admins))
-            more = await deliver(state, notifier, failed)
-            await asyncio.to_thread(record_deliveries, state, failed, more, now)
-            sent.append((failed, more))
+            reported = await deliver(state, notifier, replace(failed, targets=tuple(settings.admins)))
+            if reported is not None:
+                await asyncio.to_thread(record_deliveries, state, *reported, now)
+                sent.append(reported)
     return sent
 
 

@@ -191,12 +191,14 @@ def test_status_shows_the_windows_together_and_alerts_follow_each_windows_thresh
     sent = run_check(db, budgets, settings, "2026-11-12T09:30:00+00:00")
     # the hour crossed its 50 % ($0.016 of $0.03); the day (72 % of $0.05) has not reached its 80 %. Both
     # are projected past their limits at their rates so far: the hour's $0.016 in 30 min, the day's $0.036 in 10.5 h
+    # (and the hour before, 66.67 % with $0.02 at 09:10, had its 50 % crossed unseen: owed once, as that hour's)
     assert [(a.budget, a.kind, a.thresholds) for a, _ in sent] == [
         ("agents/hour", "threshold", (50,)),
         ("agents/hour", "forecast", (0,)),
+        ("agents/hour", "threshold", (50,)),
         ("agents/day", "forecast", (0,)),
     ]
-    subjects = {m["Subject"] for m in inbox.wait_for(3)}
+    subjects = {m["Subject"] for m in inbox.wait_for(4)}
     assert "[tokenward] budget agents/hour: 53.33% of $0.03 (crossed 50%)" in subjects
     assert run_check(db, budgets, settings, "2026-11-12T09:40:00+00:00") == []
     # the next hour starts again from $0: $0.014 (46.67 %) but a forecast of its own; the day is at 100 %

@@ -104,8 +104,18 @@ class BookStore(Protocol):
         """Drop this process's figures for a book nothing holds money in any more (a closed run's)."""
         ...
 
-    async def reserve(self, asks: Sequence[Ask], *, all_left: bool = False) -> Hold:
+    async def reserve(
+        self,
+        asks: Sequence[Ask],
+        *,
+        all_left: bool = False,
+        request_id: str | None = None,
+        started: dt.datetime | None = None,
+    ) -> Hold:
         """Hold every ask's amount (``all_left``: everything left in each book, which must exceed it), or none.
+
+        ``request_id``/``started``: the request the hold is for (a shared store counts the hold of
+        a process that died as that request's spend until its row arrives).
 
         Raises:
             Refused: the first book that would go over its limit.
@@ -172,8 +182,15 @@ class MemoryBooks:
             self._entry(key)[1] += amount
         return Hold(taken)
 
-    async def reserve(self, asks: Sequence[Ask], *, all_left: bool = False) -> Hold:
-        """See :meth:`BookStore.reserve` (nothing is awaited between the check and the hold)."""
+    async def reserve(
+        self,
+        asks: Sequence[Ask],
+        *,
+        all_left: bool = False,
+        request_id: str | None = None,
+        started: dt.datetime | None = None,
+    ) -> Hold:
+        """See :meth:`BookStore.reserve` (nothing is awaited between the check and the hold; no request kept)."""
         return self.reserve_now(asks, all_left=all_left)
 
     def settle(

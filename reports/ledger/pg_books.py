@@ -32,6 +32,10 @@ _RESERVE = (
     "SELECT hold_id, refused, remaining, held, spent, holding FROM tw_reserve(%s, %s, %s::timestamptz[], "
     "%s::numeric[], %s::numeric[], %s)"
 )
+_RESERVE_FOR = (
+    "SELECT hold_id, refused, remaining, held, spent, holding FROM tw_reserve_for(%s, %s, %s, %s, "
+    "%s::timestamptz[], %s::numeric[], %s::numeric[], %s)"
+)
 _SEED = (
     "INSERT INTO budget_books (book, period_start, limit_usd, spent) SELECT * FROM unnest(%s::text[], "
     "%s::timestamptz[], %s::numeric[], %s::numeric[]) ORDER BY 1, 2 ON CONFLICT DO NOTHING"
@@ -211,9 +215,23 @@ class PgBooks:
 
     # -- reservations ------------------------------------------------------------------------
 
-    async def reserve(self, asks: Sequence[Ask], *, all_left: bool = False) -> Hold:
-        """See :meth:`BookStore.reserve`: one call of ``tw_reserve`` (renewing the lease first if it ended)."""
+    async def reserve(
+        self,
+        asks: Sequence[Ask],
+        *,
+        all_left: bool = False,
+        request_id: str | None = None,
+        started: dt.datetime | None = None,
+    ) -> Hold:
+        """See :meth:`BookStore.reserve`: one call of ``tw_reserve`` (renewing the lease first if it ended).
+
+        With ``request_id`` (and the request's start), the hold is named after its request
+        (``tw_reserve_for``): should this replica die, the hold keeps counting as that request's
+        spend until its row arrives, instead of being given back.
+        """
+        named = [request_id, started] if request_id is not None else []
         params = [
+            *named,
             self.replica,
             [a.key[0] for a in asks],
             [a.key[1] for a in asks],
@@ -229,7 +247,7 @@ class PgBooks:
                 async with self._pool.connection() as conn:
                     if seeds:
                         await conn.execute(_SEED, seed)
-                    row = await (await conn.execute(_RESERVE, params)).fetchone()
+                    row = await (await conn.execute(_RESERVE_FOR if named else _RESERVE, params)).fetchone()
                 break
             except psycopg.Error as exc:
                 if getattr(exc, "sqlstate", None) == "TW001" and attempt == 1:

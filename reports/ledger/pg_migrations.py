@@ -445,3 +445,82 @@ def m009_run_starts(conn: Any) -> None:
     """``budget_runs``: the first request of each run on any replica, so its ``ttl`` is one clock for all."""
     conn.execute("CREATE TABLE budget_runs (name text PRIMARY KEY, started_at timestamptz NOT NULL)")
     conn.execute("CREATE INDEX budget_runs_by_start ON budget_runs (started_at)")
+
+
+@migration
+def m010_alert_leases(conn: Any) -> None:
+    """``alert_claims.lease_holder``/``lease_until`` (epoch s): the one process delivering a pending claim."""
+    conn.execute("ALTER TABLE alert_claims ADD COLUMN lease_holder text")
+    conn.execute("ALTER TABLE alert_claims ADD COLUMN lease_until double precision")
+
+
+@migration
+def m011_dead_holds_count(conn: Any) -> None:
+    """A replica that dies leaves its holds counted as spend, not given back: its requests may be billed.
+
+    ``budget_holds`` gets the ``request_id`` and ``started_at`` of the request each hold is for
+    (``tw_reserve_for``: ``tw_reserve``, then the hold named). ``tw_expire`` then moves an ended
+    replica's named holds into ``spent`` and into ``budget_settled`` under their request ids, so a
+    reconciliation keeps counting them until the request's row arrives (its log recovered), then
+    counts the row instead: once. Holds of replicas from before this migration, unnamed, are given
+    back as before.
+    """
+    conn.execute(
+        """
+        ALTER TABLE budget_holds ADD COLUMN request_id text, ADD COLUMN started_at timestamptz;
+
+        CREATE FUNCTION tw_reserve_for(
+            p_request text, p_started timestamptz, p_replica text, p_books text[], p_starts timestamptz[],
+            p_limits numeric[], p_amounts numeric[], p_all_left boolean, OUT hold_id bigint, OUT refused integer,
+            OUT remaining numeric, OUT held numeric[], OUT spent numeric[], OUT holding numeric[]
+        ) LANGUAGE plpgsql AS $$
+        BEGIN
+            SELECT r.hold_id, r.refused, r.remaining, r.held, r.spent, r.holding
+            INTO hold_id, refused, remaining, held, spent, holding
+            FROM tw_reserve(p_replica, p_books, p_starts, p_limits, p_amounts, p_all_left) AS r;
+            IF hold_id IS NOT NULL THEN
+                UPDATE budget_holds AS h SET request_id = p_request, started_at = p_started
+                WHERE h.hold_id = tw_reserve_for.hold_id;
+            END IF;
+        END $$;
+
+        CREATE OR REPLACE FUNCTION tw_expire() RETURNS integer LANGUAGE plpgsql AS $$
+        DECLARE
+            gone text[];
+            r record;
+            released integer := 0;
+        BEGIN
+            WITH d AS (DELETE FROM budget_replicas WHERE lease_until < now() RETURNING replica)
+            SELECT array_agg(replica) INTO gone FROM d;
+            IF gone IS NULL THEN
+                RETURN 0;
+            END IF;
+            -- a new statement, so that holds committed while the lease rows were being deleted are seen;
+            -- book rows are updated in (book, period start) order, as everywhere else
+            FOR r IN
+                WITH holds AS (
+                    DELETE FROM budget_holds h WHERE h.replica = ANY (gone)
+                    RETURNING h.request_id, coalesce(h.started_at, h.created_at) AS started, h.books, h.starts,
+                              h.amounts
+                ), parts AS (
+                    SELECT holds.request_id, holds.started, x.book, x.start, x.amount
+                    FROM holds, unnest(holds.books, holds.starts, holds.amounts) AS x(book, start, amount)
+                ), kept AS (  -- run once whether read or not (a data-modifying WITH)
+                    INSERT INTO budget_settled (request_id, book, period_start, started_at, amount)
+                    SELECT p.request_id, p.book, p.start, p.started, p.amount FROM parts p
+                    WHERE p.request_id IS NOT NULL
+                      AND NOT EXISTS (SELECT 1 FROM requests q WHERE q.request_id = p.request_id)
+                    ON CONFLICT DO NOTHING
+                )
+                SELECT p.book, p.start, sum(p.amount) AS amount,
+                       coalesce(sum(p.amount) FILTER (WHERE p.request_id IS NOT NULL), 0) AS spend
+                FROM parts p GROUP BY 1, 2 ORDER BY 1, 2
+            LOOP
+                UPDATE budget_books SET held = greatest(held - r.amount, 0), spent = spent + r.spend
+                WHERE book = r.book AND period_start = r.start;
+                released := released + 1;
+            END LOOP;
+            RETURN released;
+        END $$;
+        """
+    )

@@ -85,18 +85,45 @@ class PgState:
     def set_status(self, key: AlertKey, status: str, error: str | None = None) -> None:
         """See :meth:`StateStore.set_status`."""
         self._run(
-            "UPDATE alert_claims SET status = %s, attempts = attempts + 1, last_error = %s "
-            "WHERE budget = %s AND period_start = %s AND kind = %s AND threshold = %s",
+            "UPDATE alert_claims SET status = %s, attempts = attempts + 1, last_error = %s, lease_holder = NULL, "
+            "lease_until = NULL WHERE budget = %s AND period_start = %s AND kind = %s AND threshold = %s",
             [status, error, key.budget, key.period_start, key.kind, key.threshold],
         )
 
-    def rearm(self, budget: str, period_start: dt.datetime, crossed: Sequence[int], refused: bool) -> None:
+    def lease(self, keys: Sequence[AlertKey], holder: str, until: float, now: float) -> list[AlertKey]:
+        """See :meth:`StateStore.lease`."""
+        won = []
+        with self._pool.connection() as conn, conn.transaction():
+            for key in keys:
+                cursor = conn.execute(
+                    "UPDATE alert_claims SET lease_holder = %s, lease_until = %s WHERE budget = %s "
+                    "AND period_start = %s AND kind = %s AND threshold = %s AND status = 'pending' "
+                    "AND (lease_holder IS NULL OR lease_holder = %s OR lease_until <= %s)",
+                    [holder, until, key.budget, key.period_start, key.kind, key.threshold, holder, now],
+                )
+                if cursor.rowcount:
+                    won.append(key)
+        return won
+
+    def rearm(
+        self, budget: str, period_start: dt.datetime, crossed: Sequence[int], refused: bool, *, limit: str | None = None
+    ) -> None:
         """See :meth:`StateStore.rearm`."""
-        self._run(
-            "DELETE FROM alert_claims WHERE budget = %s AND period_start = %s AND status <> 'pending' AND "
-            "((kind = 'threshold' AND NOT (threshold = ANY (%s))) OR (kind = 'refusing' AND NOT %s))",
-            [budget, period_start, list(crossed), refused],
+        stale = (
+            "budget = %s AND period_start = %s AND status <> 'pending' AND "
+            "((kind = 'threshold' AND NOT (threshold = ANY (%s))) OR (kind = 'refusing' AND NOT %s))"
         )
+        params: list[Any] = [budget, period_start, list(crossed), refused]
+        if limit is not None:
+            stale += " AND kind = 'threshold' AND (detail -> 'payload' ->> 'limit_usd') IS DISTINCT FROM %s"
+            params.append(limit)
+        with self._pool.connection() as conn, conn.transaction():  # the next crossing has reached no one yet
+            conn.execute(
+                "DELETE FROM alert_deliveries WHERE (budget, period_start, kind, threshold) IN "
+                f"(SELECT budget, period_start, kind, threshold FROM alert_claims WHERE {stale})",
+                params,
+            )
+            conn.execute(f"DELETE FROM alert_claims WHERE {stale}", params)
 
     def record_delivery(self, record: DeliveryRecord) -> None:
         """See :meth:`StateStore.record_delivery`."""

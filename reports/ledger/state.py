@@ -100,11 +100,26 @@ class StateStore(Protocol):
         ...
 
     def set_status(self, key: AlertKey, status: str, error: str | None = None) -> None:
-        """Mark a claim ``sent``, ``pending`` (to be retried) or ``failed``, counting one attempt."""
+        """Mark a claim ``sent``, ``pending`` (to be retried) or ``failed``, counting one attempt; ends its lease."""
         ...
 
-    def rearm(self, budget: str, period_start: dt.datetime, crossed: Sequence[int], refused: bool) -> None:
-        """Forget a rolling budget's sent claims that no longer hold (thresholds not in ``crossed``)."""
+    def lease(self, keys: Sequence[AlertKey], holder: str, until: float, now: float) -> list[AlertKey]:
+        """Lease pending claims to ``holder`` until ``until`` (epoch seconds); returns the keys leased.
+
+        A claim is leased if it is ``pending`` and not leased to another holder until after
+        ``now``; ``holder`` may renew its own lease. Whoever holds the lease is the one process
+        delivering the claim; a holder that dies leaves it to whoever evaluates after ``until``.
+        """
+        ...
+
+    def rearm(
+        self, budget: str, period_start: dt.datetime, crossed: Sequence[int], refused: bool, *, limit: str | None = None
+    ) -> None:
+        """Forget a rolling budget's sent claims that no longer hold (thresholds not in ``crossed``), deliveries too.
+
+        With ``limit`` (a budget whose limit may have been edited): only threshold claims made
+        at another limit (their stored ``payload.limit_usd``) are forgotten.
+        """
         ...
 
     def record_delivery(self, record: DeliveryRecord) -> None:
@@ -163,7 +178,7 @@ CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT);
 CREATE TABLE IF NOT EXISTS alert_claims (
     budget TEXT NOT NULL, period_start TEXT NOT NULL, kind TEXT NOT NULL, threshold INTEGER NOT NULL,
     created_at TEXT NOT NULL, status TEXT NOT NULL, attempts INTEGER NOT NULL DEFAULT 0,
-    last_error TEXT, detail TEXT,
+    last_error TEXT, detail TEXT, lease_holder TEXT, lease_until REAL,
     PRIMARY KEY (budget, period_start, kind, threshold)
 );
 CREATE TABLE IF NOT EXISTS alert_deliveries (
@@ -182,6 +197,18 @@ CREATE TABLE IF NOT EXISTS objects (
 );
 CREATE INDEX IF NOT EXISTS objects_by_key ON objects (key_id, kind);
 """
+
+
+def _add_leases(conn: sqlite3.Connection) -> None:
+    """Give a state file made before delivery leases its two lease columns (once; another process may race)."""
+    columns = {row[1] for row in conn.execute("PRAGMA table_info(alert_claims)")}
+    for column, kind in (("lease_holder", "TEXT"), ("lease_until", "REAL")):
+        if column not in columns:
+            try:
+                conn.execute(f"ALTER TABLE alert_claims ADD COLUMN {column} {kind}")
+            except sqlite3.OperationalError as exc:
+                if "duplicate column" not in str(exc):
+                    raise
 
 
 def _iso(moment: dt.datetime) -> str:
@@ -220,6 +247,7 @@ class SqliteState:
         if not self._ready:
             conn.execute("PRAGMA journal_mode=WAL")
             conn.executescript(_SCHEMA)
+            _add_leases(conn)
             self._ready = True
         return conn
 
@@ -320,19 +348,62 @@ class SqliteState:
     def set_status(self, key: AlertKey, status: str, error: str | None = None) -> None:
         """See :meth:`StateStore.set_status`."""
         self._run(
-            "UPDATE alert_claims SET status = ?, attempts = attempts + 1, last_error = ? "
-            "WHERE budget = ? AND period_start = ? AND kind = ? AND threshold = ?",
+            "UPDATE alert_claims SET status = ?, attempts = attempts + 1, last_error = ?, lease_holder = NULL, "
+            "lease_until = NULL WHERE budget = ? AND period_start = ? AND kind = ? AND threshold = ?",
             [status, error, key.budget, _iso(key.period_start), key.kind, key.threshold],
         )
 
-    def rearm(self, budget: str, period_start: dt.datetime, crossed: Sequence[int], refused: bool) -> None:
+    def lease(self, keys: Sequence[AlertKey], holder: str, until: float, now: float) -> list[AlertKey]:
+        """See :meth:`StateStore.lease`."""
+        conn = self._connect()
+        won = []
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            for key in keys:
+                cursor = conn.execute(
+                    "UPDATE alert_claims SET lease_holder = ?, lease_until = ? WHERE budget = ? AND period_start = ? "
+                    "AND kind = ? AND threshold = ? AND status = 'pending' "
+                    "AND (lease_holder IS NULL OR lease_holder = ? OR lease_until <= ?)",
+                    [holder, until, key.budget, _iso(key.period_start), key.kind, key.threshold, holder, now],
+                )
+                if cursor.rowcount:
+                    won.append(key)
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        finally:
+            conn.close()
+        return won
+
+    def rearm(
+        self, budget: str, period_start: dt.datetime, crossed: Sequence[int], refused: bool, *, limit: str | None = None
+    ) -> None:
         """See :meth:`StateStore.rearm`."""
         fallen = f"threshold NOT IN ({','.join('?' * len(crossed))})" if crossed else "TRUE"
-        self._run(
-            "DELETE FROM alert_claims WHERE budget = ? AND period_start = ? AND status <> 'pending' AND "
-            f"((kind = 'threshold' AND {fallen}) OR (kind = 'refusing' AND NOT ?))",
-            [budget, _iso(period_start), *crossed, int(refused)],
+        stale = (
+            "budget = ? AND period_start = ? AND status <> 'pending' AND "
+            f"((kind = 'threshold' AND {fallen}) OR (kind = 'refusing' AND NOT ?))"
         )
+        params = [budget, _iso(period_start), *crossed, int(refused)]
+        if limit is not None:
+            stale += " AND kind = 'threshold' AND json_extract(detail, '$.payload.limit_usd') IS NOT ?"
+            params.append(limit)
+        conn = self._connect()
+        try:  # the deliveries go too: the next crossing has reached no one yet
+            conn.execute("BEGIN IMMEDIATE")
+            conn.execute(
+                "DELETE FROM alert_deliveries WHERE (budget, period_start, kind, threshold) IN "
+                f"(SELECT budget, period_start, kind, threshold FROM alert_claims WHERE {stale})",
+                params,
+            )
+            conn.execute(f"DELETE FROM alert_claims WHERE {stale}", params)
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        finally:
+            conn.close()
 
     def record_delivery(self, record: DeliveryRecord) -> None:
         """See :meth:`StateStore.record_delivery`."""
