@@ -52,6 +52,7 @@ from tokenward.proxy.keys import AUTH_HEADERS, Authenticator, Identity, presente
 from tokenward.proxy.limits import CONNECTION_SCOPE_KEY, BodyLimits, body_stream, read_body
 from tokenward.proxy.media import MediaRequest, MediaRequestError, read_request
 from tokenward.proxy.media import estimate as media_estimate
+from tokenward.proxy.members import check_document, check_top_level
 from tokenward.proxy.metering import Meter, count_input, estimate, input_bytes
 from tokenward.proxy.recorder import Recorder
 from tokenward.proxy.relay import HOP_BY_HOP, DisconnectWatch, GiveUp, Relay, header
@@ -78,6 +79,10 @@ _ANTHROPIC_HEADERS = frozenset({b"anthropic-version", b"anthropic-beta"})
 # credential, so in virtual_keys mode (tokenward's credential) the client may not pick them.
 # https://platform.openai.com/docs/api-reference/authentication (checked 2026-12-01)
 _ACCOUNT_HEADERS = frozenset({b"openai-organization", b"openai-project"})
+# Headers that make a server act on another method than the request line's (Google's API front
+# ends, Rails/Laravel/Express/iris method-override middleware): the unmetered policy and isolation
+# judged the request line's. https://github.com/googleapis/gax-java/pull/1465 (checked 2026-12-01)
+_METHOD_OVERRIDES = frozenset({b"x-http-method-override", b"x-http-method", b"x-method-override"})
 T = TypeVar("T")
 COUNT_ON_LOOP_BYTES = 8 * 1024
 """Request bodies up to this size are decoded and counted (or sized) for a budget's bound on the event loop (at most
@@ -314,6 +319,8 @@ class Forwarder:
         media = None
         if endpoint.dialect == "media":
             media, head = await self._read_media(found, body, scope)
+            if body[:64].lstrip()[:1] == b"{":  # a JSON body (a form starts with its boundary)
+                check_top_level(body)
         else:
             head = _read_head(body)
         ex.requested_model = head.model if isinstance(head.model, str) else None
@@ -772,6 +779,8 @@ class Forwarder:
                     continue
             elif name in _ACCOUNT_HEADERS and not passthrough:
                 continue
+            elif name in _METHOD_OVERRIDES:
+                raise _method_override(name.decode("latin-1"))
             elif name in _ANTHROPIC_HEADERS:
                 inbound.anthropic = True
             elif name == b"x-request-id":
@@ -842,6 +851,9 @@ class Forwarder:
                     "upstream_key_missing",
                     "server_error",
                 )
+            name = route.auth_header[0]
+            if name not in AUTH_HEADERS:  # a header of the upstream's own (x-goog-api-key): the client's goes
+                inbound.headers = [h for h in inbound.headers if h[0] != name]
             inbound.headers.append(route.auth_header)
 
     async def _send_while_connected(
@@ -1077,13 +1089,25 @@ def _read_head(body: bytes) -> _RequestHead:
     if not body.strip():
         raise ProxyError(400, "The request body is empty: send a JSON object.", "invalid_json")
     try:
-        return _decode_head(body)
+        head = _decode_head(body)
     except msgspec.ValidationError as exc:
         raise ProxyError(400, f"The request body must be a JSON object: {exc}", "invalid_json") from exc
     except msgspec.DecodeError as exc:
         raise ProxyError(400, f"We could not parse the JSON body of your request: {exc}", "invalid_json") from exc
     except RecursionError:
         raise ProxyError(400, "The JSON body of your request is nested too deeply.", "invalid_json") from None
+    check_top_level(body)
+    return head
+
+
+def _method_override(name: str) -> ProxyError:
+    """The 400 for a request asking the upstream to act on another method (a header or ``_method``)."""
+    return ProxyError(
+        400,
+        f"tokenward does not forward {name}: an upstream that honours it would act on another method than the "
+        "one tokenward checked. Send the request with the method you mean.",
+        "method_override_refused",
+    )
 
 
 def _not_allowed(found: Target, identity: Identity) -> ProxyError:
@@ -1214,6 +1238,7 @@ def _count_for_bound(dialect: str, body: bytes, model: str | None) -> tuple[int,
         decoded = msgspec.json.decode(body)
     except (msgspec.DecodeError, RecursionError):
         decoded = None
+    check_document(decoded)  # what is counted must be what every upstream reads
     return count_input(dialect, decoded, model), scan(decoded)
 
 
@@ -1230,6 +1255,7 @@ def _bytes_for_bound(dialect: str, body: bytes) -> tuple[int, Unmetered]:
         decoded = msgspec.json.decode(body)
     except (msgspec.DecodeError, RecursionError):
         decoded = None
+    check_document(decoded)
     return input_bytes(dialect, decoded), scan(decoded)
 
 

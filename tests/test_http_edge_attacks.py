@@ -1,0 +1,273 @@
+"""A key holder against the HTTP edge: bytes that mean one thing to tokenward and another to the upstream.
+
+Each test runs a real proxy in ``virtual_keys`` mode (tokenward holds the provider key) in front of
+a real aiohttp upstream on loopback (:class:`tests.servers.Servers`), driven by the real ``openai``
+SDK or by raw bytes on a socket, and reads the real DuckDB ledger.
+
+Prices (builtin catalog, USD per 1M tokens): ``gpt-4o-mini`` input 0.15, output 0.60; ``gpt-4o``
+input 2.50, output 10.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from aiohttp import web
+
+from tokenward.pricing.settings import BudgetSettings
+from tokenward.proxy.app import create_app
+from tokenward.proxy.config import AuthConfig, Config, LedgerConfig, UpstreamConfig, VirtualKeyConfig
+from tokenward.proxy.server import running_in_thread
+
+from .conftest import read_rows
+from .servers import Servers
+
+KEY = "tw-edge-attacker-0001"
+PROVIDER_KEY = "sk-provider-secret-0001"
+
+
+@pytest.fixture(autouse=True)
+def provider_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EDGE_KEY", PROVIDER_KEY)
+
+
+@contextmanager
+def proxy(upstream_url: str, ledger: Path, **upstream: Any) -> Iterator[str]:
+    """A proxy holding ``EDGE_KEY`` for the virtual key ``KEY``, under a $0.01 blocking budget."""
+    config = Config(
+        upstreams=[UpstreamConfig(name="go", base_url=f"{upstream_url}/v1", provider="openai", api_key_env="EDGE_KEY",
+                                  **upstream)],
+        ledger=LedgerConfig(path=str(ledger), flush_interval_s=0.05),
+        auth=AuthConfig(mode="virtual_keys"),
+        virtual_keys=[VirtualKeyConfig(name="agent", key=KEY)],
+        budgets=[BudgetSettings(name="cap", limit_usd=Decimal("0.01"), period="total", action="block")],
+    )  # fmt: skip
+    with running_in_thread(create_app(config)) as url:
+        yield url
+
+
+def raw(url: str, request: bytes) -> tuple[int, bytes]:
+    """Send ``request`` as is; the reply's status and body (the proxy closes: ``Connection: close``)."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(request)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), body
+
+
+class GoUpstream:
+    """Chat completions decoded as Go's ``encoding/json`` fills a struct (Ollama, LocalAI, Go relays).
+
+    ``Unmarshal`` matches object keys to struct fields case-insensitively, and a later key that
+    matches the same field overwrites the earlier one (https://pkg.go.dev/encoding/json#Unmarshal,
+    checked 2026-12-01). It serves the model it read and writes all ``max_tokens`` of output.
+    ``served`` collects ``(model, max_tokens)`` of each request it billed.
+    """
+
+    def __init__(self) -> None:
+        self.served: list[tuple[str, int]] = []
+
+    async def handle(self, request: web.Request, body: bytes) -> web.StreamResponse:
+        fields: dict[str, Any] = {}
+        for key, value in json.loads(body, object_pairs_hook=list):
+            fields[key.lower()] = value
+        model, output = fields["model"], fields["max_tokens"]
+        self.served.append((model, output))
+        usage = {"prompt_tokens": 8, "completion_tokens": output, "total_tokens": 8 + output}
+        return web.json_response(
+            {"id": "c-1", "object": "chat.completion", "model": model, "usage": usage,
+             "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "length"}]}
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"MODEL": "gpt-4o", "Max_Tokens": 4000},  # the model and the output limit the upstream reads
+        {"Model": "gpt-4o"},
+        {"MAX_TOKENS": 4000},
+    ],
+)
+def test_a_member_spelled_in_another_case_is_refused_before_the_upstream_reads_it(tmp_path, extra):
+    # The bound read model gpt-4o-mini and max_tokens 50 (about $0.0001, inside the $0.01 cap); a
+    # case-insensitive upstream read the last spelling: gpt-4o writing 4000 tokens, 8 x 2.50 + 4000 x 10
+    # = 40,020 -> $0.04002, four times the cap (before: admitted, and the row said $0.04002).
+    upstream = GoUpstream()
+    with Servers(upstream.handle).running() as servers:
+        with proxy(servers.upstream_url, tmp_path / "l.duckdb") as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+            with pytest.raises(openai.BadRequestError) as refused:
+                client.chat.completions.create(
+                    model="gpt-4o-mini", max_tokens=50, messages=[{"role": "user", "content": "hi"}], extra_body=extra
+                )
+            plain = client.chat.completions.with_raw_response.create(
+                model="gpt-4o-mini", max_tokens=50, messages=[{"role": "user", "content": "hi"}]
+            )
+    error = refused.value.body
+    assert error["code"] == "invalid_json"  # type: ignore[index]
+    spelled = next(iter(extra))
+    assert f"{spelled!r}" in error["message"] and f"{spelled.lower()!r}" in error["message"]  # type: ignore[index]
+    assert upstream.served == [("gpt-4o-mini", 50)]  # only the plain request reached it
+    assert plain.headers["x-tokenward-cost-usd"] == "0.0000312"  # 8 x 0.15 + 50 x 0.60 = 31.2 micro-USD
+    rows = read_rows(tmp_path / "l.duckdb")
+    assert [(r["http_status"], r["outcome"], r["cost_usd"]) for r in rows] == [
+        (400, "client_error", Decimal(0)),
+        (200, "ok", Decimal("0.0000312")),
+    ]
+
+
+def test_header_values_reach_the_upstream_as_the_client_sent_their_bytes(tmp_path):
+    # OpenRouter shows X-Title as the app's name: "Café — notes" in UTF-8 arrived as "CafÃ© â\x80\x94 notes"
+    # (decoded as latin-1, encoded again as UTF-8: 19 bytes became 25)
+    title = "Café — notes".encode()
+    with Servers().running() as servers:
+        with proxy(servers.upstream_url, tmp_path / "l.duckdb") as url:
+            status, _ = raw(
+                url,
+                b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
+                + b"\r\nX-Title: " + title + b"\r\nX-Latin: caf\xe9\r\nConnection: close\r\n\r\n",
+            )  # fmt: skip
+    assert status == 200
+    headers = servers.requests[0]["headers"]
+    assert headers["x-title"].encode("latin-1") == title == b"Caf\xc3\xa9 \xe2\x80\x94 notes"
+    assert headers["x-latin"].encode("latin-1") == b"caf\xc3\xa9"  # not UTF-8: sent as the character it is in latin-1
+
+
+def test_the_provider_key_is_the_only_credential_the_upstream_gets(tmp_path):
+    # An upstream keyed by a header of its own (Gemini's x-goog-api-key, an API gateway's subscription key):
+    # the client's header of that name went along, first, beside the provider key (two x-goog-api-key
+    # headers: an upstream that reads the first bills the account the client chose)
+    heard: list[list[tuple[bytes, bytes]]] = []
+
+    async def handle(request: web.Request, body: bytes) -> web.StreamResponse:
+        heard.append([(k.lower(), v) for k, v in request.raw_headers])
+        return web.json_response({"object": "list", "data": []})
+
+    with Servers(handle).running() as servers:
+        with proxy(servers.upstream_url, tmp_path / "l.duckdb", api_key_header="x-goog-api-key",
+                   api_key_prefix="") as url:  # fmt: skip
+            status, _ = raw(
+                url,
+                b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
+                + b"\r\nX-Goog-Api-Key: client-own-key\r\nConnection: close\r\n\r\n",
+            )  # fmt: skip
+    assert status == 200
+    credentials = [(name, value) for name, value in heard[0] if name in (b"x-goog-api-key", b"authorization")]
+    assert credentials == [(b"x-goog-api-key", PROVIDER_KEY.encode())]
+
+
+class GoContentUpstream:
+    """Chat completions whose messages are decoded as Go's ``encoding/json`` does (see :class:`GoUpstream`).
+
+    It bills the prompt it read: one token per 4 characters of each message's content.
+    """
+
+    def __init__(self) -> None:
+        self.prompts: list[int] = []
+
+    async def handle(self, request: web.Request, body: bytes) -> web.StreamResponse:
+        document = json.loads(body)
+        prompt = 0
+        for message in document["messages"]:
+            content = [value for key, value in message.items() if key.lower() == "content"][-1]
+            prompt += len(content) // 4
+        self.prompts.append(prompt)
+        usage = {"prompt_tokens": prompt, "completion_tokens": 1, "total_tokens": prompt + 1}
+        return web.json_response(
+            {"id": "c-1", "object": "chat.completion", "model": document["model"], "usage": usage,
+             "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}]}
+        )  # fmt: skip
+
+
+def test_a_message_member_spelled_in_another_case_is_refused_under_a_blocking_budget(tmp_path):
+    # The bound counted "hi"; the upstream read "Content": 400,000 characters, 100,000 tokens at gpt-4o's
+    # 2.50 -> $0.25 (plus 1 output token: $0.25001), 25 times the $0.01 cap (before: admitted, row $0.25001)
+    upstream = GoContentUpstream()
+    message = {"role": "user", "content": "hi", "Content": "word " * 80_000}
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "ID": {"type": "string"}, "id": {"type": "string"}}}}}  # fmt: skip
+    with Servers(upstream.handle).running() as servers:
+        with proxy(servers.upstream_url, tmp_path / "l.duckdb") as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+            with pytest.raises(openai.BadRequestError) as refused:
+                client.chat.completions.create(model="gpt-4o", max_tokens=1, messages=[message])  # type: ignore[list-item]
+            # a schema's properties are the client's to name: "ID" beside "id" passes
+            plain = client.chat.completions.with_raw_response.create(
+                model="gpt-4o", max_tokens=1, messages=[{"role": "user", "content": "hi " * 400}], tools=[tool]
+            )  # type: ignore[list-item]
+    assert refused.value.body["code"] == "invalid_json"  # type: ignore[index]
+    assert "'content' twice, once as 'Content'" in refused.value.body["message"]  # type: ignore[index]
+    assert upstream.prompts == [300]  # 1,200 characters // 4: only the plain request reached it
+    assert plain.headers["x-tokenward-cost-usd"] == "0.00076"  # 300 x 2.50 + 1 x 10 = 760 micro-USD
+
+
+class OverridingUpstream:
+    """Models as an API front end that honours method overrides serves them.
+
+    Google's API front ends take ``X-HTTP-Method-Override`` (google-api-client's ``MethodOverride``
+    sends every method as a POST with it; https://github.com/googleapis/gax-java/pull/1465: "GCP
+    services seem supporting it"), and method-override middleware (Rails, Laravel, Express, Go's iris)
+    also reads ``X-HTTP-Method``, ``X-Method-Override`` and a ``_method`` parameter. ``deleted`` collects
+    the models it deleted.
+    """
+
+    def __init__(self) -> None:
+        self.deleted: list[str] = []
+
+    async def handle(self, request: web.Request, body: bytes) -> web.StreamResponse:
+        method = request.method
+        for name in ("X-HTTP-Method-Override", "X-HTTP-Method", "X-Method-Override"):
+            method = request.headers.get(name, method)
+        method = request.query.get("_method", method).upper()
+        model = request.path.removeprefix("/v1/models/")
+        if method == "DELETE":
+            self.deleted.append(model)
+            return web.json_response({"id": model, "object": "model", "deleted": True})
+        return web.json_response({"id": model, "object": "model", "owned_by": "acme"})
+
+
+@pytest.mark.parametrize(
+    ("target", "header"),
+    [
+        ("/v1/models/ft:gpt-4o-mini:acme::a1", "X-HTTP-Method-Override: DELETE"),
+        ("/v1/models/ft:gpt-4o-mini:acme::a1", "X-HTTP-Method: DELETE"),
+        ("/v1/models/ft:gpt-4o-mini:acme::a1", "x-method-override: delete"),
+        ("/v1/models/ft:gpt-4o-mini:acme::a1?_method=DELETE", None),
+        ("/v1/models/ft:gpt-4o-mini:acme::a1?x=1&_method=delete", None),
+    ],
+)
+def test_a_method_override_cannot_turn_an_allowed_get_into_a_delete(tmp_path, target, header):
+    # The default allow_unmetered lets GET models/* pass and not DELETE models/* (deleting a fine-tuned
+    # model); an upstream that honours the override deleted the operator's fine-tune (before: 200
+    # {"deleted": true}, and the row said GET)
+    upstream = OverridingUpstream()
+    extra = f"{header}\r\n".encode() if header else b""
+    request = (
+        f"GET {target} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n".encode()
+        + extra
+        + b"Connection: close\r\n\r\n"
+    )
+    with Servers(upstream.handle).running() as servers:
+        with proxy(servers.upstream_url, tmp_path / "l.duckdb") as url:
+            status, body = raw(url, request)
+            looked_up, _ = raw(url, f"GET {target.split('?')[0]} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}"
+                                    "\r\nConnection: close\r\n\r\n".encode())  # fmt: skip
+    error = json.loads(body)["error"]
+    assert (status, error["code"], error["type"]) == (400, "method_override_refused", "invalid_request_error")
+    assert upstream.deleted == [] and len(servers.requests) == 1 and looked_up == 200
+    rows = read_rows(tmp_path / "l.duckdb")
+    assert [(r["method"], r["http_status"], r["outcome"]) for r in rows] == [
+        ("GET", 400, "client_error"),
+        ("GET", 200, "ok"),
+    ]
