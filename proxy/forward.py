@@ -82,6 +82,7 @@ _ACCOUNT_HEADERS = frozenset({b"openai-organization", b"openai-project"})
 # Headers that make a server act on another method than the request line's (Google's API front
 # ends, Rails/Laravel/Express/iris method-override middleware): the unmetered policy and isolation
 # judged the request line's. https://github.com/googleapis/gax-java/pull/1465 (checked 2026-12-01)
+_ALLOWED_METHODS = b"GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS"
 _METHOD_OVERRIDES = frozenset({b"x-http-method-override", b"x-http-method", b"x-method-override"})
 T = TypeVar("T")
 COUNT_ON_LOOP_BYTES = 8 * 1024
@@ -119,6 +120,7 @@ _OUTCOME_BY_STATUS = {
     400: Outcome.CLIENT_ERROR,
     401: Outcome.UNAUTHORIZED,
     404: Outcome.CLIENT_ERROR,
+    405: Outcome.CLIENT_ERROR,
     408: Outcome.CLIENT_ERROR,
     413: Outcome.CLIENT_ERROR,
     502: Outcome.UPSTREAM_UNREACHABLE,
@@ -294,6 +296,16 @@ class Forwarder:
         except BaseException as exc:
             # an upload that broke off over a limit: the client hears why, not what the upstream made of it
             return self._refuse(ex, content.error if content is not None and content.error is not None else exc)
+
+    def method_not_allowed(self, request: Request[Any, Any, Any]) -> Relay:
+        """Refuse a method the API does not take (``TRACE``, ``PROPFIND``, ...) with a 405, recorded."""
+        scope = request.scope
+        raw: bytes = scope.get("raw_path") or scope["path"].encode()
+        path = raw[:1000].decode("ascii", "backslashreplace")
+        method = scope["method"][:32]
+        ex = Exchange(endpoint="unknown", method=method, path=path)
+        message = f"Method {method} is not allowed: the API takes {_ALLOWED_METHODS.decode()}."
+        return self._refuse(ex, ProxyError(405, message, "method_not_allowed", headers=[(b"allow", _ALLOWED_METHODS)]))
 
     def not_found(self, request: Request[Any, Any, Any]) -> Relay:
         """Refuse a request outside the API with a 404 (recorded like every other request)."""

@@ -271,3 +271,24 @@ def test_a_method_override_cannot_turn_an_allowed_get_into_a_delete(tmp_path, ta
         ("GET", 400, "client_error"),
         ("GET", 200, "ok"),
     ]
+
+
+@pytest.mark.parametrize("method", ["TRACE", "PROPFIND", "PURGE", "LINK"])
+def test_a_method_the_api_does_not_take_is_refused_and_recorded(tmp_path, method):
+    # Litestar answered these 405 with no ledger row: a request that reached tokenward and left no trace
+    with Servers().running() as servers:
+        with proxy(servers.upstream_url, tmp_path / "l.duckdb") as url:
+            status, body = raw(
+                url, f"{method} /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nConnection: close\r\n\r\n".encode()
+            )  # fmt: skip
+    error = json.loads(body)["error"]
+    assert (status, error["code"], error["type"]) == (405, "method_not_allowed", "invalid_request_error")
+    assert (
+        error["message"]
+        == f"Method {method} is not allowed: the API takes GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS."
+    )
+    assert servers.requests == []
+    rows = read_rows(tmp_path / "l.duckdb")
+    assert [(r["method"], r["path"], r["http_status"], r["outcome"]) for r in rows] == [
+        (method, "/v1/models", 405, "client_error")
+    ]
