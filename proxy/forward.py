@@ -66,7 +66,11 @@ __all__ = ["METERED_ENDPOINTS", "Endpoint", "Forwarder"]
 
 log = logging.getLogger("tokenward.proxy")
 
-_NOT_FORWARDED = HOP_BY_HOP | {b"host", b"content-length"}
+# "Expect: 100-continue" (curl, bodies over 1 MiB) is the server's to answer, and tokenward's server
+# does as it reads the body: forwarded, the upstream client held the body until the upstream's own
+# 100, which a server that waits for the body never sends (nginx does not forward it either).
+_KEEP_LENGTH_DROPPED = HOP_BY_HOP | {b"host", b"expect"}
+_NOT_FORWARDED = _KEEP_LENGTH_DROPPED | {b"content-length"}
 _UPSTREAM_HEADER = b"x-tokenward-upstream"
 _TAGS_HEADER = b"x-tokenward-tags"
 _SESSION_HEADER = b"x-tokenward-session"
@@ -775,7 +779,7 @@ class Forwarder:
                 from :meth:`Authenticator.identify`.
         """
         passthrough = self.auth.passthrough
-        dropped = HOP_BY_HOP | {b"host"} if keep_length else _NOT_FORWARDED
+        dropped = _KEEP_LENGTH_DROPPED if keep_length else _NOT_FORWARDED
         inbound = _Inbound(headers=[])
         has_encoding = False
         claimed_names = self.auth.attribution_headers

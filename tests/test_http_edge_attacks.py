@@ -40,13 +40,16 @@ def provider_key(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @contextmanager
-def proxy(upstream_url: str, ledger: Path, **upstream: Any) -> Iterator[str]:
-    """A proxy holding ``EDGE_KEY`` for the virtual key ``KEY``, under a $0.01 blocking budget."""
+def proxy(upstream_url: str, ledger: Path, allow: tuple[str, ...] | None = None, **upstream: Any) -> Iterator[str]:
+    """A proxy holding ``EDGE_KEY`` for the virtual key ``KEY``, under a $0.01 blocking budget.
+
+    ``allow``: ``auth.allow_unmetered`` (default: the defaults); ``upstream``: more ``UpstreamConfig`` fields.
+    """
     config = Config(
         upstreams=[UpstreamConfig(name="go", base_url=f"{upstream_url}/v1", provider="openai", api_key_env="EDGE_KEY",
                                   **upstream)],
         ledger=LedgerConfig(path=str(ledger), flush_interval_s=0.05),
-        auth=AuthConfig(mode="virtual_keys"),
+        auth=AuthConfig(mode="virtual_keys") if allow is None else AuthConfig(mode="virtual_keys", allow_unmetered=allow),
         virtual_keys=[VirtualKeyConfig(name="agent", key=KEY)],
         budgets=[BudgetSettings(name="cap", limit_usd=Decimal("0.01"), period="total", action="block")],
     )  # fmt: skip
@@ -292,3 +295,38 @@ def test_a_method_the_api_does_not_take_is_refused_and_recorded(tmp_path, method
     assert [(r["method"], r["path"], r["http_status"], r["outcome"]) for r in rows] == [
         (method, "/v1/models", 405, "client_error")
     ]
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/files"])
+def test_an_expect_100_continue_is_answered_by_tokenward_not_forwarded(tmp_path, path):
+    # curl sends "Expect: 100-continue" with bodies over 1 MiB. tokenward answers it itself (it reads the
+    # body); forwarded, the HTTP client waited for the upstream's own 100 before sending the body, and an
+    # upstream that waits for the body instead held the request until the read timeout (before: 504 after
+    # read_timeout_s, or a client stuck with a 100 Continue and nothing after it)
+    from .raw_upstream import RawUpstream, json_reply
+
+    chat = json.dumps({"id": "c-1", "object": "chat.completion", "model": "gpt-4o-mini",
+                       "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"},
+                                    "finish_reason": "stop"}],
+                       "usage": {"prompt_tokens": 8, "completion_tokens": 2, "total_tokens": 10}}).encode()  # fmt: skip
+    upstream = RawUpstream()  # never sends a 100 Continue: it reads the body its Content-Length announces
+    upstream.script = lambda head, body: [json_reply(chat)]
+    body = b'{"model": "gpt-4o-mini", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}'
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nContent-Type: application/json\r\n"
+        f"Expect: 100-continue\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    ).encode()
+    with upstream.running():
+        with proxy(upstream.url, tmp_path / "l.duckdb", ("files",), read_timeout_s=5) as url:
+            host, port = url.removeprefix("http://").split(":")
+            with socket.create_connection((host, int(port)), timeout=10) as sock:
+                sock.sendall(head)
+                interim = sock.recv(65536)
+                sock.sendall(body)
+                data = b""
+                while chunk := sock.recv(65536):
+                    data += chunk
+    assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+    assert data.startswith(b"HTTP/1.1 200 OK\r\n") and data.endswith(chat)
+    ((sent_head, sent_body),) = upstream.requests
+    assert b"expect" not in sent_head.lower() and sent_body == body
