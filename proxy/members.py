@@ -36,7 +36,7 @@ _CLIENT_SHAPES = frozenset(
     | {"definitions"}
 )
 """Members whose value is a shape the client defines: not looked into."""
-_MAX_DEPTH = 32
+_CONTAINERS = (dict, list)
 
 
 def check_top_level(body: bytes) -> None:
@@ -61,20 +61,22 @@ def check_document(document: Any) -> None:
     Raises:
         ProxyError: 400 ``invalid_json`` naming both spellings.
     """
-    stack = [(document, 0)]
+    stack = [document] if type(document) in _CONTAINERS else []
+    push = stack.append
     while stack:
-        node, depth = stack.pop()
-        if depth > _MAX_DEPTH:
+        node = stack.pop()
+        if type(node) is list:
+            for item in node:
+                if type(item) in _CONTAINERS:
+                    push(item)
             continue
-        if isinstance(node, list):
-            stack.extend((item, depth + 1) for item in node if isinstance(item, dict | list))
-        elif isinstance(node, dict):
-            if len(node) > 1:
-                _check(node)
-            for name, value in node.items():
-                if isinstance(value, dict | list) and name not in _CLIENT_SHAPES:
-                    if not (name == "input" and isinstance(value, dict)):
-                        stack.append((value, depth + 1))
+        # names without an upper-case letter cannot clash: "".join(...).islower() tells in C
+        if len(node) > 1 and not "".join(node).islower():
+            _check(node)
+        for name, value in node.items():
+            kind = type(value)
+            if kind in _CONTAINERS and name not in _CLIENT_SHAPES and (kind is list or name != "input"):
+                push(value)
 
 
 def _check(names: dict[str, Any]) -> None:

@@ -330,3 +330,28 @@ def test_an_expect_100_continue_is_answered_by_tokenward_not_forwarded(tmp_path,
     assert data.startswith(b"HTTP/1.1 200 OK\r\n") and data.endswith(chat)
     ((sent_head, sent_body),) = upstream.requests
     assert b"expect" not in sent_head.lower() and sent_body == body
+
+
+def test_what_the_client_names_inside_its_own_shapes_is_not_a_clash():
+    from tokenward.proxy.errors import ProxyError
+    from tokenward.proxy.members import check_document
+
+    passing = {
+        "model": "claude-opus-4",
+        "metadata": {"User": "a", "user": "b"},
+        "tools": [{"name": "f", "input_schema": {"properties": {"ID": {}, "id": {}}}}],
+        "messages": [{"role": "assistant", "content": [{"type": "tool_use", "id": "t", "input": {"ID": 1, "id": 2}}]}],
+        "response_format": {"type": "json_schema", "json_schema": {"schema": {"A": 1, "a": 2}}},
+    }
+    check_document(passing)
+    for document in (None, [], "text", 12):
+        check_document(document)
+    refused = [
+        {"input": [{"role": "user", "content": "hi", "CONTENT": "x" * 100}]},  # Responses items are looked into
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "Text": "x"}]}]},
+        {"model": "a", "Model": "b"},
+    ]
+    for document in refused:
+        with pytest.raises(ProxyError) as error:
+            check_document(document)
+        assert error.value.code == "invalid_json" and error.value.status == 400
