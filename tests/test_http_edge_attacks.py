@@ -355,3 +355,30 @@ def test_what_the_client_names_inside_its_own_shapes_is_not_a_clash():
         with pytest.raises(ProxyError) as error:
             check_document(document)
         assert error.value.code == "invalid_json" and error.value.status == 400
+
+
+def test_a_nul_in_what_the_client_names_costs_no_row_on_postgres(tmp_path, pg_url):
+    # Postgres text and jsonb cannot hold U+0000; DuckDB can. A key holder that put "\u0000" in its
+    # request's user (or model) had each of its rows refused by Postgres and set aside in the quarantine
+    # file: its spend missing from every report (before: 0 rows in requests, 1 quarantined)
+    import psycopg
+
+    upstream = GoUpstream()
+    with Servers(upstream.handle).running() as servers:
+        config = Config(
+            upstreams=[UpstreamConfig(name="o", base_url=f"{servers.upstream_url}/v1", provider="openai",
+                                      api_key_env="EDGE_KEY")],
+            ledger=LedgerConfig(url=pg_url, spool_dir=str(tmp_path / "spool"), flush_interval_s=0.05),
+            auth=AuthConfig(mode="virtual_keys"),
+            virtual_keys=[VirtualKeyConfig(name="agent", key=KEY)],
+        )  # fmt: skip
+        with running_in_thread(create_app(config)) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+            reply = client.chat.completions.with_raw_response.create(
+                model="gpt-4o-mini", max_tokens=50, user="eve\u0000", messages=[{"role": "user", "content": "hi"}]
+            )
+    assert reply.headers["x-tokenward-cost-usd"] == "0.0000312"
+    with psycopg.connect(pg_url) as conn:
+        rows = conn.execute("SELECT principal, end_user, cost_usd FROM requests").fetchall()
+    assert rows == [("agent", "eve\\x00", Decimal("0.0000312"))]
+    assert not (tmp_path / "spool" / "quarantine.jsonl").exists()
