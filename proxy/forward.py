@@ -838,6 +838,8 @@ class Forwarder:
             inbound.anthropic = inbound.anthropic or credential[0] == b"x-api-key"
             inbound.key = upstream_credential(*credential) if passthrough else presented_key(*credential)
         identity = inbound.identity = self.auth.identify(inbound.key)
+        if not passthrough and inbound.key is not None and len(inbound.key) >= 8:
+            _keep_key_here(inbound, scope, ex)
         ex.principal, ex.key_id = identity.principal, identity.key_id
         ex.team, ex.project = identity.team, identity.project
         ex.org, ex.pool = identity.org, identity.pool
@@ -1114,6 +1116,30 @@ def _read_head(body: bytes) -> _RequestHead:
         raise ProxyError(400, "The JSON body of your request is nested too deeply.", "invalid_json") from None
     check_top_level(body)
     return head
+
+
+def _keep_key_here(inbound: _Inbound, scope: Scope, ex: Exchange) -> None:
+    """Keep the caller's virtual key from the upstream: drop headers holding it, refuse a URL holding it.
+
+    Google's SDKs send their key as ``x-goog-api-key`` or ``?key=``; a client that sends its
+    virtual key that way beside ``Authorization`` would hand the provider (or a relay upstream)
+    a key that spends through tokenward.
+
+    Raises:
+        ProxyError: 400 ``key_in_url`` when the path or query string holds the key (the row's path
+            masks it).
+    """
+    secret = inbound.key.encode("latin-1") if inbound.key is not None else b""
+    if secret in (scope.get("raw_path") or b"") or secret in scope["query_string"]:
+        ex.path = ex.path.replace(inbound.key or "", "***")  # nor does the ledger keep it
+        raise ProxyError(
+            400,
+            "The request URL holds your virtual key, which tokenward never sends upstream: send it only as "
+            "'Authorization: Bearer <key>'.",
+            "key_in_url",
+        )
+    if any(secret in value for _, value in inbound.headers):
+        inbound.headers = [h for h in inbound.headers if secret not in h[1]]
 
 
 def _method_override(name: str) -> ProxyError:

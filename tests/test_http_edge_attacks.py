@@ -382,3 +382,34 @@ def test_a_nul_in_what_the_client_names_costs_no_row_on_postgres(tmp_path, pg_ur
         rows = conn.execute("SELECT principal, end_user, cost_usd FROM requests").fetchall()
     assert rows == [("agent", "eve\\x00", Decimal("0.0000312"))]
     assert not (tmp_path / "spool" / "quarantine.jsonl").exists()
+
+
+def test_the_virtual_key_never_reaches_the_upstream_whatever_carries_it(tmp_path):
+    # Google's SDKs send their key as x-goog-api-key or ?key=; a client that sent its virtual key that way
+    # too (beside Authorization) had it forwarded: the provider, or a relay upstream, held a key that
+    # spends through tokenward (before: KEY in two headers of the upstream's request, and in its URL)
+    with Servers().running() as servers:
+        with proxy(servers.upstream_url, tmp_path / "l.duckdb") as url:
+            auth = f"Authorization: Bearer {KEY}\r\n"
+            status, _ = raw(
+                url,
+                f"GET /v1/models HTTP/1.1\r\nHost: x\r\n{auth}x-goog-api-key: {KEY}\r\nX-Debug: key={KEY};\r\n"
+                "Connection: close\r\n\r\n".encode(),
+            )
+            refused = [
+                raw(url, f"GET {target} HTTP/1.1\r\nHost: x\r\n{auth}Connection: close\r\n\r\n".encode())
+                for target in (f"/v1/models?key={KEY}", f"/v1/models/{KEY}")
+            ]
+    assert status == 200
+    (sent,) = servers.requests
+    assert KEY not in json.dumps(sent["headers"]) + sent["target"]
+    assert sent["headers"]["authorization"] == f"Bearer {PROVIDER_KEY}" and "x-goog-api-key" not in sent["headers"]
+    for status, body in refused:
+        error = json.loads(body)["error"]
+        assert (status, error["code"]) == (400, "key_in_url") and KEY not in error["message"]
+    rows = read_rows(tmp_path / "l.duckdb")
+    assert [(r["path"], r["http_status"]) for r in rows] == [
+        ("/v1/models", 200),
+        ("/v1/models", 400),
+        ("/v1/models/***", 400),
+    ]
