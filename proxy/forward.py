@@ -83,10 +83,10 @@ _ANTHROPIC_HEADERS = frozenset({b"anthropic-version", b"anthropic-beta"})
 # credential, so in virtual_keys mode (tokenward's credential) the client may not pick them.
 # https://platform.openai.com/docs/api-reference/authentication (checked 2026-12-01)
 _ACCOUNT_HEADERS = frozenset({b"openai-organization", b"openai-project"})
+_ALLOWED_METHODS = b"GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS"  # the 405's Allow (front.API_METHODS)
 # Headers that make a server act on another method than the request line's (Google's API front
 # ends, Rails/Laravel/Express/iris method-override middleware): the unmetered policy and isolation
 # judged the request line's. https://github.com/googleapis/gax-java/pull/1465 (checked 2026-12-01)
-_ALLOWED_METHODS = b"GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS"
 _METHOD_OVERRIDES = frozenset({b"x-http-method-override", b"x-http-method", b"x-method-override"})
 T = TypeVar("T")
 COUNT_ON_LOOP_BYTES = 8 * 1024
