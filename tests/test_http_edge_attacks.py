@@ -461,3 +461,42 @@ def test_pipelined_requests_absolute_targets_and_redirects_stay_with_the_upstrea
         ("a", "/v1/models", 200),
         ("a", "/v1/models/moved", 307),
     ]
+
+
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+def test_a_whole_reply_over_the_cap_is_relayed_as_it_arrives_and_not_metered(tmp_path, monkeypatch, framing):
+    # A whole (not streamed) reply was read into memory before a byte went to the client, and held
+    # twice: a 300 MiB body raised the proxy's peak RSS by 600 MiB, and a broken upstream that never
+    # ends its body grew it until the kernel killed the proxy (every request in flight with it). Over
+    # the cap (here 1 MiB, 256 MiB by default) the reply is relayed as it arrives; its usage is not
+    # read, and its row says the provider may have billed it (before: read whole, "priced").
+    from tokenward.proxy import relay
+
+    from .raw_upstream import LAST_CHUNK, RawUpstream, chunk
+
+    monkeypatch.setattr(relay, "MAX_WHOLE_BODY_BYTES", 1 << 20, raising=False)
+    head = json.dumps({"id": "c-1", "object": "chat.completion", "model": "gpt-4o-mini", "usage": {
+        "prompt_tokens": 8, "completion_tokens": 2, "total_tokens": 10}, "choices": [{"index": 0, "message": {
+        "role": "assistant", "content": "ok"}, "finish_reason": "stop"}]}).encode()  # fmt: skip
+    pieces = [head] + [b" " * (1 << 20)] * 3  # valid JSON: the object, then 3 MiB of spaces
+    body = b"".join(pieces)
+    if framing == "chunked":
+        reply = [b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n",
+                 *(chunk(p) for p in pieces), LAST_CHUNK]  # fmt: skip
+    else:
+        reply = [b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
+                 + str(len(body)).encode() + b"\r\n\r\n", *pieces]  # fmt: skip
+    upstream = RawUpstream()
+    upstream.script = lambda head, sent: list(reply)
+    with upstream.running():
+        with proxy(upstream.url, tmp_path / "l.duckdb") as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+            got = client.chat.completions.with_raw_response.create(
+                model="gpt-4o-mini", max_tokens=2, messages=[{"role": "user", "content": "hi"}]
+            )
+            assert got.http_response.read() == body
+    rows = read_rows(tmp_path / "l.duckdb")
+    assert [(r["http_status"], r["outcome"], r["price_status"], r["cost_usd"]) for r in rows] == [
+        (200, "ok", "usage_unknown", None)
+    ]
+    assert rows[0]["error"] == "a whole reply over 1048576 bytes: relayed, not metered"
