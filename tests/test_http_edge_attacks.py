@@ -357,7 +357,7 @@ def test_what_the_client_names_inside_its_own_shapes_is_not_a_clash():
         assert error.value.code == "invalid_json" and error.value.status == 400
 
 
-def test_a_nul_in_what_the_client_names_costs_no_row_on_postgres(tmp_path, pg_url):
+def test_a_nul_in_what_the_client_sends_keeps_its_row_on_postgres(tmp_path, pg_url):
     # Postgres text and jsonb cannot hold U+0000; DuckDB can. A key holder that put "\u0000" in its
     # request's user (or model) had each of its rows refused by Postgres and set aside in the quarantine
     # file: its spend missing from every report (before: 0 rows in requests, 1 quarantined)
