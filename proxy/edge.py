@@ -27,7 +27,7 @@ import fnmatch
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
-from urllib.parse import urlsplit
+from urllib.parse import unquote_to_bytes, urlsplit
 
 from yarl import URL
 
@@ -135,7 +135,8 @@ def target(raw_path: bytes, method: str, query: bytes = b"") -> Target | None:
     Raises:
         EdgeError: 400 ``invalid_path`` for a path that could mean different things to tokenward
             and to the upstream (see the module note), 400 ``invalid_query`` for a query string
-            with bytes outside printable ASCII.
+            with bytes outside printable ASCII, 400 ``method_override_refused`` for a ``_method``
+            parameter.
     """
     if not _plain(raw_path):
         if raw_path == b"/":
@@ -144,12 +145,23 @@ def target(raw_path: bytes, method: str, query: bytes = b"") -> Target | None:
     if query and _QUERY.fullmatch(query) is None:
         message = "The query string holds a space, '#', a control character or a non-ASCII byte: percent-encode it."
         raise EdgeError(400, message, "invalid_query")
+    if query and (b"%" in query or b"method" in query.lower()) and _overrides_method(query):
+        message = (
+            "tokenward does not forward a _method query parameter: an upstream that honours it would act on "
+            "another method than the one tokenward checked. Send the request with the method you mean."
+        )
+        raise EdgeError(400, message, "method_override_refused")
     if not raw_path.startswith(_PREFIX):
         return None
     path = raw_path.decode("ascii")
     tail = path[4:]
     endpoint = METERED_ENDPOINTS.get(tail.lower()) if method == "POST" else None
     return Target(method, path, tail, query.decode("ascii"), endpoint)
+
+
+def _overrides_method(query: bytes) -> bool:
+    """Whether a query string has a ``_method`` parameter (Rails, Laravel, Express), in any case or encoding."""
+    return any(unquote_to_bytes(part.partition(b"=")[0]).lower() == b"_method" for part in re.split(rb"[&;]", query))
 
 
 def _plain(raw_path: bytes) -> bool:

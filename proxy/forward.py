@@ -52,6 +52,7 @@ from tokenward.proxy.keys import AUTH_HEADERS, Authenticator, Identity, presente
 from tokenward.proxy.limits import CONNECTION_SCOPE_KEY, BodyLimits, body_stream, read_body
 from tokenward.proxy.media import MediaRequest, MediaRequestError, read_request
 from tokenward.proxy.media import estimate as media_estimate
+from tokenward.proxy.members import check_document, check_top_level
 from tokenward.proxy.metering import Meter, count_input, estimate, input_bytes
 from tokenward.proxy.recorder import Recorder
 from tokenward.proxy.relay import HOP_BY_HOP, DisconnectWatch, GiveUp, Relay, header
@@ -66,9 +67,11 @@ __all__ = ["METERED_ENDPOINTS", "Endpoint", "Forwarder"]
 
 log = logging.getLogger("tokenward.proxy")
 
-# ``Expect: 100-continue`` was answered by tokenward's server when it read the body: forwarded, the HTTP
-# client would wait for the upstream's own ``100`` before sending a body tokenward already holds
-_NOT_FORWARDED = HOP_BY_HOP | {b"host", b"content-length", b"expect"}
+# "Expect: 100-continue" (curl, bodies over 1 MiB) is the server's to answer, and tokenward's server
+# does as it reads the body: forwarded, the upstream client held the body until the upstream's own
+# 100, which a server that waits for the body never sends (nginx does not forward it either).
+_KEEP_LENGTH_DROPPED = HOP_BY_HOP | {b"host", b"expect"}
+_NOT_FORWARDED = _KEEP_LENGTH_DROPPED | {b"content-length"}
 _UPSTREAM_HEADER = b"x-tokenward-upstream"
 _TAGS_HEADER = b"x-tokenward-tags"
 _SESSION_HEADER = b"x-tokenward-session"
@@ -81,6 +84,11 @@ _ANTHROPIC_HEADERS = frozenset({b"anthropic-version", b"anthropic-beta"})
 # credential, so in virtual_keys mode (tokenward's credential) the client may not pick them.
 # https://platform.openai.com/docs/api-reference/authentication (checked 2026-12-01)
 _ACCOUNT_HEADERS = frozenset({b"openai-organization", b"openai-project"})
+_ALLOWED_METHODS = b"GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS"  # the 405's Allow (front.API_METHODS)
+# Headers that make a server act on another method than the request line's (Google's API front
+# ends, Rails/Laravel/Express/iris method-override middleware): the unmetered policy and isolation
+# judged the request line's. https://github.com/googleapis/gax-java/pull/1465 (checked 2026-12-01)
+_METHOD_OVERRIDES = frozenset({b"x-http-method-override", b"x-http-method", b"x-method-override"})
 T = TypeVar("T")
 COUNT_ON_LOOP_BYTES = 8 * 1024
 """Request bodies up to this size are decoded and counted (or sized) for a budget's bound on the event loop (at most
@@ -117,6 +125,7 @@ _OUTCOME_BY_STATUS = {
     400: Outcome.CLIENT_ERROR,
     401: Outcome.UNAUTHORIZED,
     404: Outcome.CLIENT_ERROR,
+    405: Outcome.CLIENT_ERROR,
     408: Outcome.CLIENT_ERROR,
     413: Outcome.CLIENT_ERROR,
     502: Outcome.UPSTREAM_UNREACHABLE,
@@ -297,6 +306,16 @@ class Forwarder:
             # an upload that broke off over a limit: the client hears why, not what the upstream made of it
             return self._refuse(ex, content.error if content is not None and content.error is not None else exc)
 
+    def method_not_allowed(self, request: Request[Any, Any, Any]) -> Relay:
+        """Refuse a method the API does not take (``TRACE``, ``PROPFIND``, ...) with a 405, recorded."""
+        scope = request.scope
+        raw: bytes = scope.get("raw_path") or scope["path"].encode()
+        path = raw[:1000].decode("ascii", "backslashreplace")
+        method = scope["method"][:32]
+        ex = Exchange(endpoint="unknown", method=method, path=path)
+        message = f"Method {method} is not allowed: the API takes {_ALLOWED_METHODS.decode()}."
+        return self._refuse(ex, ProxyError(405, message, "method_not_allowed", headers=[(b"allow", _ALLOWED_METHODS)]))
+
     def not_found(self, request: Request[Any, Any, Any]) -> Relay:
         """Refuse a request outside the API with a 404 (recorded like every other request)."""
         scope = request.scope
@@ -325,6 +344,8 @@ class Forwarder:
         media = None
         if endpoint.dialect == "media":
             media, head = await self._read_media(found, body, scope)
+            if body[:64].lstrip()[:1] == b"{":  # a JSON body (a form starts with its boundary)
+                check_top_level(body)
         else:
             head = _read_head(body)
         ex.requested_model = head.model if isinstance(head.model, str) else None
@@ -783,7 +804,7 @@ class Forwarder:
                 from :meth:`Authenticator.identify`.
         """
         passthrough = self.auth.passthrough
-        dropped = HOP_BY_HOP | {b"host", b"expect"} if keep_length else _NOT_FORWARDED
+        dropped = _KEEP_LENGTH_DROPPED if keep_length else _NOT_FORWARDED
         inbound = _Inbound(headers=[])
         has_encoding = False
         claimed_names = self.auth.attribution_headers
@@ -799,6 +820,8 @@ class Forwarder:
                     continue
             elif name in _ACCOUNT_HEADERS and not passthrough:
                 continue
+            elif name in _METHOD_OVERRIDES:
+                raise _method_override(name.decode("latin-1"))
             elif name in _ANTHROPIC_HEADERS:
                 inbound.anthropic = True
             elif name == b"x-request-id":
@@ -840,6 +863,8 @@ class Forwarder:
             inbound.anthropic = inbound.anthropic or credential[0] == b"x-api-key"
             inbound.key = upstream_credential(*credential) if passthrough else presented_key(*credential)
         identity = inbound.identity = self.auth.identify(inbound.key)
+        if not passthrough and inbound.key is not None and len(inbound.key) >= 8:
+            _keep_key_here(inbound, scope, ex)
         ex.principal, ex.key_id = identity.principal, identity.key_id
         ex.team, ex.project = identity.team, identity.project
         ex.org, ex.pool = identity.org, identity.pool
@@ -869,6 +894,9 @@ class Forwarder:
                     "upstream_key_missing",
                     "server_error",
                 )
+            name = route.auth_header[0]
+            if name not in AUTH_HEADERS:  # a header of the upstream's own (x-goog-api-key): the client's goes
+                inbound.headers = [h for h in inbound.headers if h[0] != name]
             inbound.headers.append(route.auth_header)
 
     async def _send_while_connected(
@@ -1104,13 +1132,49 @@ def _read_head(body: bytes) -> _RequestHead:
     if not body.strip():
         raise ProxyError(400, "The request body is empty: send a JSON object.", "invalid_json")
     try:
-        return _decode_head(body)
+        head = _decode_head(body)
     except msgspec.ValidationError as exc:
         raise ProxyError(400, f"The request body must be a JSON object: {exc}", "invalid_json") from exc
     except msgspec.DecodeError as exc:
         raise ProxyError(400, f"We could not parse the JSON body of your request: {exc}", "invalid_json") from exc
     except RecursionError:
         raise ProxyError(400, "The JSON body of your request is nested too deeply.", "invalid_json") from None
+    check_top_level(body)
+    return head
+
+
+def _keep_key_here(inbound: _Inbound, scope: Scope, ex: Exchange) -> None:
+    """Keep the caller's virtual key from the upstream: drop headers holding it, refuse a URL holding it.
+
+    Google's SDKs send their key as ``x-goog-api-key`` or ``?key=``; a client that sends its
+    virtual key that way beside ``Authorization`` would hand the provider (or a relay upstream)
+    a key that spends through tokenward.
+
+    Raises:
+        ProxyError: 400 ``key_in_url`` when the path or query string holds the key (the row's path
+            masks it).
+    """
+    secret = inbound.key.encode("latin-1") if inbound.key is not None else b""
+    if secret in (scope.get("raw_path") or b"") or secret in scope["query_string"]:
+        ex.path = ex.path.replace(inbound.key or "", "***")  # nor does the ledger keep it
+        raise ProxyError(
+            400,
+            "The request URL holds your virtual key, which tokenward never sends upstream: send it only as "
+            "'Authorization: Bearer <key>'.",
+            "key_in_url",
+        )
+    if any(secret in value for _, value in inbound.headers):
+        inbound.headers = [h for h in inbound.headers if secret not in h[1]]
+
+
+def _method_override(name: str) -> ProxyError:
+    """The 400 for a request asking the upstream to act on another method (a header or ``_method``)."""
+    return ProxyError(
+        400,
+        f"tokenward does not forward {name}: an upstream that honours it would act on another method than the "
+        "one tokenward checked. Send the request with the method you mean.",
+        "method_override_refused",
+    )
 
 
 def _not_allowed(found: Target, identity: Identity) -> ProxyError:
@@ -1241,6 +1305,7 @@ def _count_for_bound(dialect: str, body: bytes, model: str | None) -> tuple[int,
         decoded = msgspec.json.decode(body)
     except (msgspec.DecodeError, RecursionError):
         decoded = None
+    check_document(decoded)  # what is counted must be what every upstream reads
     return count_input(dialect, decoded, model), scan(decoded)
 
 
@@ -1257,6 +1322,7 @@ def _bytes_for_bound(dialect: str, body: bytes) -> tuple[int, Unmetered]:
         decoded = msgspec.json.decode(body)
     except (msgspec.DecodeError, RecursionError):
         decoded = None
+    check_document(decoded)
     return input_bytes(dialect, decoded), scan(decoded)
 
 

@@ -11,8 +11,8 @@ very same :meth:`Forwarder.handle <tokenward.proxy.forward.Forwarder.handle>`, s
 behaves the same whichever of the two serves it.
 
 Litestar keeps everything else: lifespan, tokenward's own routes (``/healthz``, ``/metrics``,
-``/dashboard``, ``/v1/tokenward/...``), every path outside ``/v1/`` (the 404 in OpenAI's shape), and methods the API
-route does not take (Litestar's 405).
+``/dashboard``, ``/v1/tokenward/...``) and every path outside ``/v1/`` (the 404 in OpenAI's shape). A method
+the API does not take (``TRACE``, ``PROPFIND``) under ``/v1/`` is the forwarder's recorded 405.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ class Front:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Serve one ASGI connection scope."""
-        if scope["type"] != "http" or scope["method"] not in API_METHODS:
+        if scope["type"] != "http":
             await self.app(scope, receive, send)  # type: ignore[arg-type]
             return
         raw: bytes = scope.get("raw_path") or scope["path"].encode()
@@ -70,7 +70,10 @@ class Front:
             await self.app(scope, receive, send)  # type: ignore[arg-type]
             return
         try:
-            relay = await self.forwarder.handle(_Request(scope, receive))  # type: ignore[arg-type]
+            if scope["method"] in API_METHODS:
+                relay = await self.forwarder.handle(_Request(scope, receive))  # type: ignore[arg-type]
+            else:  # TRACE, PROPFIND, ...: refused, and recorded like every other API request
+                relay = self.forwarder.method_not_allowed(_Request(scope, receive))  # type: ignore[arg-type]
             await relay(scope, receive, send)
         except Exception as exc:
             await _fail(send, exc)

@@ -122,6 +122,7 @@ class Meter:
         "_inflate",
         "_kept",
         "_kept_bytes",
+        "_oversized",
         "_seen",
         "_undecodable",
         "_unparsed",
@@ -141,6 +142,7 @@ class Meter:
         self._kept_bytes = 0
         self._complete = False
         self._undecodable = False
+        self._oversized = 0
         self.events = 0
         self.terminal = False
         """Whether the stream's terminal event has been seen (nothing more is expected)."""
@@ -169,6 +171,10 @@ class Meter:
         for block in blocks:
             self._inspect(block)
         return blocks
+
+    def skip_oversized(self, limit: int) -> None:
+        """A whole reply over ``limit`` bytes is relayed as it arrives, unread: nothing of it is metered."""
+        self._oversized = limit
 
     def end_raw(self) -> None:
         """A reply relayed as is ended well: its usage comes from the request (``complete`` is true)."""
@@ -254,14 +260,20 @@ class Meter:
 
     @property
     def undecodable(self) -> bool:
-        """Whether the reply's content-encoding could not be decoded (none of it past that point was metered)."""
-        return self._undecodable
+        """Whether the reply could not be read, so none of it past that point was metered.
+
+        Its content-encoding could not be decoded, or it was a whole reply over the relay's cap
+        (:meth:`skip_oversized`).
+        """
+        return self._undecodable or self._oversized > 0
 
     @property
     def unmetered(self) -> str | None:
         """What was relayed without being metered: an event over the size cap, an undecodable body."""
         if self._undecodable:
             return "the reply's content-encoding could not be decoded: relayed, not metered"
+        if self._oversized:
+            return f"a whole reply over {self._oversized} bytes: relayed, not metered"
         cap = self._decoder.max_event_bytes
         if self._unparsed or self._elider is not None:
             return f"an SSE event over {cap} bytes: relayed, not metered"

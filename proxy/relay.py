@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -52,6 +52,11 @@ HOP_BY_HOP = frozenset(
 )
 """Headers that describe one connection, never forwarded (RFC 9110 section 7.6.1)."""
 _REPLY_DROPPED = HOP_BY_HOP | {b"content-length"}
+MAX_WHOLE_BODY_BYTES = 128 * 1024 * 1024
+"""A whole (not streamed) reply larger than this is relayed as it arrives and not metered (its row:
+``usage_unknown``), instead of being held whole: it held twice its size (a 300 MiB body: +600 MiB of
+peak RSS), and a body that never ends grew the proxy until it was killed. The largest real whole
+replies fit: 2,048 embeddings of 3,072 floats are about 90 MB of JSON, ten base64 images about 40 MB."""
 _BACKGROUND: set[asyncio.Future[None]] = set()  # recordings nobody waits for, kept alive until done
 _USAGE_NULL = (b',"usage":null', b'"usage":null,')
 _GAVE_UP = "client disconnected; the upstream sent nothing more within server.drain_after_disconnect_s"
@@ -335,10 +340,23 @@ class Relay:
 
     async def _relay_body(self, send: Send, headers: list[tuple[bytes, bytes]], listener: DisconnectWatch) -> None:
         assert self.reply is not None and self.meter is not None
+        limit = MAX_WHOLE_BODY_BYTES
+        length = header(self.reply.headers, b"content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            self.meter.skip_oversized(limit)
+            await self._relay_raw(send, headers, listener)
+            return
         give_up = GiveUp(listener, self.drain_timeout_s)
         give_up.waiting = True
+        rest = None
         try:
-            body = await self.reply.read()
+            if length is not None:
+                body = await self.reply.read()
+            else:  # no length announced: read no more than the cap
+                parts, rest = await self._read_up_to(limit)
+                body = b"".join(parts) if rest is None else b""
+                if rest is None:
+                    parts.clear()  # the body holds them now
         except UpstreamError as exc:
             give_up.waiting = False
             await self._fail_before_start(send, exc)
@@ -351,6 +369,10 @@ class Relay:
         finally:
             give_up.waiting = False
             give_up.stop()
+        if rest is not None:
+            self.meter.skip_oversized(limit)
+            await self._relay_raw(send, headers, listener, parts, rest)
+            return
         self.got_reply = True
         self.meter.feed_body(body)
         if listener.gone():
@@ -371,7 +393,28 @@ class Relay:
         await send({"type": "http.response.start", "status": self.ex.http_status, "headers": headers})
         await send({"type": "http.response.body", "body": body, "more_body": False})
 
-    async def _relay_raw(self, send: Send, headers: list[tuple[bytes, bytes]], listener: DisconnectWatch) -> None:
+    async def _read_up_to(self, limit: int) -> tuple[list[bytes], AsyncIterator[bytes] | None]:
+        """The body's chunks if it is at most ``limit`` bytes; else those read, and the chunks still to come."""
+        assert self.reply is not None
+        parts: list[bytes] = []
+        size = 0
+        chunks = self.reply.chunks()
+        async for chunk in chunks:
+            parts.append(chunk)
+            size += len(chunk)
+            if size > limit:
+                return parts, chunks
+        return parts, None
+
+    async def _relay_raw(
+        self,
+        send: Send,
+        headers: list[tuple[bytes, bytes]],
+        listener: DisconnectWatch,
+        prefix: list[bytes] | None = None,
+        chunks: AsyncIterator[bytes] | None = None,
+    ) -> None:
+        """Relay the reply as it arrives; ``prefix``: body chunks already read, ``chunks``: the rest of them."""
         assert self.reply is not None
         length = header(self.reply.headers, b"content-length")
         expected = int(length) if length is not None and length.isdigit() else None
@@ -380,8 +423,13 @@ class Relay:
         await send({"type": "http.response.start", "status": self.ex.http_status, "headers": headers})
         self.got_reply = True
         sent = 0
+        while prefix:  # each is let go once sent
+            piece = prefix.pop(0)
+            await send({"type": "http.response.body", "body": piece, "more_body": True})
+            sent += len(piece)
+            self.ex.mark_first_byte()
         try:
-            async for chunk in self.reply.chunks():
+            async for chunk in chunks if chunks is not None else self.reply.chunks():
                 if expected is not None and sent + len(chunk) >= expected:  # this chunk ends the body
                     self.ex.mark_first_byte()
                     if self.meter is not None:

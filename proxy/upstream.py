@@ -250,7 +250,7 @@ class AiohttpUpstream:
             timeout = self._timeouts[timeouts] = aiohttp.ClientTimeout(
                 total=None, sock_connect=timeouts.connect, sock_read=timeouts.read
             )
-        fields = CIMultiDict([(name.decode("latin-1"), value.decode("latin-1")) for name, value in headers])
+        fields = CIMultiDict([(name.decode("latin-1"), _header_text(value)) for name, value in headers])
         try:
             response = await session.request(
                 method, url, headers=fields, data=body, allow_redirects=False, timeout=timeout, compress=None
@@ -267,6 +267,18 @@ class AiohttpUpstream:
         """See :meth:`UpstreamClient.aclose`."""
         if self._session is not None:
             await self._session.close()
+
+
+def _header_text(value: bytes) -> str:
+    r"""A header value as text that aiohttp (which writes header lines as UTF-8) sends back as the same bytes.
+
+    UTF-8 (OpenRouter's ``X-Title: Café``) is decoded as UTF-8; anything else as latin-1, which
+    aiohttp then sends as the UTF-8 of those characters (``caf\xe9`` leaves as ``caf\xc3\xa9``).
+    """
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError:
+        return value.decode("latin-1")
 
 
 def _httpx_errors() -> tuple[type[BaseException], ...]:

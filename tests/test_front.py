@@ -36,13 +36,14 @@ def test_api_requests_and_tokenward_routes_are_served_as_before(start_proxy):
     assert outside.status_code == 404 and outside.json()["error"]["code"] == "not_found"
     bad = httpx.post(f"{proxy.url}/v1/chat//completions", json=CHAT_BODY)  # an empty segment: the forwarder refuses it
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_path"
-    traced = httpx.request("TRACE", f"{proxy.url}/v1/models")  # not an API method: Litestar's 405
+    traced = httpx.request("TRACE", f"{proxy.url}/v1/models")  # not an API method: the forwarder's 405, recorded
     assert traced.status_code == 405 and traced.json()["error"]["code"] == "method_not_allowed"
-    rows = proxy.rows(3)
+    rows = proxy.rows(4)
     assert sorted((r["endpoint"], r["http_status"]) for r in rows) == [
         ("chat_completions", 200),
         ("unknown", 400),
         ("unknown", 404),
+        ("unknown", 405),
     ]
 
 
