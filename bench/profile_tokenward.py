@@ -851,7 +851,7 @@ def micro(args: argparse.Namespace) -> None:
         ]  # fmt: skip
         ex = Exchange(endpoint="chat_completions", method="POST", path="/v1/chat/completions")
         inbound = fw._inbound(scope, ex, keep_length=False)
-        head = forward._decode_head(payload)
+        head = forward._read_head(payload)
         ex.requested_model = head.model
         route = fw.router.pick(ex.requested_model, inbound.upstream)
         fw._attach(ex, route, inbound)
@@ -883,7 +883,7 @@ def micro(args: argparse.Namespace) -> None:
             "  of which keys.fingerprint (sha256 of the key, passthrough)",
             lambda: keys.fingerprint("sk-bench-0123456789"),
         )
-        step("msgspec decode of the request head (_RequestHead)", lambda: forward._decode_head(payload))
+        step("request head (_read_head: one scan, case-clash check)", lambda: forward._read_head(payload))
         step(
             "Router.pick + Forwarder._attach",
             lambda: fw._attach(ex, fw.router.pick("gpt-4o-mini", "slow"), forward._Inbound(headers=[])),

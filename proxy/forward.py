@@ -52,7 +52,7 @@ from tokenward.proxy.keys import AUTH_HEADERS, Authenticator, Identity, presente
 from tokenward.proxy.limits import CONNECTION_SCOPE_KEY, BodyLimits, body_stream, read_body
 from tokenward.proxy.media import MediaRequest, MediaRequestError, read_request
 from tokenward.proxy.media import estimate as media_estimate
-from tokenward.proxy.members import check_document, check_top_level
+from tokenward.proxy.members import check_document, check_top_level, top_level_members
 from tokenward.proxy.metering import Meter, count_input, estimate, input_bytes
 from tokenward.proxy.recorder import Recorder
 from tokenward.proxy.relay import HOP_BY_HOP, DisconnectWatch, GiveUp, Relay, header
@@ -154,7 +154,8 @@ class _RequestHead(msgspec.Struct):
     fallbacks: Any = None
 
 
-_decode_head = msgspec.json.Decoder(_RequestHead).decode
+_HEAD_FIELDS = frozenset(_RequestHead.__struct_fields__)
+_decode = msgspec.json.decode
 
 MAX_FALLBACK_MODELS = 8
 """Fallback models (``models``, ``fallbacks``) a request under a blocking budget may name: each one
@@ -1127,20 +1128,20 @@ def _read_head(body: bytes) -> _RequestHead:
     """The members of a JSON request body tokenward acts on.
 
     Raises:
-        ProxyError: 400 ``invalid_json`` for an empty body, or one that is not a JSON object.
+        ProxyError: 400 ``invalid_json`` for an empty body, one that is not a JSON object, or one
+            naming a top-level member twice in different case (:mod:`~tokenward.proxy.members`).
     """
     if not body.strip():
         raise ProxyError(400, "The request body is empty: send a JSON object.", "invalid_json")
     try:
-        head = _decode_head(body)
+        members = top_level_members(body)  # one scan: the case-clash check and the members read below
+        return _RequestHead(**{name: _decode(raw) for name, raw in members.items() if name in _HEAD_FIELDS})
     except msgspec.ValidationError as exc:
         raise ProxyError(400, f"The request body must be a JSON object: {exc}", "invalid_json") from exc
     except msgspec.DecodeError as exc:
         raise ProxyError(400, f"We could not parse the JSON body of your request: {exc}", "invalid_json") from exc
     except RecursionError:
         raise ProxyError(400, "The JSON body of your request is nested too deeply.", "invalid_json") from None
-    check_top_level(body)
-    return head
 
 
 def _keep_key_here(inbound: _Inbound, scope: Scope, ex: Exchange) -> None:

@@ -28,7 +28,7 @@ import msgspec
 
 from tokenward.proxy.errors import ProxyError
 
-__all__ = ["check_document", "check_top_level"]
+__all__ = ["check_document", "check_top_level", "top_level_members"]
 
 _decode_members = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
 _CLIENT_SHAPES = frozenset(
@@ -50,6 +50,21 @@ def check_top_level(body: bytes) -> None:
     except (msgspec.DecodeError, RecursionError):  # not an object: whoever decodes it says why
         return
     _check(names)
+
+
+def top_level_members(body: bytes) -> dict[str, msgspec.Raw]:
+    """A JSON object body's top-level members, their values unparsed, once :func:`check_top_level`'s check passed.
+
+    One scan of the body serves both the check and the reading of the members tokenward acts on.
+
+    Raises:
+        msgspec.ValidationError: the body is JSON but not an object.
+        msgspec.DecodeError: the body is not JSON.
+        ProxyError: 400 ``invalid_json`` naming both spellings of a clashing member.
+    """
+    members = _decode_members(body)
+    _check(members)
+    return members
 
 
 def check_document(document: Any) -> None:
