@@ -115,7 +115,10 @@ def test_metrics_latency_ttft_upstream_errors_and_no_created_series(start_proxy,
 
 def test_budget_gauges_and_alert_delivery_failures(start_proxy, simulator):
     hook = WebhookSettings(name="ops-hook", url=f"http://127.0.0.1:{free_port()}/hook")  # nobody listens
-    budget = BudgetSettings(name="tiny", limit_usd=Decimal("0.0002"), thresholds=[50], notify=["ops-hook"])
+    # period "total": no forecast alert beside the threshold's (a month's would fire or not by the date)
+    budget = BudgetSettings(
+        name="tiny", limit_usd=Decimal("0.0002"), period="total", thresholds=[50], notify=["ops-hook"]
+    )
     proxy = start_proxy(budgets=[budget], alerts=AlertSettings(webhooks=[hook], retries=0))
     httpx.post(f"{proxy.url}/v1/chat/completions", json=CHAT_BODY, headers={RECORD_HEADER: CHAT})
     proxy.rows(1)
