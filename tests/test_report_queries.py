@@ -199,3 +199,48 @@ def test_m006_keeps_stored_status_values_it_does_not_know(tmp_path, monkeypatch)
     with pytest.raises(duckdb.ConversionException):  # a status nobody declared cannot be written
         conn.execute("UPDATE requests SET price_status = 'brand_new' WHERE request_id = 'a'")
     conn.close()
+
+
+def test_group_rows_are_built_exactly(tmp_path):
+    """Each group's money, ratios and hour label, as shown (``str`` pins a Decimal's places too).
+
+    a: 1 cached of 20,000 input = 0.00005, half to even: 0.0000; $0.1 and an unpriced row: avg $0.1 over the one
+    priced. b: 3 cached of 20,000 = 0.00015: 0.0002; $0.01 + $0.02, of it $0.01 output: share 1/3 = 0.3333,
+    avg $0.015. c: only unpriced, no input: no cost, p95, share, average or hit rate.
+    """
+    path = tmp_path / "built.duckdb"
+    nine, ten = "2026-10-25T00:30:00+00:00", "2026-10-25T01:30:00+00:00"  # Paris: 02:30 +02:00, then 02:30 +01:00
+    rows = [
+        row("a1", nine, "a", "t", "m", "0.1", input_tokens=20000, cached_input_tokens=1, output_cost_usd=D("0.05")),
+        row("a2", nine, "a", "t", "m", None, price_status="unpriced"),
+        row("b1", ten, "b", "t", "m", "0.01", input_tokens=10000, cached_input_tokens=3, output_cost_usd=D("0.01")),
+        row("b2", ten, "b", "t", "m", "0.02", input_tokens=10000, output_cost_usd=D(0)),
+        row("c1", ten, "c", "t", "m", None, price_status="unpriced", cost_usd=None),
+    ]
+    write_rows(path, rows)
+    conn = open_ledger(path, read_only=True)
+    shown = ("cost_usd", "output_cost_usd", "p95_cost_usd", "cache_hit_rate", "output_share", "avg_cost_usd")
+    got, totals = queries.spend_report(conn, ["key"], queries.Selection(tz=PARIS))
+    assert [[r["key"], *(None if r[k] is None else str(r[k]) for k in shown)] for r in got] == [
+        ["a", "0.100000000000", "0.050000000000", "0.100000000000", "0.0000", "0.5000", "0.100000000000"],
+        ["b", "0.030000000000", "0.010000000000", "0.020000000000", "0.0002", "0.3333", "0.015000000000"],
+        ["c", None, None, None, None, None, None],
+    ]
+    assert [(r["requests"], r["priced_requests"], r["unpriced_requests"]) for r in got] == [
+        (2, 1, 1),
+        (2, 2, 0),
+        (1, 0, 1),
+    ]
+    assert [str(totals[k]) for k in ("cost_usd", "cache_hit_rate", "output_share", "avg_cost_usd")] == [
+        "0.130000000000",
+        "0.0001",  # 4 of 40,000
+        "0.4615",  # 0.06 / 0.13
+        "0.043333333333",
+    ]
+    hours, _ = queries.spend_report(conn, ["hour", "key"], queries.Selection(tz=PARIS))
+    assert [(r["hour"], r["key"], r["requests"]) for r in hours] == [
+        ("2026-10-25T02:00+02:00", "a", 2),
+        ("2026-10-25T02:00+01:00", "b", 2),
+        ("2026-10-25T02:00+01:00", "c", 1),
+    ]
+    conn.close()
