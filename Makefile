@@ -27,9 +27,10 @@ demo: $(BIN)/.installed
 	$(BIN)/tokenward demo
 
 # tokenward against calling the mock directly and a bare Python relay, pinned as in issue 13
-# (wants nginx, its echo module and wrk: apt-get install -y nginx libnginx-mod-http-echo wrk)
+# (wants nginx, its echo module and wrk: apt-get install -y nginx libnginx-mod-http-echo wrk);
+# options through ARGS: make bench ARGS="--postgres --repeat 3"
 bench bench-floor: $(BIN)/.installed
-	$(BIN)/python bench/bench_floor.py
+	$(BIN)/python bench/bench_floor.py $(ARGS)
 
 lint: $(BIN)/.installed
 	$(BIN)/ruff check proxy pricing reports tests bench
