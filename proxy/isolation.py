@@ -38,6 +38,7 @@ import asyncio
 import datetime as dt
 import json
 import logging
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -96,7 +97,8 @@ _RESPONSE = _KIND["response"]
 _EVAL = _KIND["eval"]
 _OUTPUT = ("output[].id",)
 _STREAM_ENDS = frozenset({"response.completed", "response.incomplete", "response.failed"})
-_ITEM_MARKERS = (b"output_item.added", *(end.encode() for end in _STREAM_ENDS))
+_ITEM_MARKERS = re.compile(rb"output_item\.added|response\.(?:completed|incomplete|failed)")
+"""What an event must hold to be decoded by :class:`_ItemWatch` (one search per event)."""
 _BODY_CHECKED = frozenset({"chat_completions", "responses", "responses_compact", "anthropic_messages"})
 _JSON_CHECKED = frozenset({"images"})
 """Metered endpoints whose JSON bodies (not their multipart ones) may name files: an image edit's
@@ -572,8 +574,9 @@ class _ItemWatch:
     """A Responses stream's item ids, gathered from its events as they pass, recorded before its last event.
 
     Reads ``response.output_item.added`` events (each names one new item) and the stream's last
-    event (``response.completed``, ``.incomplete``, ``.failed``: ``response.output[].id``); any
-    other event costs one substring test. Oversized events (:class:`Fragment`) are not read.
+    event (``response.completed``, ``.incomplete``, ``.failed``: ``response.output[].id``). A delta
+    event (most of a stream: ``delta`` in its first 64 bytes, its ``event:`` line or ``type``) costs
+    one short substring test, any other one search; oversized events (:class:`Fragment`) are not read.
     """
 
     __slots__ = ("_capture", "_decoder", "_ex", "_ids", "_plan", "ended")
@@ -589,7 +592,7 @@ class _ItemWatch:
     def scan(self, blocks: list[bytes]) -> None:
         """Gather the ids of the complete events ``blocks`` (from the decoder) hold; note the last event."""
         for block in blocks:
-            if isinstance(block, Fragment) or not any(marker in block for marker in _ITEM_MARKERS):
+            if b"delta" in block[:64] or isinstance(block, Fragment) or _ITEM_MARKERS.search(block) is None:
                 continue
             data = _event_data(block)
             try:
