@@ -16,7 +16,11 @@ object created through it, and for each request (:meth:`Isolation.plan`, what
   ``limit``;
 * **create replies** (JSON, at most :data:`CAPTURE_MAX_BYTES`; a stream's first event) are read
   before any of their bytes go to the client, and the new id's owner is recorded durably
-  first: a crash cannot leave a client holding an id nobody owns.
+  first: a crash cannot leave a client holding an id nobody owns. A response's items (the
+  ids a later ``item_reference`` names) are recorded with it; a streamed response's, read from
+  its ``response.output_item.added`` events and last event, in one write before that last
+  event is relayed (a stream broken off before it has its items recorded at its end, or not
+  at all: an unrecorded item is refused, never leaked).
 
 A key with ``role: admin`` reaches every object and sees whole lists; what it creates is
 recorded as its own. Objects with no recorded owner (created before isolation existed, directly
@@ -34,6 +38,7 @@ import asyncio
 import datetime as dt
 import json
 import logging
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -49,6 +54,7 @@ from tokenward.proxy.keys import Identity
 from tokenward.proxy.objects import (
     FILE,
     KINDS,
+    RESPONSE_ITEM,
     Access,
     Capture,
     DuplicateMember,
@@ -62,7 +68,7 @@ from tokenward.proxy.objects import (
     selects_stored,
     video_sources,
 )
-from tokenward.proxy.sse import SSEDecoder, parse_event
+from tokenward.proxy.sse import Fragment, SSEDecoder, parse_event
 from tokenward.proxy.upstream import UpstreamError, UpstreamReply
 from tokenward.reports.ledger.state import StateStore
 
@@ -89,6 +95,10 @@ _KIND = {kind.name: kind for kind in KINDS}
 _CHAT = _KIND["chat_completion"]
 _RESPONSE = _KIND["response"]
 _EVAL = _KIND["eval"]
+_OUTPUT = ("output[].id",)
+_STREAM_ENDS = frozenset({"response.completed", "response.incomplete", "response.failed"})
+_ITEM_MARKERS = re.compile(rb"output_item\.added|response\.(?:completed|incomplete|failed)")
+"""What an event must hold to be decoded by :class:`_ItemWatch` (one search per event)."""
 _BODY_CHECKED = frozenset({"chat_completions", "responses", "responses_compact", "anthropic_messages"})
 _JSON_CHECKED = frozenset({"images"})
 """Metered endpoints whose JSON bodies (not their multipart ones) may name files: an image edit's
@@ -170,14 +180,18 @@ class OwnerCache:
             found.update(stored)
         return found
 
-    async def record(self, kind: str, object_ids: list[str], key_id: str) -> None:
+    async def record(self, kind: str, object_ids: list[str], key_id: str, *, items: Sequence[str] = ()) -> None:
         """Store ``key_id`` as the owner of new objects (first owner wins), durably, before returning.
+
+        ``items``: response items (:data:`~tokenward.proxy.objects.RESPONSE_ITEM`) recorded in the same write.
 
         Raises:
             Exception: whatever the store raises (the caller must not hand out the ids then).
         """
         now = dt.datetime.now(dt.UTC)
         rows = [(object_id, kind, key_id, now) for object_id in object_ids]
+        rows.extend((item_id, RESPONSE_ITEM.name, key_id, now) for item_id in items)
+        object_ids = [row[0] for row in rows]
 
         def write() -> dict[str, str]:
             self.state.record_objects(rows, fsync=self.fsync)
@@ -225,7 +239,7 @@ class Isolation:
         if endpoint == "chat_completions" and store is True:
             capture = Capture(_CHAT, ("id",))
         elif endpoint == "responses" and store is not False:
-            capture = Capture(_RESPONSE, ("id",))
+            capture = Capture(_RESPONSE, ("id",), items=_OUTPUT)
         checked = endpoint in _BODY_CHECKED or (endpoint in _JSON_CHECKED and body.lstrip()[:1] == b"{")
         checks = not identity.admin and checked and may_reference(endpoint, body)
         if capture is None and not checks:
@@ -423,17 +437,22 @@ class Plan:
             document = json.loads(body)
         except (ValueError, RecursionError):
             document = None
-        await self._record(ex, capture, captured(capture.fields, document) if isinstance(document, dict) else [])
+        if isinstance(document, dict):
+            await self._record(ex, capture, captured(capture.fields, document), captured(capture.items, document))
         return _Replayed(reply, [body], None)
 
     async def _capture_stream(self, ex: Exchange, reply: UpstreamReply, capture: Capture) -> UpstreamReply:
-        """Hold a stream's first chunks until its first event (which names the new object) is read."""
+        """Hold a stream's first chunks until its first event (which names the new object) is read.
+
+        A Responses stream is then watched to its last event for the items it makes (:class:`_ItemWatch`).
+        """
         decoder = SSEDecoder()
         stream = reply.chunks().__aiter__()
         chunks: list[bytes] = []
         size = 0
         object_id: str | None = None
         rest: AsyncIterator[bytes] | None = stream
+        items = _ItemWatch(self, ex, capture, decoder) if capture.items else None
         try:
             while size <= CAPTURE_MAX_BYTES:
                 try:
@@ -443,26 +462,30 @@ class Plan:
                     break
                 chunks.append(chunk)
                 size += len(chunk)
-                data = next((d for d in map(_event_data, decoder.feed(chunk)) if d is not None), None)
+                blocks = decoder.feed(chunk)
+                data = next((d for d in map(_event_data, blocks) if d is not None), None)
                 if data is not None:
                     object_id = _stream_id(data)
+                    if items is not None:
+                        items.scan(blocks)  # the first chunk may hold later events, the last one even
                     break
         except UpstreamError as exc:
             return _Replayed(reply, chunks, None, exc)
-        await self._record(ex, capture, [object_id] if object_id else [])
-        return _Replayed(reply, chunks, rest)
+        first = [object_id] if object_id and "id" in capture.fields else []
+        if items is None:
+            await self._record(ex, capture, first)
+            return _Replayed(reply, chunks, rest)
+        await self._record(ex, capture, first, items.take() if items.ended or rest is None else [])
+        return _Replayed(reply, chunks, None if rest is None or items.ended else items.relay(rest))
 
-    async def _record(self, ex: Exchange, capture: Capture, object_ids: list[str]) -> None:
-        if not object_ids:
+    async def _record(self, ex: Exchange, capture: Capture, object_ids: list[str], items: Sequence[str] = ()) -> None:
+        if not object_ids and not items:
             return
-        owner: str | None = self.key_id
-        if capture.parent:
-            parent = self.access.ids[0]
-            owner = (await self.owners.owners([parent])).get(parent)
-            if owner is None:
-                return  # an unowned object's files stay unowned
+        owner = await self._owner(capture)
+        if owner is None:
+            return  # an unowned object's files stay unowned
         try:
-            await self.owners.record(capture.kind.name, object_ids, owner)
+            await self.owners.record(capture.kind.name, object_ids, owner, items=items)
         except Exception as exc:
             log.exception("request %s: could not record the owner of %s", ex.request_id, object_ids)
             ex.maybe_billed = True
@@ -473,6 +496,13 @@ class Plan:
                 "owner_not_recorded",
                 "server_error",
             ) from exc
+
+    async def _owner(self, capture: Capture) -> str | None:
+        """Who owns what ``capture`` finds: the caller, or the owner of the object in the path (``None``: nobody)."""
+        if not capture.parent:
+            return self.key_id
+        parent = self.access.ids[0]
+        return (await self.owners.owners([parent])).get(parent)
 
     def _page_limit(self) -> int:
         """The page size to ask the upstream for, for a filtered list: the largest it serves, or more if asked."""
@@ -538,6 +568,72 @@ class Plan:
         files = [object_id for item in items for object_id in captured(kind.derived, item)]
         if files:
             await self._record(ex, Capture(FILE, kind.derived), files)
+
+
+class _ItemWatch:
+    """A Responses stream's item ids, gathered from its events as they pass, recorded before its last event.
+
+    Reads ``response.output_item.added`` events (each names one new item) and the stream's last
+    event (``response.completed``, ``.incomplete``, ``.failed``: ``response.output[].id``). A delta
+    event (most of a stream: ``delta`` in its first 64 bytes, its ``event:`` line or ``type``) costs
+    one short substring test, any other one search; oversized events (:class:`Fragment`) are not read.
+    """
+
+    __slots__ = ("_capture", "_decoder", "_ex", "_ids", "_plan", "ended")
+
+    def __init__(self, plan: Plan, ex: Exchange, capture: Capture, decoder: SSEDecoder) -> None:
+        self._plan = plan
+        self._ex = ex
+        self._capture = capture
+        self._decoder = decoder
+        self._ids: dict[str, None] = {}
+        self.ended = False
+
+    def scan(self, blocks: list[bytes]) -> None:
+        """Gather the ids of the complete events ``blocks`` (from the decoder) hold; note the last event."""
+        for block in blocks:
+            if b"delta" in block[:64] or isinstance(block, Fragment) or _ITEM_MARKERS.search(block) is None:
+                continue
+            data = _event_data(block)
+            try:
+                event = json.loads(data) if data is not None else None
+            except (ValueError, RecursionError):
+                continue
+            kind = event.get("type") if isinstance(event, dict) else None
+            if kind == "response.output_item.added":
+                self._ids.update(dict.fromkeys(captured(("item.id",), event)))
+            elif kind in _STREAM_ENDS:
+                self._ids.update(dict.fromkeys(captured(("response.output[].id",), event)))
+                self.ended = True
+
+    def take(self) -> list[str]:
+        """The ids gathered and not yet taken."""
+        ids, self._ids = list(self._ids), {}
+        return ids
+
+    async def relay(self, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """The rest of the stream, unchanged; the ids are recorded before the chunk ending its last event."""
+        async for chunk in rest:
+            if not self.ended:
+                self.scan(self._decoder.feed(chunk))
+                if self.ended:
+                    await self._save()
+            yield chunk
+        if not self.ended:
+            await self._save()
+
+    async def _save(self) -> None:
+        """Record the ids gathered; a failure leaves them unowned (refused later), not the stream broken."""
+        ids = self.take()
+        if not ids:
+            return
+        plan = self._plan
+        try:
+            owner = await plan._owner(self._capture)
+            if owner is not None:
+                await plan.owners.record(RESPONSE_ITEM.name, ids, owner)
+        except Exception:
+            log.exception("request %s: could not record the owner of %s", self._ex.request_id, ids)
 
 
 class _Replayed:

@@ -13,10 +13,11 @@ object ids are:
   (:data:`REFERENCE_FIELDS`: ``file_id``, ``input_file_id``, ``training_file``, ``file_ids``,
   ``vector_store_ids``, ``previous_response_id``, ``conversation``, ``assistant_id``, ...),
   wherever they appear (message content parts, tool resources, batch requests), except
-  inside client-defined shapes (``metadata``, JSON schemas, tool inputs);
+  inside client-defined shapes (``metadata``, JSON schemas, tool inputs); and the stored
+  items of earlier responses a Responses ``input`` names (``{"type": "item_reference", "id"}``);
 * in the reply: a create's id (:class:`Capture`), and objects the provider makes for an
   object (a batch's output and error files, a fine-tuning job's result files, the file an
-  upload completes into).
+  upload completes into, a response's output items and the input items it lists).
 
 A segment that is neither a known sub-endpoint (:attr:`Kind.reserved`) nor a recorded id is
 treated as an id: a new sub-endpoint of a known collection is refused, not let through.
@@ -34,6 +35,7 @@ from urllib.parse import unquote
 __all__ = [
     "FILE",
     "KINDS",
+    "RESPONSE_ITEM",
     "REFERENCE_FIELDS",
     "Access",
     "Capture",
@@ -90,6 +92,10 @@ _CHARACTER = Kind("video_character", "Character", "videos/characters")
 _EVAL = Kind("eval", "Eval", "evals")
 _MESSAGE_BATCH = Kind("message_batch", "MessageBatch", "messages/batches", max_limit=1000)
 
+RESPONSE_ITEM = Kind("response_item", "Item", "responses/*/items", creates=False)
+"""A stored response's input or output item (``msg_...``, ``fc_...``, ``rs_...``): no collection of its own,
+reached only by an ``item_reference`` in a later request's ``input`` (not in :data:`KINDS`: no path names one)."""
+
 KINDS: tuple[Kind, ...] = (
     FILE,
     _UPLOAD,
@@ -112,7 +118,7 @@ stored responses, conversations, assistants, threads, fine-tuning jobs, containe
 evals, video characters; Anthropic: files (the same ``/v1/files`` paths) and message batches."""
 
 _BY_COLLECTION = {kind.collection: kind for kind in KINDS}
-_BY_NAME = {kind.name: kind for kind in KINDS}
+_BY_NAME = {kind.name: kind for kind in (*KINDS, RESPONSE_ITEM)}
 _REFERENCING = frozenset({"messages/count_tokens"})  # not objects, but bodies that may name some
 _STREAMED_UPLOADS = {("files", ""), ("uploads", "parts"), ("videos/characters", "")}
 """Multipart uploads (kind, sub-endpoint): streamed through unread; their forms name no object.
@@ -125,14 +131,17 @@ _FORMS = frozenset({"", "edits", "extensions"})
 class Capture:
     """Where a reply names objects to record: ``fields`` (dotted paths to a string or a list of strings).
 
-    ``parent``: the new objects belong to the owner of the object in the path (a batch's
-    output file belongs to whoever owns the batch, even when an admin reads it); otherwise to
-    the caller.
+    ``items``: paths to the response items the reply holds (``output[].id``: ``[]`` walks a
+    list), recorded as :data:`RESPONSE_ITEM`; in a stream they are read from its
+    ``response.output_item.added`` events and its last event. ``parent``: the new objects
+    belong to the owner of the object in the path (a batch's output file belongs to whoever
+    owns the batch, even when an admin reads it); otherwise to the caller.
     """
 
     kind: Kind
     fields: tuple[str, ...]
     parent: bool = False
+    items: tuple[str, ...] = ()
 
 
 _CREATED = ("id",)
@@ -211,20 +220,33 @@ def _sub_capture(kind: Kind, method: str, sub: str, depth: int) -> Capture | Non
         return Capture(FILE, ("file.id",), parent=True)
     if kind is _VIDEO and method == "POST" and sub == "remix":
         return Capture(_VIDEO, _CREATED)
+    if method == "GET" and kind is _RESPONSE:  # a retrieved (background) response's output, its input items
+        path = {"": "output[].id", "input_items": "data[].id"}.get(sub)
+        return Capture(_RESPONSE, (), parent=True, items=(path,)) if path else None
+    if kind is _CONVERSATION and sub == "items" and method in ("GET", "POST"):
+        return Capture(_CONVERSATION, (), parent=True, items=("data[].id",))
     return None
 
 
 def captured(fields: tuple[str, ...], document: Any) -> list[str]:
-    """The object ids ``fields`` name in a decoded reply (strings, or lists of strings; others skipped)."""
+    """The object ids ``fields`` name in a decoded reply (strings, or lists of strings; others skipped).
+
+    A name ending in ``[]`` walks the list it names: ``output[].id`` is every output item's ``id``.
+    """
     found: list[str] = []
     for path in fields:
-        value = document
+        values = [document]
         for name in path.split("."):
-            value = value.get(name) if isinstance(value, dict) else None
-        if isinstance(value, str) and value:
-            found.append(value)
-        elif isinstance(value, list):
-            found.extend(v for v in value if isinstance(v, str) and v)
+            walks = name.endswith("[]")
+            name = name.removesuffix("[]")
+            values = [value.get(name) if isinstance(value, dict) else None for value in values]
+            if walks:
+                values = [item for value in values if isinstance(value, list) for item in value]
+        for value in values:
+            if isinstance(value, str) and value:
+                found.append(value)
+            elif isinstance(value, list):
+                found.extend(v for v in value if isinstance(v, str) and v)
     return found
 
 
@@ -251,7 +273,10 @@ REFERENCE_FIELDS: dict[str, Kind] = {
 """Body fields that name objects, anywhere in a request body, and the kind each names.
 
 A field's value is an id string, a list of them, or (``conversation``) an object with an ``id``;
-``{"type": "file_id", "id": ...}`` (an eval's file source) names a file too. ``container`` is
+``{"type": "file_id", "id": ...}`` (an eval's file source) names a file too, and
+``{"type": "item_reference", "id": ...}`` (or an ``input`` item with an ``id``, no ``role`` and no
+or a null ``type``: the API's ``type`` is optional there) a stored response item
+(platform.openai.com/docs/api-reference/responses/create, ``input`` > Item reference). ``container`` is
 lenient (see :attr:`Reference.lenient`): containers the provider makes on its own (Responses'
 and Anthropic's code execution) are never recorded."""
 
@@ -261,8 +286,15 @@ _CLIENT_SHAPES = frozenset({"metadata", "parameters", "input_schema", "schema", 
 _MARKERS: dict[str, tuple[bytes, ...]] = {
     "chat_completions": (b"file_id",),
     "anthropic_messages": (b"file_id", b'"container"'),
-    "responses": (b"file_id", b"vector_store_id", b"previous_response_id", b'"conversation"', b'"container"'),
-    "responses_compact": (b"file_id", b"previous_response_id", b'"conversation"'),
+    "responses": (
+        b"file_id",
+        b"vector_store_id",
+        b"previous_response_id",
+        b'"conversation"',
+        b'"container"',
+        b'"id"',  # item references (typed or not) and conversation objects
+    ),
+    "responses_compact": (b"file_id", b"previous_response_id", b'"conversation"', b'"id"'),
     "images": (b"file_id",),
 }
 """What :func:`may_reference` looks for per metered endpoint: the fields of :data:`REFERENCE_FIELDS`
@@ -301,7 +333,18 @@ def may_reference(endpoint: str, body: bytes) -> bool:
 
 def references(document: Any) -> list[Reference]:
     """Every object a decoded request body names (see :data:`REFERENCE_FIELDS`), in document order."""
-    return list(_walk(document))
+    found = list(_walk(document))
+    listed = document.get("input") if isinstance(document, dict) else None
+    if isinstance(listed, list):  # an item reference may leave out its type
+        found.extend(
+            Reference("id", item["id"], RESPONSE_ITEM)
+            for item in listed
+            if isinstance(item, dict)
+            and isinstance(item.get("id"), str)
+            and item.get("type") is None
+            and "role" not in item
+        )
+    return found
 
 
 def _walk(document: Any) -> Iterator[Reference]:
@@ -313,8 +356,11 @@ def _walk(document: Any) -> Iterator[Reference]:
             continue
         if not isinstance(node, dict):
             continue
-        if node.get("type") == "file_id" and isinstance(node.get("id"), str):
+        typed = node.get("type")
+        if typed == "file_id" and isinstance(node.get("id"), str):
             yield Reference("id", node["id"], FILE)
+        elif typed == "item_reference" and isinstance(node.get("id"), str):
+            yield Reference("id", node["id"], RESPONSE_ITEM)
         children = []
         for name, value in node.items():
             kind = REFERENCE_FIELDS.get(name)

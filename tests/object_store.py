@@ -40,6 +40,9 @@ class ObjectStore:
         self.requests: list[tuple[str, str]] = []
         self.max_page = 100
         self.refuses_large_pages = False  # answer 400 to a limit over max_page (instead of serving max_page)
+        self.items: dict[str, dict[str, Any]] = {}  # stored responses' input and output items, by id
+        self.input_items: dict[str, list[dict[str, Any]]] = {}  # response id -> its input items
+        self.stream_pause = 0.0  # seconds between a Responses stream's events (each then its own read)
         self._serial = itertools.count(1)
         self.port = 0
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -271,25 +274,54 @@ class ObjectStore:
             previous = body.get("previous_response_id")
             if previous is not None:
                 self.of(previous, "response")
+            inputs, quoted = self._input_items(body.get("input"))
             response = {"id": self.new_id("resp_"), "object": "response", "model": "gpt-4o-mini-2024-07-18"}
-            text = {"type": "output_text", "text": f"after {previous}", "annotations": []}
+            said = f"after {previous}" + "".join(f"; quoting {text!r}" for text in quoted)
+            text = {"type": "output_text", "text": said, "annotations": []}
             item = {"id": self.new_id("msg_"), "type": "message", "role": "assistant", "status": "completed"}
             response.update(status="completed", output=[{**item, "content": [text]}], usage=RESPONSE_USAGE)
             response.update(created_at=1, previous_response_id=previous)
             if body.get("store", True):
                 self.add(dict(response))
+                self.input_items[response["id"]] = inputs
+                self.items.update((i["id"], i) for i in [*inputs, *response["output"]])
             if not body.get("stream"):
                 return web.json_response(response)
+            started = {**item, "status": "in_progress", "content": []}
             events = [
                 {"type": "response.created", "sequence_number": 0, "response": {**response, "status": "in_progress"}},
-                {"type": "response.completed", "sequence_number": 1, "response": response},
+                {"type": "response.output_item.added", "sequence_number": 1, "output_index": 0, "item": started},
+                {"type": "response.output_item.done", "sequence_number": 2, "output_index": 0, "item": item},
+                {"type": "response.completed", "sequence_number": 3, "response": response},
             ]
-            return await _stream(request, [(e["type"], e) for e in events])
+            return await _stream(request, [(e["type"], e) for e in events], self.stream_pause)
         stored = self.of(rest[0], "response")
+        if rest[1:] == ["input_items"]:
+            data = self.input_items[stored["id"]]
+            first, last = (data[0]["id"], data[-1]["id"]) if data else (None, None)
+            return web.json_response(
+                {"object": "list", "data": data, "first_id": first, "last_id": last, "has_more": False}
+            )
         if method == "DELETE":
             del self.objects[stored["id"]]
             return web.json_response({"id": stored["id"], "object": "response.deleted", "deleted": True})
         return web.json_response(stored)
+
+    def _input_items(self, given: Any) -> tuple[list[dict[str, Any]], list[str]]:
+        """A request's input as the items the provider stores, and the texts of the stored items it references."""
+        if isinstance(given, str):
+            given = [{"role": "user", "content": [{"type": "input_text", "text": given}]}]
+        items: list[dict[str, Any]] = []
+        quoted: list[str] = []
+        for part in given or []:
+            if part.get("type") in (None, "item_reference") and "role" not in part:
+                found = self.items.get(part["id"])  # the account's items, whoever made them: as the provider does
+                if found is None:
+                    raise _error(404, f"Item with id '{part['id']}' not found.")
+                quoted.append(found["content"][0]["text"])
+                continue
+            items.append({"id": self.new_id("msg_"), "type": "message", "status": "completed", **part})
+        return items, quoted
 
     async def _videos(self, request: web.Request, method: str, rest: list[str]) -> web.Response:
         """Videos as the API takes them: multipart forms (``input_reference[file_id]``, ``video[id]`` or a file)."""
@@ -378,10 +410,14 @@ def _chat_events(completion: dict[str, Any]) -> list[tuple[str | None, dict[str,
     ]
 
 
-async def _stream(request: web.Request, events: list[tuple[str | None, dict[str, Any]]]) -> web.StreamResponse:
+async def _stream(
+    request: web.Request, events: list[tuple[str | None, dict[str, Any]]], pause: float = 0.0
+) -> web.StreamResponse:
     reply = web.StreamResponse(headers={"content-type": "text/event-stream"})
     await reply.prepare(request)
-    for name, data in events:
+    for number, (name, data) in enumerate(events):
+        if pause and number:
+            await asyncio.sleep(pause)
         head = f"event: {name}\n" if name else ""
         await reply.write(f"{head}data: {json.dumps(data)}\n\n".encode())
     if all(name is None for name, _ in events):

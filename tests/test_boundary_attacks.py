@@ -14,6 +14,8 @@ Counts (o200k_base): ``"hello" + " hello" * 99`` is 100 text tokens, 107 with ch
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
+import hashlib
 import io
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -30,7 +32,9 @@ from aiohttp import web
 from tokenward.pricing.settings import BudgetSettings
 from tokenward.proxy.app import create_app
 from tokenward.proxy.config import AuthConfig, Config, LedgerConfig, UpstreamConfig, VirtualKeyConfig
+from tokenward.proxy.keys import key_id
 from tokenward.proxy.server import running_in_thread
+from tokenward.reports.ledger.state import SqliteState
 
 from .conftest import read_rows
 from .servers import Servers
@@ -284,6 +288,12 @@ def test_content_the_body_only_names_leaves_a_request_unbounded(tmp_path, path, 
         request = {"model": "gpt-4o-mini", "service_tier": "default", **body}
     if path == "messages":
         request = body
+    if path == "responses" and isinstance(body["input"], list):
+        # the item is the key's own (an earlier response of its): isolation lets it be named
+        state = SqliteState(str(tmp_path / "l.duckdb") + ".state.sqlite")
+        owner = key_id(hashlib.sha256(KEY.encode()).hexdigest())
+        state.record_objects([("msg_1", "response_item", owner, dt.datetime.now(dt.UTC))])
+        state.close()
     with Servers(upstream.handle).running() as servers:
         config = attacker_config(
             tmp_path / "l.duckdb",

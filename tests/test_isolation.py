@@ -653,3 +653,61 @@ def test_an_image_edit_reaches_only_the_callers_files(store, tmp_path):
         form = {"model": "gpt-image-1", "prompt": "x"}
         edit(data=form, files={"image": ("i.png", b'\x89PNG "file_id": "' + theirs.encode() + b'"', "image/png")})
         assert store.requests[sent:] == [("POST", "/v1/images/edits")] * 2
+
+
+def item(item_id: str) -> dict[str, str]:
+    return {"type": "item_reference", "id": item_id}
+
+
+def test_response_items_are_referenced_only_by_their_key(store, tmp_path):
+    """An ``input`` item naming a stored item of an earlier response (output or input, streamed or not) is the caller's."""
+    ledger = tmp_path / "ledger.duckdb"
+    model = "gpt-4o-mini"
+    with proxy(store, ledger) as url, gpt(url, ALICE) as alice, gpt(url, BOB) as bob, gpt(url, OPS) as ops:
+        plain = alice.responses.create(model=model, input="the launch code is 1234")
+        said = plain.output[0].id
+        with alice.responses.create(model=model, input="hi", stream=True) as stream:  # its events in one read
+            streamed = [e.item.id for e in stream if e.type == "response.output_item.added"]
+        store.stream_pause = 0.05  # each event its own read: the items come after the first event
+        early = []
+        with alice.responses.create(model=model, input="slow", stream=True) as stream:
+            for event in stream:
+                if event.type == "response.completed":  # its items were recorded before this event reached alice
+                    slow = event.response.output[0].id
+                    early.append(alice.responses.create(model=model, input=[item(slow)]).output_text)
+        assert early == ["after None; quoting 'after None'"]
+        (asked,) = [i.id for i in alice.responses.input_items.list(plain.id)]  # her input item, listed
+        theirs = [said, streamed[0], slow, asked]
+        quoting = alice.responses.create(model=model, input=[*map(item, theirs[:3]), {"id": asked}])
+        assert (
+            quoting.output_text == "after None" + "; quoting 'after None'" * 3 + "; quoting 'the launch code is 1234'"
+        )
+        own = bob.responses.create(model=model, input="mine").output[0].id
+        assert bob.responses.create(model=model, input=[item(own)]).output_text == "after None; quoting 'after None'"
+        sent = len(store.requests)
+        for item_id in theirs:
+            for call in (
+                lambda item_id=item_id: bob.responses.create(model=model, input=[item(item_id)]),
+                lambda item_id=item_id: bob.responses.create(model=model, input=[{"id": item_id, "type": None}]),
+                lambda item_id=item_id: bob.responses.create(model=model, input=[item(item_id)], stream=True),
+                lambda item_id=item_id: bob.responses.compact(
+                    model=model, input=[{"role": "user", "content": "x"}, item(item_id)]
+                ),
+                lambda item_id=item_id: bob.responses.input_tokens.count(model=model, input=[item(item_id)]),
+            ):
+                with pytest.raises(openai.NotFoundError) as info:
+                    call()
+                assert info.value.body == not_found("Item", item_id)
+        escaped = b'{"model": "gpt-4o-mini", "input": [{"type": "item\\u005freference", "\\u0069d": "%s"}]}'
+        headers = {"authorization": f"Bearer {BOB}", "content-type": "application/json"}
+        reply = httpx.post(f"{url}/v1/responses", content=escaped % said.encode(), headers=headers)
+        assert (reply.status_code, reply.json()["error"]) == (404, not_found("Item", said))
+        assert store.requests[sent:] == []  # not one reached the account
+        # an admin key reaches every key's items
+        assert ops.responses.create(model=model, input=[item(said)]).output_text == "after None; quoting 'after None'"
+    rows = read_rows(ledger, "WHERE principal = 'bob' AND http_status = 404")
+    assert len(rows) == 4 * 5 + 1
+    assert {r["endpoint"] for r in rows} == {"responses", "responses_compact", "passthrough"}
+    assert rows[0]["error"] == f"refused by isolation: response_item {said} belongs to key {VK_ALICE}"
+    with proxy(store, tmp_path / "passthrough.duckdb", mode="passthrough") as url, gpt(url, "sk-client") as one:
+        assert one.responses.create(model=model, input=[item(said)]).output_text == "after None; quoting 'after None'"

@@ -65,7 +65,9 @@ def summary(method: str, tail: str) -> tuple[object, ...] | None:
         ("POST", "chat/completions", ("chat_completion", (), False, None, True)),  # metered: captured on `store`
         ("GET", "chat/completions/chatcmpl-1/messages", ("chat_completion", ("chatcmpl-1",), False, None, False)),
         ("POST", "responses/input_tokens", ("response", (), False, None, True)),
-        ("GET", "responses/resp_1/input_items", ("response", ("resp_1",), False, None, False)),
+        ("GET", "responses/resp_1/input_items", ("response", ("resp_1",), False, ("response", (), True), False)),
+        ("GET", "responses/resp_1", ("response", ("resp_1",), False, ("response", (), True), False)),  # its output
+        ("GET", "conversations/conv_1/items", ("conversation", ("conv_1",), False, ("conversation", (), True), False)),
         ("POST", "threads/runs", ("thread", (), False, ("thread", ("thread_id",), False), True)),
         ("POST", "threads/thread_1/runs", ("thread", ("thread_1",), False, None, True)),
         ("GET", "fine_tuning/jobs", ("fine_tuning_job", (), True, None, False)),
@@ -215,6 +217,22 @@ def test_references_in_request_bodies():
     assert refs({"file_ids": [1, None, "file-k"], "file_id": {"nested": True}}) == [
         ("file_ids", "file-k", "file", False)
     ]
+    items = {
+        "input": [
+            {"type": "item_reference", "id": "msg_1"},
+            {"role": "user", "content": [{"type": "input_text", "text": "x"}], "id": "msg_own"},  # a message given
+            {"id": "fc_2"},  # an item reference's type is optional
+            {"id": "rs_3", "type": None},
+            {"type": "function_call_output", "call_id": "call_1", "output": "{}"},
+        ],
+        "conversation": {"id": "conv_1"},
+    }
+    assert refs(items) == [  # a member before what is nested beside it, then the typeless references
+        ("conversation", "conv_1", "conversation", False),
+        ("id", "msg_1", "response_item", False),
+        ("id", "fc_2", "response_item", False),
+        ("id", "rs_3", "response_item", False),
+    ]
 
 
 def test_may_reference_is_cheap_and_never_misses_a_spelling():
@@ -232,8 +250,13 @@ def test_may_reference_is_cheap_and_never_misses_a_spelling():
         b'{"previous\\u005fresponse_id": "resp_1"}',
         b'{"\\u0066ile_id": "f"}',
         b'{"container": "cntr_1"}',
+        b'{"input": [{"type": "item_reference", "id": "msg_1"}]}',
+        b'{"input": [{"id": "msg_1"}]}',
+        b'{"input": [{"type": "item\\u005freference", "\\u0069d": "msg_1"}]}',
     ):
         assert may_reference("responses", body), body
+    assert may_reference("responses_compact", b'{"input": [{"id": "msg_1"}]}')
+    assert not may_reference("chat_completions", b'{"input": [{"type": "item_reference", "id": "msg_1"}]}')
     for body in (b'{"previous\\u005fresponse_id": "resp_1"}', b'{"\\u0066ile_id": "f"}'):
         assert references(json.loads(body))  # what the escape spelled is found once decoded
 
@@ -255,6 +278,9 @@ def test_captured_reads_ids_from_replies():
     ]
     assert captured(("result_files",), {"result_files": ["file-4", 5, ""]}) == ["file-4"]
     assert captured(("id",), {"id": 7}) == []
+    output = {"output": [{"id": "msg_1"}, {"id": "fc_2"}, {"type": "x"}, "rs_3"], "data": None}
+    assert captured(("output[].id",), output) == ["msg_1", "fc_2"]
+    assert captured(("data[].id", "output[].content[].id"), output) == []
 
 
 # -- the owner cache and the store ------------------------------------------------------------
@@ -419,6 +445,8 @@ def reply_plan(tmp_path, path: bytes, method: str = "GET", *, store=None):  # ty
     found = target(path, method)
     if path == b"/v1/chat/completions":
         return state, isolation.plan_metered("chat_completions", found, alice, b"{}", store)  # type: ignore[arg-type]
+    if path == b"/v1/responses":
+        return state, isolation.plan_metered("responses", found, alice, b"{}", store)  # type: ignore[arg-type]
     return state, isolation.plan(found, alice, False)  # type: ignore[arg-type]
 
 
@@ -480,4 +508,38 @@ def test_a_stored_stream_is_held_until_its_first_event_names_the_completion(tmp_
     ]
     assert through(plan, ex, FakeReply(chunks, headers=sse)) == b"".join(chunks)
     assert state.owners(["chatcmpl-9"]) == {"chatcmpl-9": "vk-a"}
+    state.close()
+
+
+def test_a_response_streams_items_are_recorded_before_its_last_event_is_relayed(tmp_path):
+    """Item ids come from ``output_item.added`` and the last event, however the reads split them; one write."""
+    from tokenward.proxy.exchange import Exchange
+
+    state, plan = reply_plan(tmp_path, b"/v1/responses", "POST")
+    ex = Exchange(endpoint="responses", method="POST", path="/v1/responses")
+    sse = [(b"content-type", b"text/event-stream")]
+    completed = (
+        b'{"type": "response.completed", "response": {"id": "resp_1", "output": [{"id": "msg_2"}, {"id": "rs_3"}]}}'
+    )
+    chunks = [
+        b'event: response.created\ndata: {"type": "response.created", "response": {"id": "resp_1"}}\n\n',
+        b'event: response.output_item.added\ndata: {"type": "response.output_item.added", "item": {"id": "ms',
+        b'g_2"}}\n\ndata: {"type": "response.output_text.delta", "delta": "\\"response.completed\\""}\n\n',
+        b"event: response.completed\ndata: " + completed[:40],
+        completed[40:] + b"\n\n",
+    ]
+    seen = []
+
+    async def run() -> bytes:
+        relayed = await plan.reply(ex, FakeReply(chunks, headers=sse), None)
+        out = []
+        async for chunk in relayed.chunks():
+            seen.append(state.owners(["resp_1", "msg_2", "rs_3"]))
+            out.append(chunk)
+        return b"".join(out)
+
+    assert asyncio.run(run()) == b"".join(chunks)
+    mine = {"resp_1": "vk-a"}
+    assert seen == [mine, mine, mine, mine, {**mine, "msg_2": "vk-a", "rs_3": "vk-a"}]
+    assert [kind for _, kind, _ in state.recent_objects(10)] == ["response_item"] * 2 + ["response"]
     state.close()
