@@ -290,17 +290,23 @@ class SqliteState:
 
     def claim(self, keys: Sequence[AlertKey], detail: dict[str, Any], now: dt.datetime) -> list[AlertKey]:
         """See :meth:`StateStore.claim`."""
+        return self._each_once(
+            "INSERT OR IGNORE INTO alert_claims (budget, period_start, kind, threshold, created_at, status, "
+            "detail) VALUES (?, ?, ?, ?, ?, 'pending', ?)",
+            keys,
+            lambda key: [key.budget, _iso(key.period_start), key.kind, key.threshold, _iso(now), json.dumps(detail)],
+        )
+
+    def _each_once(
+        self, sql: str, keys: Sequence[AlertKey], params: Callable[[AlertKey], list[Any]]
+    ) -> list[AlertKey]:
+        """Run ``sql`` once per key in one ``BEGIN IMMEDIATE`` transaction; the keys whose statement changed a row."""
         conn = self._connect()
         won = []
         try:
             conn.execute("BEGIN IMMEDIATE")
             for key in keys:
-                cursor = conn.execute(
-                    "INSERT OR IGNORE INTO alert_claims (budget, period_start, kind, threshold, created_at, status, "
-                    "detail) VALUES (?, ?, ?, ?, ?, 'pending', ?)",
-                    [key.budget, _iso(key.period_start), key.kind, key.threshold, _iso(now), json.dumps(detail)],
-                )
-                if cursor.rowcount:
+                if conn.execute(sql, params(key)).rowcount:
                     won.append(key)
             conn.execute("COMMIT")
         except BaseException:
@@ -355,26 +361,13 @@ class SqliteState:
 
     def lease(self, keys: Sequence[AlertKey], holder: str, until: float, now: float) -> list[AlertKey]:
         """See :meth:`StateStore.lease`."""
-        conn = self._connect()
-        won = []
-        try:
-            conn.execute("BEGIN IMMEDIATE")
-            for key in keys:
-                cursor = conn.execute(
-                    "UPDATE alert_claims SET lease_holder = ?, lease_until = ? WHERE budget = ? AND period_start = ? "
-                    "AND kind = ? AND threshold = ? AND status = 'pending' "
-                    "AND (lease_holder IS NULL OR lease_holder = ? OR lease_until <= ?)",
-                    [holder, until, key.budget, _iso(key.period_start), key.kind, key.threshold, holder, now],
-                )
-                if cursor.rowcount:
-                    won.append(key)
-            conn.execute("COMMIT")
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
-        finally:
-            conn.close()
-        return won
+        return self._each_once(
+            "UPDATE alert_claims SET lease_holder = ?, lease_until = ? WHERE budget = ? AND period_start = ? "
+            "AND kind = ? AND threshold = ? AND status = 'pending' "
+            "AND (lease_holder IS NULL OR lease_holder = ? OR lease_until <= ?)",
+            keys,
+            lambda key: [holder, until, key.budget, _iso(key.period_start), key.kind, key.threshold, holder, now],
+        )
 
     def rearm(
         self, budget: str, period_start: dt.datetime, crossed: Sequence[int], refused: bool, *, limit: str | None = None
