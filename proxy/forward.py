@@ -700,7 +700,9 @@ class Forwarder:
             if bound is not None and bound <= headroom * Decimal(repr(share)):
                 return bound, by_bytes[1].unbounded
         if cached is None:
-            cached = await _off_the_loop_if_large(body, _count_for_bound, endpoint.dialect, body, model)
+            # the first count of an encoding reads its rank file (~1 s): never on the event loop
+            loaded = tokenizer.is_loaded(tokenizer.encoding_for_model(model))
+            cached = await _off_the_loop_if_large(body, _count_for_bound, endpoint.dialect, body, model, small=loaded)
             if counts is not None:
                 counts[model] = cached
         return self._bound(ex, head, model, max_output, now, cached), cached[1].unbounded
@@ -1310,9 +1312,12 @@ def _count_for_bound(dialect: str, body: bytes, model: str | None) -> tuple[int,
     return count_input(dialect, decoded, model), scan(decoded)
 
 
-async def _off_the_loop_if_large(body: bytes, work: Callable[..., T], *args: Any) -> T:
-    """``work(*args)`` on the event loop for a body up to :data:`COUNT_ON_LOOP_BYTES`, else in a worker thread."""
-    if len(body) <= COUNT_ON_LOOP_BYTES:  # the thread hop would cost more than the work
+async def _off_the_loop_if_large(body: bytes, work: Callable[..., T], *args: Any, small: bool = True) -> T:
+    """``work(*args)`` on the event loop for a body up to :data:`COUNT_ON_LOOP_BYTES`, else in a worker thread.
+
+    ``small=False`` sends even a small body's work to the thread (it would load a tokenizer).
+    """
+    if small and len(body) <= COUNT_ON_LOOP_BYTES:  # the thread hop would cost more than the work
         return work(*args)
     return await asyncio.to_thread(work, *args)
 

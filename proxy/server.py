@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import socket
 import threading
@@ -75,6 +76,12 @@ def settle_collector() -> None:
     gc.set_threshold(GEN0_THRESHOLD, older, oldest)
 
 
+START_WAIT_S = 60
+"""How long :func:`running_in_thread` waits for the start (a blocking budget's start reads the tokenizer)."""
+SHUTDOWN_WAIT_S = 90
+"""How long :func:`running_in_thread` waits for the shutdown: uvicorn's 30 s for open requests, then the lifespan's."""
+
+
 @contextmanager
 def running_in_thread(app: Litestar, host: str = "127.0.0.1", *, log_level: str = "warning") -> Iterator[str]:
     """Serve ``app`` on a free port in a background thread; yields its base URL (``http://host:port``).
@@ -82,7 +89,8 @@ def running_in_thread(app: Litestar, host: str = "127.0.0.1", *, log_level: str 
     On exit the server shuts down gracefully (lifespan shutdown included: the ledger is flushed).
 
     Raises:
-        RuntimeError: the server did not start within 10 seconds.
+        RuntimeError: the server did not start within :data:`START_WAIT_S`, or did not shut down within
+            :data:`SHUTDOWN_WAIT_S` (every thread's stack is written to stderr first).
     """
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -91,7 +99,7 @@ def running_in_thread(app: Litestar, host: str = "127.0.0.1", *, log_level: str 
     server = uvicorn.Server(_uvicorn_config(app, host, port, log_level, False))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="tokenward-proxy")
     thread.start()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + START_WAIT_S
     while not server.started:
         if not thread.is_alive() or time.monotonic() > deadline:
             raise RuntimeError("proxy server did not start")
@@ -100,5 +108,8 @@ def running_in_thread(app: Litestar, host: str = "127.0.0.1", *, log_level: str 
         yield f"http://{host}:{port}"
     finally:
         server.should_exit = True
-        thread.join(30)
+        thread.join(SHUTDOWN_WAIT_S)
         sock.close()
+        if thread.is_alive():  # the ledger is not flushed yet: say so, and where the shutdown is stuck
+            faulthandler.dump_traceback(all_threads=True)
+            raise RuntimeError(f"proxy server did not shut down within {SHUTDOWN_WAIT_S} s")
