@@ -28,17 +28,17 @@ in a worker thread.
 from __future__ import annotations
 
 import re
-import zlib
 from dataclasses import dataclass
 from decimal import Decimal
 from types import ModuleType
-from typing import Any, Protocol
+from typing import Any
 
 import msgspec
 
 from tokenward.pricing.usage import Usage, UsageSource
 from tokenward.proxy import tokenizer
 from tokenward.proxy.dialects import DIALECTS, Observation
+from tokenward.proxy.reply_coding import DecodedTooLarge, reply_decoder
 from tokenward.proxy.sse import Elider, Fragment, LastFragment, SSEDecoder, parse_event
 
 __all__ = ["Meter", "MeterResult", "count_input", "estimate"]
@@ -70,12 +70,14 @@ _ENDINGS = frozenset(
 _DONE = re.compile(rb"^data:[ ]?\[DONE\]\s*$", re.MULTILINE)
 _EVENT_ERROR = re.compile(rb"^event:[ ]?error\s*$", re.MULTILINE)
 _KEEP_FOR_ESTIMATE = 16 * 1024 * 1024  # bytes of reply kept in case the upstream reports no usage
+MAX_DECODED_BODY_BYTES = 128 * 1024 * 1024
+"""Bytes a compressed whole reply may decode to for the meter: what the relay holds of an uncompressed one."""
+MAX_DECODED_CHUNK_BYTES = 32 * 1024 * 1024
+"""Bytes one received chunk of a compressed stream may decode to (a chunk is 64 KiB to 1 MiB)."""
+MAX_DECODED_STREAM_BYTES = 1024 * 1024 * 1024
+"""Bytes a whole compressed stream may decode to (its decoding is CPU a hostile upstream could spend)."""
 _PIECE = 1 << 20  # characters tokenized at once: bounds the list of token ids tiktoken builds (~36 bytes each)
 _CUT_TRIES = 64
-
-
-class _Decompressor(Protocol):
-    def decompress(self, data: bytes) -> bytes: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,7 +116,9 @@ class Meter:
     """
 
     __slots__ = (
+        "_bomb",
         "_complete",
+        "_decoded_bytes",
         "_decoder",
         "_dialect",
         "_elided",
@@ -137,11 +141,13 @@ class Meter:
         self._elider: Elider | None = None
         self._elided = 0  # long strings left out of oversized events that were metered
         self._unparsed = 0  # oversized events not metered
-        self._inflate = _decompressor(content_encoding)
+        self._inflate = reply_decoder(content_encoding)
         self._kept: list[bytes] = []
         self._kept_bytes = 0
         self._complete = False
         self._undecodable = False
+        self._bomb = 0  # the room a piece of the reply decoded past (a compression bomb)
+        self._decoded_bytes = 0
         self._oversized = 0
         self.events = 0
         self.terminal = False
@@ -149,7 +155,7 @@ class Meter:
 
     def feed_body(self, body: bytes) -> None:
         """Meter a whole (non-streamed) JSON reply; a body that is not JSON is kept, not parsed."""
-        body = self._decoded(body)
+        body = self._decoded(body, MAX_DECODED_BODY_BYTES)
         self._keep(body)
         try:
             self._dialect.observe_body(body, self._seen)
@@ -165,7 +171,7 @@ class Meter:
         a relay that forwards raw bytes ignores them. Blocks of an event over the size cap come
         back as :class:`~tokenward.proxy.sse.Fragment` and are not parsed.
         """
-        chunk = self._decoded(chunk)
+        chunk = self._decoded(chunk, MAX_DECODED_CHUNK_BYTES)
         self._keep(chunk)
         blocks = self._decoder.feed(chunk)
         for block in blocks:
@@ -187,11 +193,16 @@ class Meter:
             self._inspect(block)
         return blocks
 
-    def _decoded(self, data: bytes) -> bytes:
+    def _decoded(self, data: bytes, room: int) -> bytes:
         if self._inflate is None or self._undecodable:
             return data if self._inflate is None else b""
         try:
-            return self._inflate.decompress(data)
+            decoded = self._inflate.decode(data, max(0, min(room, MAX_DECODED_STREAM_BYTES - self._decoded_bytes)))
+            self._decoded_bytes += len(decoded)
+            return decoded
+        except DecodedTooLarge:  # a compression bomb, or a reply nobody could hold: relayed, not metered
+            self._undecodable, self._bomb = True, min(room, MAX_DECODED_STREAM_BYTES)
+            return b""
         except Exception:  # zlib, brotli and zstandard each raise their own error on a corrupt body
             self._undecodable = True
             return b""
@@ -270,6 +281,8 @@ class Meter:
     @property
     def unmetered(self) -> str | None:
         """What was relayed without being metered: an event over the size cap, an undecodable body."""
+        if self._bomb:
+            return f"the reply decodes to more than {self._bomb:,} bytes: relayed, not metered"
         if self._undecodable:
             return "the reply's content-encoding could not be decoded: relayed, not metered"
         if self._oversized:
@@ -506,42 +519,3 @@ def estimate(
         web_search_requests=web_search_requests,
         source=source,
     )
-
-
-def _decompressor(encoding: str | None) -> _Decompressor | None:
-    name = (encoding or "").strip().lower()
-    if name in ("", "identity"):
-        return None
-    if name in ("gzip", "x-gzip"):
-        return zlib.decompressobj(wbits=31)  # type: ignore[return-value]
-    if name == "deflate":
-        return _Deflate()
-    if name == "br":
-        import brotli
-
-        return _Brotli(brotli.Decompressor())
-    if name == "zstd":
-        import zstandard
-
-        return zstandard.ZstdDecompressor().decompressobj()  # type: ignore[no-any-return]
-    return None
-
-
-class _Brotli:
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
-
-    def decompress(self, data: bytes) -> bytes:
-        return self._inner.process(data)  # type: ignore[no-any-return]
-
-
-class _Deflate:
-    """``deflate`` as servers send it: zlib-wrapped, or raw deflate from a few old servers."""
-
-    def __init__(self) -> None:
-        self._inner: Any = None
-
-    def decompress(self, data: bytes) -> bytes:
-        if self._inner is None:
-            self._inner = zlib.decompressobj() if data[:1] == b"\x78" else zlib.decompressobj(-zlib.MAX_WBITS)
-        return self._inner.decompress(data)  # type: ignore[no-any-return]

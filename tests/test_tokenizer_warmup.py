@@ -67,7 +67,9 @@ def proxy_with_a_blocking_budget(
 ) -> Iterator[tuple[str, Path]]:
     ledger = tmp_path / "ledger.duckdb"
     config = Config(
-        upstreams=[UpstreamConfig(name="openai", base_url=f"{upstream_url}/v1", provider="openai", api_key_env="WARM_KEY")],
+        upstreams=[
+            UpstreamConfig(name="openai", base_url=f"{upstream_url}/v1", provider="openai", api_key_env="WARM_KEY")
+        ],
         ledger=LedgerConfig(path=str(ledger), flush_interval_s=0.05),
         budgets=[BudgetSettings(name="cap", limit_usd=limit, period="total", action="block")],
     )
@@ -95,12 +97,17 @@ def test_the_first_count_reads_the_tokenizer_in_a_worker_thread(tmp_path, loads,
     # $0.0003 left: the bound by bytes (300 bytes of text: ceil(300 x 1.1) + 300 = 630 in at the priority
     # $0.25 + 10 out at $1.00 per 1M = $0.0001675) is over guard.bytes_bound_share (0.01) of it, so the text is counted
     limit = Decimal("0.0003")
-    with Servers(chat_reply).running() as servers, proxy_with_a_blocking_budget(tmp_path, servers.upstream_url, limit) as (
-        url,
-        ledger,
+    with (
+        Servers(chat_reply).running() as servers,
+        proxy_with_a_blocking_budget(tmp_path, servers.upstream_url, limit) as (
+            url,
+            ledger,
+        ),
     ):
         assert not tokenizer.is_loaded("o200k_base")
-        reply = httpx.post(f"{url}/v1/chat/completions", json=body, headers={"authorization": "Bearer sk-c"}, timeout=30)
+        reply = httpx.post(
+            f"{url}/v1/chat/completions", json=body, headers={"authorization": "Bearer sk-c"}, timeout=30
+        )
         assert reply.status_code == 200, reply.text
     assert len(loads) == 1 and loads[0] != LOOP_THREAD  # read for the bound, in a worker thread
     (row,) = read_rows(ledger)
