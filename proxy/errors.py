@@ -30,6 +30,8 @@ class ProxyError(Exception):
         code: machine-readable code (``invalid_json``, ``invalid_api_key``, ...).
         type: OpenAI error type (``invalid_request_error``, ``authentication_error``, ...).
         headers: extra response headers (budget refusals name the budget and what is left).
+        note: what the ledger row and the log record instead of ``message``: details the
+            client must not see (an upstream's address, why an id was refused).
     """
 
     def __init__(
@@ -39,6 +41,7 @@ class ProxyError(Exception):
         code: str,
         type: str = "invalid_request_error",
         headers: list[tuple[bytes, bytes]] | None = None,
+        note: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -46,6 +49,7 @@ class ProxyError(Exception):
         self.code = code
         self.type = type
         self.headers = headers or []
+        self.note = note
 
 
 def error_body(message: str, type: str, code: str | None, param: str | None = None) -> bytes:

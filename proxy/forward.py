@@ -965,8 +965,10 @@ class Forwarder:
                 if last:
                     ex.maybe_billed = failure.maybe_sent
                     code = "upstream_timeout" if failure.status == 504 else "upstream_unreachable"
-                    message = f"Upstream {route.name!r}: {failure.message}"
-                    raise ProxyError(failure.status, message, code, "server_error") from exc
+                    # the client hears what happened, not where: the address stays in the row and the log
+                    message = f"Upstream {route.name!r}: {failure.summary}"
+                    note = f"Upstream {route.name!r}: {failure.message}"
+                    raise ProxyError(failure.status, message, code, "server_error", note=note) from exc
                 notes.append(failure.message)
                 if failure.maybe_sent:
                     self._record_attempt(ex, attempt + 1, failure.status, failure.message)
@@ -1008,13 +1010,14 @@ class Forwarder:
             log.exception("request %s failed inside tokenward", ex.request_id, exc_info=exc)
             error = ProxyError(500, "tokenward failed to handle the request", "proxy_error", "server_error")
             outcome = Outcome.PROXY_ERROR
+        said = error.note or error.message  # the ledger says why; the client may hear less
         if gone:  # the client left while tokenward waited for the upstream: nobody gets this reply
-            ex.end(Outcome.CLIENT_DISCONNECTED, error=f"client disconnected; then {error.message}")
+            ex.end(Outcome.CLIENT_DISCONNECTED, error=f"client disconnected; then {said}")
             self.recorder.finish(ex)
         else:
-            ex.end(outcome, error.status, error.message)
-            if isinstance(exc, ObjectNotFound):  # the client hears "no such object"; the ledger says why
-                ex.outcome, ex.error = Outcome.REJECTED, exc.note
+            ex.end(outcome, error.status, said)
+            if isinstance(exc, ObjectNotFound):  # the client hears "no such object"
+                ex.outcome = Outcome.REJECTED
         return Relay.refusal(ex, error, self._record_refusal)
 
     async def _record_refusal(self, relay: Relay) -> None:

@@ -330,8 +330,8 @@ class Relay:
 
     async def _fail_before_start(self, send: Send, exc: UpstreamError) -> None:
         failure = exc.failure
-        error = ProxyError(
-            failure.status, f"Upstream {self.ex.upstream!r}: {failure.message}", "upstream_failed", "server_error"
+        error = ProxyError(  # what happened, not where: the detail stays in the row
+            failure.status, f"Upstream {self.ex.upstream!r}: {failure.summary}", "upstream_failed", "server_error"
         )
         self.ex.end(Outcome.UPSTREAM_FAILED, failure.status, failure.message)
         self.error = error

@@ -68,6 +68,15 @@ class Failure:
     message: str
 
     @property
+    def summary(self) -> str:
+        """:attr:`message` without the transport's detail (no host, port or address): what a client is told."""
+        if self.kind is FailureKind.UNREACHABLE:
+            return "cannot connect to upstream"
+        if self.kind is FailureKind.TIMEOUT:
+            return "upstream timed out" if self.maybe_sent else "upstream connection timed out"
+        return "upstream connection failed"
+
+    @property
     def status(self) -> int:
         """HTTP status tokenward answers with: 504 for a timeout, 502 otherwise."""
         return 504 if self.kind is FailureKind.TIMEOUT else 502
