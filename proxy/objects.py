@@ -275,7 +275,8 @@ REFERENCE_FIELDS: dict[str, Kind] = {
 A field's value is an id string, a list of them, or (``conversation``) an object with an ``id``;
 ``{"type": "file_id", "id": ...}`` (an eval's file source) names a file too, and
 ``{"type": "item_reference", "id": ...}`` (or an ``input`` item with an ``id``, no ``role`` and no
-or a null ``type``: the API's ``type`` is optional there) a stored response item
+or a null ``type``: the API's ``type`` is optional there; or a ``reasoning`` item without its
+``encrypted_content``, which the provider reads from its store) a stored response item
 (platform.openai.com/docs/api-reference/responses/create, ``input`` > Item reference). ``container`` is
 lenient (see :attr:`Reference.lenient`): containers the provider makes on its own (Responses'
 and Anthropic's code execution) are never recorded."""
@@ -341,10 +342,20 @@ def references(document: Any) -> list[Reference]:
             for item in listed
             if isinstance(item, dict)
             and isinstance(item.get("id"), str)
-            and item.get("type") is None
-            and "role" not in item
+            and ((item.get("type") is None and "role" not in item) or _stored_by_id(item))
         )
     return found
+
+
+def _stored_by_id(item: dict[str, Any]) -> bool:
+    """A reasoning item the provider reads from its store by ``id``: one that does not bring its ``encrypted_content``.
+
+    A reasoning item passed back carries only its summary; with ``store`` on, the model goes on from
+    the stored reasoning, and without it the item must bring ``encrypted_content`` (openai-python's
+    ``ResponseReasoningItemParam``: "especially important when ``store`` is ``false``";
+    platform.openai.com/docs/guides/reasoning, read 2026-12-01).
+    """
+    return item.get("type") == "reasoning" and not item.get("encrypted_content")
 
 
 def _walk(document: Any) -> Iterator[Reference]:

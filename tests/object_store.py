@@ -314,7 +314,8 @@ class ObjectStore:
         items: list[dict[str, Any]] = []
         quoted: list[str] = []
         for part in given or []:
-            if part.get("type") in (None, "item_reference") and "role" not in part:
+            by_id = part.get("type") == "reasoning" and not part.get("encrypted_content")  # read from the store
+            if (part.get("type") in (None, "item_reference") and "role" not in part) or by_id:
                 found = self.items.get(part["id"])  # the account's items, whoever made them: as the provider does
                 if found is None:
                     raise _error(404, f"Item with id '{part['id']}' not found.")

@@ -711,3 +711,29 @@ def test_response_items_are_referenced_only_by_their_key(store, tmp_path):
     assert rows[0]["error"] == f"refused by isolation: response_item {said} belongs to key {VK_ALICE}"
     with proxy(store, tmp_path / "passthrough.duckdb", mode="passthrough") as url, gpt(url, "sk-client") as one:
         assert one.responses.create(model=model, input=[item(said)]).output_text == "after None; quoting 'after None'"
+
+
+def test_a_reasoning_item_passed_back_without_its_encrypted_content_is_the_callers(store, tmp_path):
+    """A reasoning item that brings only its id and summary is read from the provider's store: the caller's only.
+
+    Before, bob could pass alice's item id as ``{"type": "reasoning", "id": ...}`` and the model went on
+    from her stored item (the stand-in upstream quotes it, as the provider's model reads it).
+    """
+    model = "gpt-4o-mini"
+    with proxy(store, tmp_path / "ledger.duckdb") as url, gpt(url, ALICE) as alice, gpt(url, BOB) as bob:
+        hers = alice.responses.create(model=model, input="the launch code is 1234").output[0].id
+        by_id = {"type": "reasoning", "id": hers, "summary": []}
+        assert alice.responses.create(model=model, input=[by_id]).output_text == "after None; quoting 'after None'"
+        sent = len(store.requests)
+        for call in (
+            lambda: bob.responses.create(model=model, input=[by_id]),
+            lambda: bob.responses.create(model=model, input=[{**by_id, "encrypted_content": None}], stream=True),
+            lambda: bob.responses.input_tokens.count(model=model, input=[by_id]),
+        ):
+            with pytest.raises(openai.NotFoundError) as info:
+                call()
+            assert info.value.body == not_found("Item", hers)
+        assert store.requests[sent:] == []  # not one reached the account
+        # an item that brings its encrypted content is read from that, not from the store: it goes on
+        carried = {**by_id, "encrypted_content": "gAAAAB-opaque"}
+        assert bob.responses.create(model=model, input=[carried]).output_text == "after None"
