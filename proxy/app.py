@@ -228,8 +228,8 @@ def create_app(
             except (StartupError, OSError):
                 dynamic.runs_off = "another tokenward proxy serves this ledger, and its runs"
                 log.warning("another proxy holds %s: this one refuses X-Tokenward-Run (503)", ledger.path)
-        # every request is counted: the tokenizer is read (~1 s) beside the ledger's opening, not at the first request
-        warming = asyncio.create_task(asyncio.to_thread(tokenizer.preload)) if blocking or runs_on else None
+        # a blocking budget counts every request: read the tokenizer (~1 s) beside the ledger's opening
+        warming = asyncio.create_task(asyncio.to_thread(tokenizer.preload)) if blocking else None
         try:
             await recorder.start()
             await asyncio.to_thread(import_legacy_state, ledger)
