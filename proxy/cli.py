@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import importlib
 import logging
 from pathlib import Path
@@ -87,7 +88,7 @@ def serve(
 ) -> None:
     """Run the proxy: point your OpenAI SDK's base URL at http://HOST:PORT/v1."""
     from tokenward.proxy.app import create_app
-    from tokenward.proxy.server import run
+    from tokenward.proxy.server import listening_socket, run
     from tokenward.proxy.startup import StartupError, needs_single_proxy, single_proxy_lock
 
     if bool(config_path) == bool(upstream):
@@ -108,6 +109,12 @@ def serve(
     _configure_logging(log_level, config.server.access_log)
     for warning in warnings:
         logging.getLogger("tokenward.proxy").warning("%s", warning)
+    try:  # before the ledger is opened: a port in use is said at once, and nothing else starts
+        sock = listening_socket(config.server.host, config.server.port)
+    except OSError as exc:
+        in_use = exc.errno == errno.EADDRINUSE
+        why = "it is in use (another tokenward, or another program): pick another --port" if in_use else exc.strerror
+        raise click.ClickException(f"cannot listen on {config.server.host}:{config.server.port}: {why}") from exc
     lock = None
     if needs_single_proxy(config):
         try:
@@ -133,7 +140,7 @@ def serve(
         err=True,
     )
     try:
-        run(app, config.server.host, config.server.port, log_level=log_level.lower())
+        run(app, config.server.host, config.server.port, log_level=log_level.lower(), sock=sock)
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown: nothing left to say
         pass
 

@@ -41,9 +41,35 @@ def _server_settings(app: Litestar) -> ServerConfig:
     return config.server if config is not None else ServerConfig()
 
 
-def run(app: Litestar, host: str, port: int, *, log_level: str = "info", access_log: bool = False) -> None:
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host``:``port`` for :func:`run` (IPv6 when ``host`` has a colon), before anything starts.
+
+    Raises:
+        OSError: the address is in use (``errno.EADDRINUSE``) or cannot be bound.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT does not block
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def run(
+    app: Litestar,
+    host: str,
+    port: int,
+    *,
+    log_level: str = "info",
+    access_log: bool = False,
+    sock: socket.socket | None = None,
+) -> None:
     """Serve ``app`` until interrupted; on SIGINT/SIGTERM in-flight requests finish and the ledger is flushed.
 
+    ``sock``: a socket from :func:`listening_socket` (else uvicorn binds ``host``:``port`` itself).
     Control characters in log lines (client-supplied paths, model names) are escaped on every
     handler configured by then (see :mod:`tokenward.reports.sanitize`), and large freed buffers
     go back to the OS (:func:`tokenward.proxy.limits.return_large_buffers`).
@@ -52,7 +78,7 @@ def run(app: Litestar, host: str, port: int, *, log_level: str = "info", access_
     escape_log_lines()
     return_large_buffers()
     settle_collector()
-    uvicorn.Server(config).run()
+    uvicorn.Server(config).run(sockets=[sock] if sock is not None else None)
 
 
 GEN0_THRESHOLD = 7000
@@ -92,9 +118,7 @@ def running_in_thread(app: Litestar, host: str = "127.0.0.1", *, log_level: str 
         RuntimeError: the server did not start within :data:`START_WAIT_S`, or did not shut down within
             :data:`SHUTDOWN_WAIT_S` (every thread's stack is written to stderr first).
     """
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, 0))
+    sock = listening_socket(host, 0)
     port = sock.getsockname()[1]
     server = uvicorn.Server(_uvicorn_config(app, host, port, log_level, False))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="tokenward-proxy")
