@@ -234,3 +234,30 @@ async def api(request: web.Request, body: bytes) -> web.StreamResponse:
         await stream.write_eof()
         return stream
     return await echo(request, body)
+
+
+def post_then_leave(url: str, arrived: Callable[[], bool], **kwargs: Any) -> None:
+    """POST to ``url`` (``httpx`` keyword arguments) and hang up once ``arrived()`` is true.
+
+    The client leaves on a condition (the request has reached the upstream, say) rather than on
+    a short client timeout: on a loaded machine such a timeout can expire before the request is
+    even sent (no request, no row), or after the reply it was meant to miss has come.
+
+    Raises:
+        AssertionError: the reply came before the client left, or ``arrived()`` stayed false for 30 s.
+    """
+    import httpx
+
+    async def post() -> None:
+        async with httpx.AsyncClient(timeout=30) as client:
+            request = asyncio.ensure_future(client.post(url, **kwargs))
+            for _ in range(3000):
+                if arrived() or request.done():
+                    break
+                await asyncio.sleep(0.01)
+            assert not request.done(), f"the reply came before the client left: {request.result()}"
+            assert arrived(), "the request never arrived"
+            request.cancel()  # the connection closes: the client is gone
+            await asyncio.gather(request, return_exceptions=True)
+
+    asyncio.run(post())

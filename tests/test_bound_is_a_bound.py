@@ -167,13 +167,26 @@ def proxy_for(upstream_url: str, tmp_path: Path, limit: Decimal, **guard: Any) -
         context.__exit__(None, None, None)
 
 
-async def fire(url: str, path: str, body: dict[str, Any], count: int, timeout: float = 30) -> list[Any]:
+async def fire(
+    url: str, path: str, body: dict[str, Any], count: int, leave_once: BillingUpstream | None = None
+) -> list[Any]:
+    """``count`` concurrent requests; the replies (or exceptions), in order.
+
+    With ``leave_once``, the clients still waiting hang up (their requests are cancelled, so
+    their connections close) as soon as every other request has its reply and each waiting one
+    has reached that upstream: a condition, not a client timeout, which on a loaded machine
+    also expired before a request was even sent (a ``ConnectTimeout``: no request, no row).
+    """
     headers = {"authorization": f"Bearer {KEY}"}
-    async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=count)) as client:
-        return await asyncio.gather(
-            *(client.post(f"{url}/v1/{path}", json=body, headers=headers) for _ in range(count)),
-            return_exceptions=True,
-        )
+    async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=count)) as client:
+        tasks = [asyncio.ensure_future(client.post(f"{url}/v1/{path}", json=body, headers=headers)) for _ in range(count)]
+        if leave_once is not None:
+            deadline = time.monotonic() + 30
+            while sum(not t.done() for t in tasks) > len(leave_once.bodies) and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            for task in tasks:
+                task.cancel()
+        return await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def spend_of(rows: list[dict[str, Any]]) -> Decimal:
@@ -233,11 +246,12 @@ def upstream_key(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize(("variant", "path", "body", "real", "admitted"), VARIANTS, ids=[v[0] for v in VARIANTS])
 def test_hundred_concurrent_requests_never_overshoot_room_for_ten(tmp_path, variant, path, body, real, admitted):
     limit = real * 10
-    # client_gone: the clients give up after 3 s (the refusals come back long before, even on a loaded
-    # machine) on an upstream that answers after 5 s
+    # client_gone: the clients hang up once the refusals are back and the admitted requests are at an
+    # upstream that answers after 5 s
     upstream = BillingUpstream(variant, wait_s=5.0 if variant == "client_gone" else 0.3)
+    gone = upstream if variant == "client_gone" else None
     with Servers(upstream.handle).running() as servers, proxy_for(servers.upstream_url, tmp_path, limit) as (url, ledger):
-        replies = asyncio.run(fire(url, path, body, 100, timeout=3.0 if variant == "client_gone" else 30))
+        replies = asyncio.run(fire(url, path, body, 100, leave_once=gone))
         if variant == "client_gone":
             time.sleep(1.0)  # tokenward waits 0.3 s for the upstream after the client left, then gives up
     rows = read_rows(ledger)

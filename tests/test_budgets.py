@@ -20,6 +20,7 @@ from tokenward.proxy.keys import key_id
 from tokenward.proxy.simulator import FAULT_HEADER, RECORD_HEADER, Recording
 from tokenward.reports.ledger import write_rows
 
+from .servers import post_then_leave
 from .test_ledger import make_row
 
 PRICES = Path(__file__).parent / "fixtures" / "field_case_prices.yaml"
@@ -590,10 +591,15 @@ def test_a_client_that_leaves_before_the_reply_keeps_its_reservation_as_spend(st
     budget = BudgetSettings(name="one-at-a-time", limit_usd="0.0015", period="total", action="block")
     proxy = budget_proxy(start_proxy, simulator, [budget], drain_s=0.3)
     headers = {"authorization": "Bearer tw-agent-key-0001", RECORD_HEADER: "slow"}
-    with pytest.raises(httpx.ReadTimeout):  # the upstream never answers; the client gives up after 0.5 s
-        httpx.post(
-            f"{proxy.url}/v1/chat/completions", json=request, headers={**headers, FAULT_HEADER: "hang"}, timeout=0.5
-        )
+    # the upstream never answers; the client gives up once the request is there
+    seen = simulator.simulator.requests  # the last 1000, in a session-wide simulator: compare the last one
+    last = seen[-1] if seen else None
+    post_then_leave(
+        f"{proxy.url}/v1/chat/completions",
+        lambda: bool(seen) and seen[-1] is not last,
+        json=request,
+        headers={**headers, FAULT_HEADER: "hang"},
+    )
     (left,) = proxy.rows(1)
     # tokenward waited 0.3 s more for the upstream, then gave up: the provider may bill it, so no $0
     assert (left["outcome"], left["price_status"], left["cost_usd"]) == ("client_disconnected", "usage_unknown", None)

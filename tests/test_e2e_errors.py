@@ -12,6 +12,8 @@ import pytest
 from tokenward.proxy.config import UpstreamConfig, VirtualKeyConfig
 from tokenward.proxy.simulator import FAULT_HEADER, RECORD_HEADER
 
+from .servers import post_then_leave
+
 CHAT = "tests/models/cassettes/test_openai/test_extra_headers.yaml#0"
 CHAT_STREAM = "tests/models/cassettes/test_openai/test_run_stream_sync_streams_real_model.yaml#0"
 
@@ -254,13 +256,14 @@ def test_retries_exhausted_relays_the_last_error(start_proxy, simulator, sample)
 def test_client_that_leaves_before_the_reply_is_recorded_as_disconnected(start_proxy, simulator):
     slow = UpstreamConfig(name="openai", base_url=f"{simulator.url}/openai/v1", default=True, read_timeout_s=1.0)
     proxy = start_proxy(upstreams=[slow])
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(
-            f"{proxy.url}/v1/chat/completions",
-            json={"model": "gpt-4o", "messages": []},
-            headers={RECORD_HEADER: CHAT, FAULT_HEADER: "hang"},
-            timeout=0.3,
-        )
+    seen = simulator.simulator.requests  # the last 1000, in a session-wide simulator: compare the last one
+    last = seen[-1] if seen else None
+    post_then_leave(  # the client leaves once the request is at the upstream, before its 1 s timeout
+        f"{proxy.url}/v1/chat/completions",
+        lambda: bool(seen) and seen[-1] is not last,
+        json={"model": "gpt-4o", "messages": []},
+        headers={RECORD_HEADER: CHAT, FAULT_HEADER: "hang"},
+    )
     (row,) = proxy.rows(1)
     # nobody received the 504 tokenward would have sent: the row says the client left
     assert row["outcome"] == "client_disconnected" and "upstream timed out" in row["error"]

@@ -173,12 +173,13 @@ def test_a_body_sent_a_byte_at_a_time_is_408(start_proxy):
 
 
 def test_a_fast_body_with_pauses_is_served(start_proxy):
-    proxy = start_proxy(server={"body_timeout_s": 0.5, "body_min_kib_s": 64})
+    # 2 s, not 0.5: a 0.3 s pause within 0.5 s left a loaded machine (the proxy shares this process) 0.2 s
+    proxy = start_proxy(server={"body_timeout_s": 2.0, "body_min_kib_s": 64})
     body = json.dumps(CHAT_BODY).encode()
     with socket.create_connection(address(proxy.url)) as sock:
         sock.sendall(head("/v1/chat/completions", len(body), f"{RECORD_HEADER}: {CHAT}\r\n"))
         sock.sendall(body[:10])
-        time.sleep(0.3)  # one pause, within the 0.5 s every body gets
+        time.sleep(0.3)  # one pause, within the 2 s every body gets
         sock.sendall(body[10:])
         sock.settimeout(10)
         reply = sock.recv(65536)
@@ -353,16 +354,23 @@ def test_connections_beyond_the_limit_get_503(start_proxy):
     first = socket.create_connection(address(proxy.url))
     second = socket.create_connection(address(proxy.url))
     try:
-        time.sleep(0.2)
-        with socket.create_connection(address(proxy.url)) as third:
-            third.sendall(b"GET /healthz HTTP/1.1\r\nhost: tokenward\r\n\r\n")
-            reply, _ = read_reply(third, timeout=5)
+        # the proxy counts the two once its loop has accepted them: ask until it has (not a fixed 0.2 s)
+        deadline = time.monotonic() + 10
+        while True:
+            with socket.create_connection(address(proxy.url)) as third:
+                third.sendall(b"GET /healthz HTTP/1.1\r\nhost: tokenward\r\nconnection: close\r\n\r\n")
+                reply, _ = read_reply(third, timeout=5)
+            if status_of(reply) == 503 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
         assert status_of(reply) == 503
     finally:
         first.close()
         second.close()
-    time.sleep(0.2)
-    assert httpx.get(f"{proxy.url}/healthz").status_code == 200
+    deadline = time.monotonic() + 10  # served again once the proxy has seen the two close
+    while (status := httpx.get(f"{proxy.url}/healthz").status_code) != 200 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert status == 200
 
 
 # --- a real `tokenward serve`: memory of a maximum-size body, escaped log lines --------------------

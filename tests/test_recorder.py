@@ -183,6 +183,42 @@ async def test_a_full_disk_delays_rows_but_loses_none(tmp_path, catalog, caplog,
     conn.close()
 
 
+async def test_a_ledger_that_fails_a_move_is_written_by_the_next_one_and_at_stop(tmp_path, catalog, monkeypatch):
+    # DuckDB's own error from the INSERT (a full disk at its COMMIT) ended the writer's task: no move
+    # after it, and stop() raised it before its final flush, leaving every row in the log
+    import duckdb
+
+    from tokenward.reports.ledger import duck
+
+    path = tmp_path / "l.duckdb"
+    recorder = Recorder(catalog, str(path), flush_interval_s=0.01)
+    await recorder.start()
+    real = duck._insert
+    failures = []
+
+    def failing_disk(conn, paths, dedupe):
+        if len(failures) < 2:
+            failures.append(paths)
+            raise duckdb.IOException("Could not write file: No space left on device")
+        return real(conn, paths, dedupe)
+
+    monkeypatch.setattr(duck, "_insert", failing_disk)
+    first = make_exchange(requested_model="gpt-4o", usage=Usage(input_tokens=1, output_tokens=1))
+    await recorder.commit(first)
+    for _ in range(200):
+        if len(failures) == 2 and recorder.flush_error is None:
+            break
+        await asyncio.sleep(0.02)
+    assert len(failures) == 2 and recorder.flush_error is None  # the periodic move went on after the failures
+    second = make_exchange(requested_model="gpt-4o", usage=Usage(input_tokens=2, output_tokens=1))
+    await recorder.commit(second)
+    await recorder.stop()
+    conn = open_ledger(path, read_only=True)
+    rows = conn.execute("SELECT request_id, input_tokens FROM requests ORDER BY input_tokens").fetchall()
+    conn.close()
+    assert rows == [(first.request_id, 1), (second.request_id, 2)]  # once each: the retried segment deduplicated
+
+
 async def test_start_refuses_a_ledger_it_cannot_create(tmp_path, catalog):
     blocker = tmp_path / "file"
     blocker.write_text("x")

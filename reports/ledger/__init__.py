@@ -162,7 +162,8 @@ class DuckLedger:
 
         Raises:
             LedgerBusy: another process holds the file; every segment stays for the next flush.
-            LedgerError: the file cannot be opened or migrated.
+            LedgerError: the file cannot be opened, migrated or written (DuckDB's own errors are
+                raised as this, so that the recorder's writer logs them and tries again).
         """
         if wal is not None:
             wal.rotate()
@@ -200,6 +201,8 @@ class DuckLedger:
                     return inserted
                 finally:
                     conn.close()
+            except duckdb.Error as exc:  # the file itself failed (a full disk at the COMMIT): rows wait in the log
+                raise LedgerError(f"cannot write ledger {self.path}: {exc}") from exc
             finally:
                 for writer in dead:
                     writer.release()
