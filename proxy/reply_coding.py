@@ -1,6 +1,7 @@
 """Compressed replies (``Content-Encoding``) decoded for the meter, never past a bound.
 
-The client gets the reply's bytes as the upstream sent them; the meter reads a decoded copy. A
+The client gets the reply's bytes as the upstream sent them (but for a stream whose usage chunk
+tokenward removes: that one is relayed as the meter decoded it); the meter reads a decoded copy. A
 broken or hostile upstream can send a small body that decodes to gigabytes (a gzip "bomb":
 deflate reaches about 1,000:1, brotli and zstd far more), so every call decodes at most ``room``
 bytes and raises :class:`DecodedTooLarge` past that, whatever the ratio: the reply is then

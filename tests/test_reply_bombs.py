@@ -1,9 +1,9 @@
 """A compressed reply is decoded for the meter within a bound, whatever its compression ratio.
 
 The client gets the upstream's bytes as sent; the meter reads a decoded copy. Before, that copy
-was decoded whole: a broken or hostile upstream's 300 KB gzip body of 300 MiB of spaces took
-300 MiB of the proxy's memory (2 GB from 2 MB, and so on until the kernel killed the proxy with
-every request in flight). Now a whole reply decodes to at most ``MAX_DECODED_BODY_BYTES`` (128 MiB,
+was decoded whole: a broken or hostile upstream's 306 KB gzip body of 300 MiB of spaces raised
+the proxy's peak memory by 610 MiB, a 1 MB one of 1 GiB by 2 GiB, and so on until the kernel killed
+the proxy with every request in flight. Now a whole reply decodes to at most ``MAX_DECODED_BODY_BYTES`` (128 MiB,
 what the relay holds of an uncompressed reply) and a streamed chunk to ``MAX_DECODED_CHUNK_BYTES``;
 past that the reply is relayed but not metered (``usage_unknown``: the request's bound is kept
 as spend).
