@@ -342,7 +342,8 @@ def references(document: Any) -> list[Reference]:
             for item in listed
             if isinstance(item, dict)
             and isinstance(item.get("id"), str)
-            and ((item.get("type") is None and "role" not in item) or _stored_by_id(item))
+            and item.get("type") is None
+            and "role" not in item
         )
     return found
 
@@ -370,7 +371,7 @@ def _walk(document: Any) -> Iterator[Reference]:
         typed = node.get("type")
         if typed == "file_id" and isinstance(node.get("id"), str):
             yield Reference("id", node["id"], FILE)
-        elif typed == "item_reference" and isinstance(node.get("id"), str):
+        elif (typed == "item_reference" or _stored_by_id(node)) and isinstance(node.get("id"), str):
             yield Reference("id", node["id"], RESPONSE_ITEM)
         children = []
         for name, value in node.items():

@@ -133,6 +133,19 @@ def refs(document: object) -> list[tuple[str, str, str, bool]]:
     return [(r.field, r.object_id, r.kind.name, r.lenient) for r in references(document)]
 
 
+def test_a_reasoning_item_without_its_encrypted_content_names_a_stored_item():
+    by_id = {"type": "reasoning", "id": "rs_1", "summary": []}
+    carried = {"type": "reasoning", "id": "rs_2", "summary": [], "encrypted_content": "gAAAAB-opaque"}
+    empty = {"type": "reasoning", "id": "rs_3", "summary": [], "encrypted_content": ""}
+    assert refs({"input": [by_id, carried, empty]}) == [
+        ("id", "rs_1", "response_item", False),
+        ("id", "rs_3", "response_item", False),
+    ]
+    # items added to a conversation are read the same way; a client's own shapes name nothing
+    assert refs({"items": [by_id]}) == [("id", "rs_1", "response_item", False)]
+    assert refs({"metadata": {"x": by_id}, "input": [carried]}) == []
+
+
 def test_references_in_request_bodies():
     chat = {
         "model": "gpt-4o",
