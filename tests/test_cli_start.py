@@ -433,3 +433,20 @@ def one_line_error_or_last(result: subprocess.CompletedProcess[str]) -> str:
     errors = [line for line in result.stderr.splitlines() if line.startswith("Error: ")]
     assert len(errors) == 1, result.stderr
     return errors[0]
+
+
+def test_a_port_in_use_is_said_in_one_line_before_anything_starts(tmp_path):
+    # before: "Application startup complete", then uvicorn's "[Errno 98] error while attempting to bind
+    # on address", exit 3, with the ledger already opened and migrated
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = tokenward(
+            "serve", "--upstream", "http://127.0.0.1:9/v1", "--port", str(port), "--db", str(tmp_path / "l.duckdb")
+        )
+    assert one_line_error(result) == (
+        f"Error: cannot listen on 127.0.0.1:{port}: it is in use (another tokenward, or another program): "
+        "pick another --port"
+    )
+    assert result.returncode == 1 and not (tmp_path / "l.duckdb").exists()
