@@ -24,7 +24,6 @@ from litestar.logging.config import LoggingConfig
 
 from tokenward.pricing.catalog import PriceCatalog
 from tokenward.pricing.settings import build_catalog
-from tokenward.proxy import tokenizer
 from tokenward.proxy.admin_auth import AdminAuth
 from tokenward.proxy.budget_api import budget_routes
 from tokenward.proxy.config import Config
@@ -228,8 +227,6 @@ def create_app(
             except (StartupError, OSError):
                 dynamic.runs_off = "another tokenward proxy serves this ledger, and its runs"
                 log.warning("another proxy holds %s: this one refuses X-Tokenward-Run (503)", ledger.path)
-        # a blocking budget counts every request: read the tokenizer (~1 s) beside the ledger's opening
-        warming = asyncio.create_task(asyncio.to_thread(tokenizer.preload)) if blocking else None
         try:
             await recorder.start()
             await asyncio.to_thread(import_legacy_state, ledger)
@@ -242,8 +239,6 @@ def create_app(
                 loaders = [loader.load for loader in (dynamic, velocity) if loader]
                 await asyncio.to_thread(load_books, ledger, guard, recorder.wal, loaders=loaders)
             scheduler.start()
-            if warming is not None:
-                await warming  # served only once requests can be counted at once
         except BaseException:
             if lock is not None:
                 lock.close()

@@ -103,7 +103,7 @@ def settle_collector() -> None:
 
 
 START_WAIT_S = 60
-"""How long :func:`running_in_thread` waits for the start (a blocking budget's start reads the tokenizer)."""
+"""How long :func:`running_in_thread` waits for the start (a loaded machine's test process can take 10 s)."""
 SHUTDOWN_WAIT_S = 90
 """How long :func:`running_in_thread` waits for the shutdown: uvicorn's 30 s for open requests, then the lifespan's."""
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import logging
 import threading
 from importlib import resources
 from typing import TYPE_CHECKING
@@ -26,7 +25,6 @@ __all__ = [
     "encoding_name_known",
     "get_encoding",
     "is_loaded",
-    "preload",
 ]
 
 SHA256 = {
@@ -61,7 +59,6 @@ _SPECIAL = {
     },
 }
 
-log = logging.getLogger("tokenward.proxy")
 _lock = threading.Lock()
 _loaded: dict[str, tiktoken.Encoding] = {}
 
@@ -110,17 +107,6 @@ def is_loaded(name: str) -> bool:
     callers on the event loop count on it only once this is true, and go to a worker thread before.
     """
     return name in _loaded
-
-
-def preload(name: str = "o200k_base") -> None:
-    """Load ``name`` now (in the calling thread), so the first request that counts does not wait for it.
-
-    A missing or altered rank file is logged, not raised: the request that needs it gets the error.
-    """
-    try:
-        get_encoding(name)
-    except TokenizerDataError as exc:
-        log.error("%s", exc)
 
 
 def _encoding_name_for_model(model: str) -> str:
