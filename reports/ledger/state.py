@@ -19,7 +19,8 @@ import datetime as dt
 import json
 import sqlite3
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -301,20 +302,22 @@ class SqliteState:
         self, sql: str, keys: Sequence[AlertKey], params: Callable[[AlertKey], list[Any]]
     ) -> list[AlertKey]:
         """Run ``sql`` once per key in one ``BEGIN IMMEDIATE`` transaction; the keys whose statement changed a row."""
+        with self._immediate() as conn:
+            return [key for key in keys if conn.execute(sql, params(key)).rowcount]
+
+    @contextmanager
+    def _immediate(self) -> Iterator[sqlite3.Connection]:
+        """A connection in a ``BEGIN IMMEDIATE`` transaction: committed at the block's end, rolled back if it raises."""
         conn = self._connect()
-        won = []
         try:
             conn.execute("BEGIN IMMEDIATE")
-            for key in keys:
-                if conn.execute(sql, params(key)).rowcount:
-                    won.append(key)
+            yield conn
             conn.execute("COMMIT")
         except BaseException:
             conn.execute("ROLLBACK")
             raise
         finally:
             conn.close()
-        return won
 
     def claimed(self, budget: str, period_start: dt.datetime) -> set[tuple[str, int]]:
         """See :meth:`StateStore.claimed`."""
@@ -382,21 +385,13 @@ class SqliteState:
         if limit is not None:
             stale += " AND kind = 'threshold' AND json_extract(detail, '$.payload.limit_usd') IS NOT ?"
             params.append(limit)
-        conn = self._connect()
-        try:  # the deliveries go too: the next crossing has reached no one yet
-            conn.execute("BEGIN IMMEDIATE")
+        with self._immediate() as conn:  # the deliveries go too: the next crossing has reached no one yet
             conn.execute(
                 "DELETE FROM alert_deliveries WHERE (budget, period_start, kind, threshold) IN "
                 f"(SELECT budget, period_start, kind, threshold FROM alert_claims WHERE {stale})",
                 params,
             )
             conn.execute(f"DELETE FROM alert_claims WHERE {stale}", params)
-            conn.execute("COMMIT")
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
-        finally:
-            conn.close()
 
     def record_delivery(self, record: DeliveryRecord) -> None:
         """See :meth:`StateStore.record_delivery`."""
