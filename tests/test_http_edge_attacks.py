@@ -500,3 +500,57 @@ def test_a_whole_reply_over_the_cap_is_relayed_as_it_arrives_and_not_metered(tmp
         (200, "ok", "usage_unknown", None)
     ]
     assert rows[0]["error"] == "a whole reply over 1048576 bytes: relayed, not metered"
+
+
+class RewritingUpstream:
+    """An upstream behind a front end that serves the URL a trusted header names (IIS URL Rewrite, Symfony).
+
+    IIS's URL Rewrite and Symfony's ``Request`` (with the proxy it trusts) read ``X-Original-URL``
+    or ``X-Rewrite-URL`` as the request's path. The account holds a file of another key
+    (``file-of-b``): ``GET /v1/files`` lists it. ``served`` collects the path each request was served as.
+    """
+
+    def __init__(self) -> None:
+        self.served: list[str] = []
+
+    async def handle(self, request: web.Request, body: bytes) -> web.StreamResponse:
+        path = request.headers.get("X-Original-URL") or request.headers.get("X-Rewrite-URL") or request.path
+        self.served.append(path)
+        if path.startswith("/v1/files"):
+            return web.json_response({"object": "list", "data": [{"id": "file-of-b", "object": "file"}]})
+        return web.json_response({"object": "list", "data": [{"id": "gpt-4o-mini", "object": "model"}]})
+
+
+@pytest.mark.parametrize("header", ["X-Original-URL", "X-Rewrite-URL", "x-original-url"])
+def test_a_header_naming_another_path_cannot_turn_an_allowed_model_list_into_a_file_list(tmp_path, header):
+    # The default allow_unmetered lets GET models pass and refuses files (403); an upstream whose front
+    # end serves the path X-Original-URL names listed the account's files, another key's among them, to
+    # a key that may list none (before: 200 with file-of-b, the row said GET /v1/models). The forwarding
+    # headers of the hop to tokenward (X-Forwarded-Host, Forwarded, ...) did not stop at tokenward either.
+    upstream = RewritingUpstream()
+    forwarding = (
+        f"{header}: /v1/files\r\nX-Forwarded-Host: evil.example\r\nX-Forwarded-Prefix: /evil\r\n"
+        "X-Forwarded-Proto: http\r\nX-Forwarded-For: 10.0.0.7\r\nForwarded: host=evil.example;proto=http\r\n"
+        "X-Real-IP: 10.0.0.7\r\nX-Original-Host: evil.example\r\n"
+    )
+    with Servers(upstream.handle).running() as servers:
+        with proxy(servers.upstream_url, tmp_path / "l.duckdb") as url:
+            status, body = raw(
+                url,
+                f"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n{forwarding}"
+                "Connection: close\r\n\r\n".encode(),
+            )
+            files, _ = raw(
+                url, f"GET /v1/files HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nConnection: close\r\n\r\n".encode()
+            )  # fmt: skip
+    assert status == 200 and json.loads(body)["data"] == [{"id": "gpt-4o-mini", "object": "model"}]
+    assert files == 403  # the files list itself stays refused, as before
+    assert upstream.served == ["/v1/models"]
+    (sent,) = servers.requests
+    assert sorted(sent["headers"]) == ["accept-encoding", "authorization", "host"]
+    assert sent["headers"]["host"] == f"127.0.0.1:{servers.port}"
+    rows = read_rows(tmp_path / "l.duckdb")
+    assert [(r["method"], r["path"], r["http_status"]) for r in rows] == [
+        ("GET", "/v1/models", 200),
+        ("GET", "/v1/files", 403),
+    ]
