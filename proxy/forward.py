@@ -43,7 +43,15 @@ from tokenward.proxy.budget_api import header_name, reply_headers, usd_text
 from tokenward.proxy.config import UpstreamConfig
 from tokenward.proxy.degrade import Plan, degrade
 from tokenward.proxy.dialects.claude_code import parse_user_id
-from tokenward.proxy.edge import METERED_ENDPOINTS, EdgeError, Endpoint, Target, request_dialect, target
+from tokenward.proxy.edge import (
+    DIRECT_ENDPOINTS,
+    METERED_ENDPOINTS,
+    EdgeError,
+    Endpoint,
+    Target,
+    request_dialect,
+    target,
+)
 from tokenward.proxy.errors import ProxyError
 from tokenward.proxy.exchange import Exchange, Outcome
 from tokenward.proxy.guard import BudgetGuard, BudgetRefusal
@@ -1220,6 +1228,15 @@ def _not_allowed(found: Target, identity: Identity) -> ProxyError:
     method = "GET" if found.method == "HEAD" else found.method
     first, _, rest = found.tail.partition("/")
     suggestion = f"{method} {first.lower()}" + ("/*" if rest else "")
+    if method == "POST" and found.tail.lower() in DIRECT_ENDPOINTS:
+        return ProxyError(
+            403,
+            f"POST /v1/{found.tail} opens spending straight at the provider that tokenward never sees (no usage, "
+            "no budget), and passes only an entry naming it exactly, without a wildcard: add "
+            f"'POST {found.tail.lower()}' to {identity.unmetered_setting} to let it pass.",
+            "endpoint_not_allowed",
+            "permission_error",
+        )
     return ProxyError(
         403,
         f"tokenward does not meter {found.method} /v1/{found.tail}, and in virtual_keys mode unmetered endpoints "

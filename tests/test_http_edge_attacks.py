@@ -554,3 +554,59 @@ def test_a_header_naming_another_path_cannot_turn_an_allowed_model_list_into_a_f
         ("GET", "/v1/models", 200),
         ("GET", "/v1/files", 403),
     ]
+
+
+async def mints_secrets(request: web.Request, body: bytes) -> web.StreamResponse:
+    """Realtime as the provider answers it: a client secret (``ek_...``) good for opening sessions straight at it."""
+    if request.path == "/v1/realtime/calls":
+        return web.Response(text="v=0\r\no=- 1 1 IN IP4 203.0.113.1\r\n", content_type="application/sdp", status=201)
+    session = {"type": "realtime", "model": "gpt-realtime"}
+    return web.json_response({"value": "ek_live_secret", "expires_at": 1_900_000_000, "session": session})
+
+
+@pytest.mark.parametrize(
+    "allow", [("*",), ("GET models", "realtime/*"), ("GET models", "POST realtime*", "POST realtime/client_secret?")]
+)
+def test_a_wildcard_does_not_let_a_key_mint_secrets_that_spend_past_tokenward(tmp_path, allow):
+    # A Realtime client secret opens sessions at the provider for up to 2 hours with the account's quota, and
+    # realtime/calls hands a WebRTC peer a media session there: none of that spend passes tokenward again. An
+    # operator's "*" (or "realtime/*") let any key mint them (before: 200 with "ek_live_secret", one row of
+    # $0 not_metered, and every Realtime minute it bought unmetered and outside the $0.01 cap)
+    with Servers(mints_secrets).running() as servers:
+        with proxy(servers.upstream_url, tmp_path / "l.duckdb", allow=allow) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+            with pytest.raises(openai.PermissionDeniedError) as refused:
+                client.realtime.client_secrets.create(session={"type": "realtime", "model": "gpt-realtime"})
+            status, body = raw(
+                url,
+                f"POST /v1/Realtime/Calls HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nContent-Type: "
+                "application/sdp\r\nContent-Length: 4\r\nConnection: close\r\n\r\nv=0\n".encode(),
+            )
+            listed = client.models.with_raw_response.list()  # the wildcard still lets everything else pass
+    error = refused.value.body
+    assert error["code"] == "endpoint_not_allowed"  # type: ignore[index]
+    assert "'POST realtime/client_secrets'" in error["message"]  # type: ignore[index]
+    assert (status, json.loads(body)["error"]["code"]) == (403, "endpoint_not_allowed")
+    assert listed.status_code == 200
+    assert [r["target"] for r in servers.requests] == ["/v1/models"]
+    rows = read_rows(tmp_path / "l.duckdb")
+    assert [(r["path"], r["http_status"], r["outcome"]) for r in rows] == [
+        ("/v1/realtime/client_secrets", 403, "rejected"),
+        ("/v1/Realtime/Calls", 403, "rejected"),
+        ("/v1/models", 200, "ok"),
+    ]
+
+
+def test_an_entry_naming_a_realtime_secret_endpoint_exactly_lets_it_pass(tmp_path):
+    with Servers(mints_secrets).running() as servers:
+        allow = ("POST realtime/client_secrets", "realtime/calls")
+        with proxy(servers.upstream_url, tmp_path / "l.duckdb", allow=allow) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+            secret = client.realtime.client_secrets.create(session={"type": "realtime", "model": "gpt-realtime"})
+            status, body = raw(
+                url,
+                f"POST /v1/realtime/calls HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nContent-Type: "
+                "application/sdp\r\nContent-Length: 4\r\nConnection: close\r\n\r\nv=0\n".encode(),
+            )
+    assert secret.value == "ek_live_secret" and status == 201 and body.startswith(b"v=0")
+    assert [r["target"] for r in servers.requests] == ["/v1/realtime/client_secrets", "/v1/realtime/calls"]
