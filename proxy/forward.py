@@ -1078,7 +1078,9 @@ class Forwarder:
           deferred; otherwise tokens are estimated, ``estimated`` when the reply ended well and
           ``partial`` when it did not (client gone, stream cut, error event). After an error event
           only generated content is billed: an error before any content is not billed;
-        * none reported, the upstream said 4xx/5xx: not billed.
+        * none reported, the upstream said 4xx/5xx: not billed;
+        * a reply the meter fails on (a shape no dialect rule foresaw): ``usage_unknown``, with the
+          failure in the row's ``error`` (the row is never lost, the reservation counts as spend).
 
         What the meter relayed without metering (an SSE event over its cap, an undecodable body)
         is noted in the row's ``error``.
@@ -1087,7 +1089,14 @@ class Forwarder:
         if meter is None:
             await self.recorder.commit(ex)
             return
-        result = meter.finish()
+        try:
+            result = meter.finish()
+        except Exception as exc:  # a reply no dialect rule foresaw: the row is kept, the provider may bill it
+            log.exception("metering the reply of %s failed", ex.request_id)
+            ex.maybe_billed = True
+            ex.error = ex.error or f"the reply could not be metered: {type(exc).__name__}: {exc}"[:500]
+            await self.recorder.commit(ex)
+            return
         ex.served_model = result.model or None
         ex.service_tier = result.service_tier
         ex.provider_cost = result.provider_cost
