@@ -275,6 +275,11 @@ class BudgetGuard:
                 for name, amount in source.top_spenders(book.budget, book.start, book.end, "key", 1000):
                     book.by_key[name] = amount
             book.refused = source.refusals(book.budget, book.start) if book.budget.blocking else 0
+            if book.budget.period.kind in CALENDAR_PERIODS and not book.store.shared:
+                # the period that ended: its crossings are still looked for (BooksSpend) in the next
+                # period's first hour, also by a process started then (after a kill, a deploy)
+                before = book.budget.period.window(book.start - dt.timedelta(microseconds=1))[0]
+                book.store.set_spent((book.budget.name, before), source.spend_in(book.budget, before, book.start))
         for row in unflushed:
             self.observe(row, crossing=False)
         for book in self._books:
