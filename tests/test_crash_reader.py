@@ -1,4 +1,4 @@
-"""kill -9, then a restart while a reader (``tokenward report``, ``top``, a notebook) holds the DuckDB file.
+"""kill -9, then a restart: while a reader (``tokenward report``, ``top``, a notebook) holds the DuckDB file, and with an alert not yet sent.
 
 Real processes: a counting upstream (in this process), ``tokenward serve`` killed with SIGKILL, and a
 second process holding the ledger file read-only across the restart, as a report does.
@@ -16,6 +16,7 @@ from decimal import Decimal
 import httpx
 
 from .crashkit import COMPLETION_TOKENS, PROMPT_TOKENS, CountingUpstream, ProxyProcess, ledger_rows
+from .test_alerts import smtp  # noqa: F401 - the fixture
 from .test_crash import free_port
 
 # gpt-4o-mini at openai: 8 tokens in at $0.15, 5 out at $0.60 per 1M = $0.0000042 a request
@@ -112,3 +113,58 @@ def test_a_restart_after_kill_while_a_reader_holds_the_file_counts_every_logged_
     assert {r["cost_usd"] for r in done} == {COST}
     assert spent_after_restart == 6 * COST + sum(r["reserved_usd"] for r in held)
     assert took < 8, took  # no 10 s wait for the reader
+
+
+UNPRICED = """upstreams:
+  - {{name: openai, base_url: '{url}', default: true, provider: openai}}
+server: {{port: {port}, drain_after_disconnect_s: 0}}
+ledger: {{path: ledger.duckdb, flush_interval_s: 1.0}}
+alerts:
+  evaluate_every_s: {every}
+  admins: [ops@example.com]
+  retries: 1
+  smtp: {{host: 127.0.0.1, port: {smtp}, security: none, sender: tokenward@test}}
+"""
+
+
+def _unpriced_subjects(inbox, count: int) -> list[str]:
+    return sorted(str(m["Subject"]) for m in inbox.wait_for(count, timeout=30))
+
+
+def test_a_model_without_a_price_seen_just_before_a_kill_is_still_mailed_to_the_admins_once(tmp_path, smtp):  # noqa: F811
+    """One request for a model with no price, then SIGKILL before the first check (60 s after start).
+
+    The restarted proxy (checking every second) must mail the admins about that model: its row is
+    in the ledger (or the log), though this process never saw the model. Before, the proxy's
+    checks knew only the models this process had recorded, and the mail was never sent. Then a
+    second restart and a second such model: one mail more, the first not sent again.
+    """
+    inbox, smtp_port = smtp
+    port = free_port()
+    config = tmp_path / "tokenward.yaml"
+    with CountingUpstream(wait_s=0.01) as upstream:
+        config.write_text(UNPRICED.format(url=upstream.url, port=port, every=60, smtp=smtp_port))
+        proxy = ProxyProcess(config, port).start()
+        body = {"model": "mystery-model-1", "messages": [{"role": "user", "content": "hi"}]}
+        reply = httpx.post(f"{proxy.url}/v1/chat/completions", json=body, headers={"authorization": "Bearer sk"})
+        assert reply.status_code == 200, reply.text
+        proxy.kill()  # its first check was 60 s away
+        assert inbox.messages == []
+        config.write_text(UNPRICED.format(url=upstream.url, port=port, every=1, smtp=smtp_port))
+        proxy.start()
+        try:
+            assert _unpriced_subjects(inbox, 1) == [
+                "[tokenward] no price for model mystery-model-1 (openai): 1 request(s) recorded without a cost"
+            ]
+            proxy.stop()
+            proxy.start()
+            body["model"] = "mystery-model-2"
+            reply = httpx.post(f"{proxy.url}/v1/chat/completions", json=body, headers={"authorization": "Bearer sk"})
+            assert reply.status_code == 200, reply.text
+            subjects = _unpriced_subjects(inbox, 2)
+        finally:
+            proxy.stop()
+    assert len(inbox.messages) == 2 and [s.split(" (")[0] for s in subjects] == [
+        "[tokenward] no price for model mystery-model-1",
+        "[tokenward] no price for model mystery-model-2",
+    ]
