@@ -408,6 +408,30 @@ class Recorder:
             except Exception:
                 log.exception("unpriced-model hook failed")
 
+    def seed_unpriced(
+        self, found: list[tuple[str, tuple[Any, Any, dt.datetime, int, str]]], unflushed: list[dict[str, Any]]
+    ) -> None:
+        """At start: what earlier runs recorded without a price, so their admin alerts survive a restart.
+
+        ``found``: ``(price status, (provider, model, first seen, count, a request id))`` per model
+        in the ledger (``SpendSource.unpriced_models``); ``unflushed``: rows still in the log, counted
+        on top. Models this process has seen already keep their figures.
+        """
+        seeded: dict[tuple[str | None, str | None, str], dict[str, Any]] = {}
+        for status, (provider, model, first, count, request_id) in found:
+            row = {"request_id": request_id, "started_at": first.timestamp(), "provider": provider}
+            seeded[(provider, model, status)] = {"row": row, "count": count}
+        for row in unflushed:
+            if row.get("price_status") not in (PriceStatus.UNPRICED, PriceStatus.USAGE_INVALID):
+                continue
+            key = (row.get("provider"), row.get("served_model") or row.get("requested_model"), row["price_status"])
+            seen = seeded.setdefault(key, {"row": row, "count": 0})
+            seen["count"] += 1
+            if row.get("started_at", 0) < seen["row"].get("started_at", 0):
+                seen["row"] = row
+        for key, seen in seeded.items():
+            self.unpriced_seen.setdefault(key, seen)
+
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
