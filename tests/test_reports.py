@@ -634,6 +634,15 @@ def test_machine_formats_keep_every_measure_unless_columns_are_chosen(ledger, tm
     assert {"output_cost_usd", "priced_requests", "estimated_requests"} <= set(described)
 
 
+def test_columns_all_in_a_machine_format_is_every_measure_the_default_gives(ledger):
+    # `--columns all` gave fewer JSON/CSV columns than no --columns at all: output_cost_usd and
+    # priced_requests (the parts of output share and avg/request) were left out
+    default = report(ledger, *NOVEMBER, "--by", "team")
+    everything = report(ledger, *NOVEMBER, "--by", "team", "--columns", "all")
+    assert [list(r) for r in everything] == [list(r) for r in default]
+    assert {"output_cost_usd", "priced_requests", "estimated_requests"} <= set(everything[0])
+
+
 def test_wide_tables_are_never_cut():
     from rich.console import Console
 
