@@ -3,7 +3,9 @@
 An admin presents one of
 
 * the admin token, read at start from the environment variable named by ``server.admin_token_env``;
-* a virtual key from the config whose ``role`` is ``admin`` (in either auth mode);
+* a virtual key whose ``role`` is ``admin``, from the config or created with ``tokenward keys
+  create --role admin`` (in either auth mode), as long as it is not revoked: ``tokenward keys
+  revoke`` ends its admin rights within 5 s, browser sessions it opened included;
 
 as ``Authorization: Bearer <secret>`` or ``x-api-key: <secret>`` (``tokenward top``, curl), or
 as the session cookie a browser gets from the dashboard's login form (:meth:`AdminAuth.login`).
@@ -33,7 +35,7 @@ from litestar import Request
 
 from tokenward.proxy.config import Config
 from tokenward.proxy.errors import ProxyError
-from tokenward.proxy.keys import presented_key
+from tokenward.proxy.keys import Authenticator, presented_key
 
 __all__ = ["SESSION_COOKIE", "SESSION_TTL_S", "AdminAuth"]
 
@@ -58,44 +60,52 @@ class AdminAuth:
     Args:
         config: the proxy's configuration (auth mode, ``server.admin_token_env``, virtual keys).
         environ: where the admin token is read from (default: the process environment).
+        keys: the proxy's :class:`~tokenward.proxy.keys.Authenticator`, which knows the stored
+            keys and the revoked ones (default: one made from ``config``, config keys only).
     """
 
-    def __init__(self, config: Config, environ: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self, config: Config, environ: Mapping[str, str] | None = None, keys: Authenticator | None = None
+    ) -> None:
         environ = os.environ if environ is None else environ
         self.mode = config.auth.mode
         self.token_env = config.server.admin_token_env
         token = environ.get(self.token_env, "") if self.token_env else ""
         self._token = _digest(token) if token else None
-        self._keys = {
-            (_digest(k.key) if k.key is not None else bytes.fromhex(k.key_sha256 or "")): k.name
-            for k in config.virtual_keys
-            if k.role == "admin"
-        }
-        self._sessions: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self._keys = keys if keys is not None else Authenticator(config.auth, config.virtual_keys)
+        # revoking a configured admin key never turns the dashboard into "no credential: loopback is fine"
+        self._configured_admins = any(k.role == "admin" for k in config.virtual_keys)
+        # session id -> (who, expiry, the admin key's sha256: checked again on each use)
+        self._sessions: OrderedDict[str, tuple[str, float, str | None]] = OrderedDict()
+
+    @property
+    def _admin_keys(self) -> bool:
+        return self._configured_admins or self._keys.admins_stored
 
     @property
     def loopback_only(self) -> bool:
         """Whether no credential is configured and loopback clients are let in (passthrough mode)."""
-        return self.mode == "passthrough" and not self.token_env and not self._keys
+        return self.mode == "passthrough" and not self.token_env and not self._admin_keys
 
     def identify(self, secret: str) -> str | None:
         """The admin behind ``secret`` (``admin-token`` or ``key:<name>``), or ``None``."""
+        return self._identified(secret)[0]
+
+    def _identified(self, secret: str) -> tuple[str | None, str | None]:
         digest = _digest(secret)
         if self._token is not None and hmac.compare_digest(digest, self._token):
-            return "admin-token"
-        for known, name in self._keys.items():
-            if hmac.compare_digest(digest, known):
-                return f"key:{name}"
-        return None
+            return "admin-token", None
+        name = self._keys.admin_with_digest(digest.hex())  # a dict lookup by digest: no timing to learn from
+        return (f"key:{name}", digest.hex()) if name is not None else (None, None)
 
     def login(self, secret: str, now: float | None = None) -> str | None:
         """A new session id for ``secret`` if it is an admin credential, else ``None``."""
-        who = self.identify(secret)
+        who, key_sha256 = self._identified(secret)
         if who is None:
             return None
         now = time.monotonic() if now is None else now
         session = secrets.token_urlsafe(32)
-        self._sessions[session] = (who, now + SESSION_TTL_S)
+        self._sessions[session] = (who, now + SESSION_TTL_S, key_sha256)
         while len(self._sessions) > _MAX_SESSIONS:
             self._sessions.popitem(last=False)
         return session
@@ -104,10 +114,11 @@ class AdminAuth:
         entry = self._sessions.get(session)
         if entry is None:
             return None
-        if entry[1] <= now:
-            del self._sessions[session]
+        who, expiry, key_sha256 = entry
+        if expiry <= now or (key_sha256 is not None and self._keys.admin_with_digest(key_sha256) is None):
+            del self._sessions[session]  # expired, or its key was revoked (or lost its admin role)
             return None
-        return entry[0]
+        return who
 
     def check(self, request: Request[Any, Any, Any]) -> str:
         """Let an admin through: returns who it is (``admin-token``, ``key:<name>``, ``loopback``).
@@ -129,14 +140,14 @@ class AdminAuth:
                 "admin_loopback_only",
                 "permission_error",
             )
-        if self.token_env and self._token is None and not self._keys:
+        if self.token_env and self._token is None and not self._admin_keys:
             raise ProxyError(
                 403,
                 f"The admin token variable {self.token_env} is not set.",
                 "admin_not_configured",
                 "permission_error",
             )
-        if self._token is None and not self._keys:
+        if self._token is None and not self._admin_keys:
             raise ProxyError(
                 403,
                 "No admin credential is configured: set server.admin_token_env or give a virtual key role: admin.",

@@ -171,7 +171,7 @@ def create_app(
     # velocity rules: this process's per-minute books, or on a shared ledger every replica's rows
     rates = (lambda: velocity.snapshot(dt.datetime.now(dt.UTC))) if velocity and books is None else None
     add_alert_jobs(scheduler, ledger, spend, budgets, config.alerts, sender, auth, rates)  # type: ignore[arg-type]
-    dashboard = Dashboard(recorder.live, guard, ledger, AdminAuth(config))
+    dashboard = Dashboard(recorder.live, guard, ledger, AdminAuth(config, keys=auth))
     refresh = config.pricing.refresh
     if refresh is not None:
         scheduler.add_job(

@@ -280,37 +280,56 @@ class Authenticator:
             )
         self._configured = configured
         self._by_hash = dict(self._configured)
+        self.admins_stored = False
+        """Whether a stored key (``tokenward keys create --role admin``) is a live admin key."""
         self.attribution_headers: frozenset[bytes] = frozenset().union(
             attribution.headers, *(identity.attribution.headers for identity in configured.values())
         )
         """Every request header an attribution rule reads (lower-case); none of them goes upstream."""
 
     def use_stored(
-        self, stored: Iterable[tuple[str, str, str | None, str | None]], revoked: Iterable[str] = ()
+        self,
+        stored: Iterable[tuple[str, str, str | None, str | None] | tuple[str, str, str | None, str | None, str]],
+        revoked: Iterable[str] = (),
     ) -> None:
         """Accept the keys created with ``tokenward keys`` too, and refuse revoked ones.
 
-        ``stored`` holds ``(name, key_sha256, team, project)`` for each key not revoked; it replaces
-        the stored keys known before. ``revoked`` holds the sha256 of revoked keys: a configured key
-        among them is refused too (``tokenward keys revoke`` works on config keys, no restart).
+        ``stored`` holds ``(name, key_sha256, team, project[, role])`` for each key not revoked
+        (``role``: ``user``, the default, or ``admin``); it replaces the stored keys known before.
+        ``revoked`` holds the sha256 of revoked keys: a configured key among them is refused too
+        (``tokenward keys revoke`` works on config keys, no restart), as a virtual key and as an
+        admin credential (:meth:`admin_named`).
         """
         default = self._default
-        by_hash = {
-            digest.lower(): Identity(
+        by_hash: dict[str, Identity] = {}
+        for name, digest, team, project, *role in stored:
+            by_hash[digest.lower()] = Identity(
                 name,
                 key_id(digest.lower()),
                 team,
                 project,
                 unmetered=default.unmetered,
                 attribution=default.attribution,
+                admin=bool(role) and role[0] == "admin",
                 runs=default.runs,
             )
-            for name, digest, team, project in stored
-        }
         by_hash.update(self._configured)
         for digest in revoked:
             by_hash.pop(digest.lower(), None)
         self._by_hash = by_hash
+        self.admins_stored = any(i.admin for digest, i in by_hash.items() if digest not in self._configured)
+
+    def admin_named(self, key: str) -> str | None:
+        """The name of the live admin key ``key`` is (configured or stored ``role: admin``, not revoked), else ``None``.
+
+        Used for the dashboard in either auth mode; never raises.
+        """
+        return self.admin_with_digest(hashlib.sha256(key.encode()).hexdigest())
+
+    def admin_with_digest(self, key_sha256: str) -> str | None:
+        """:meth:`admin_named` for the key whose sha256 (hex) is ``key_sha256``."""
+        identity = self._by_hash.get(key_sha256.lower())
+        return identity.principal if identity is not None and identity.admin else None
 
     @property
     def passthrough(self) -> bool:

@@ -223,7 +223,16 @@ def keys() -> None:
 @click.argument("name")
 @click.option("--team", help="Team the key's usage is attributed to.")
 @click.option("--project", help="Project the key's usage is attributed to.")
-def create(config: str | None, db: str | None, wait: float, name: str, team: str | None, project: str | None) -> None:
+@click.option(
+    "--role",
+    type=click.Choice(["user", "admin"]),
+    default="user",
+    show_default=True,
+    help="admin: the key also opens the dashboard and its API, and reaches every key's provider objects.",
+)
+def create(
+    config: str | None, db: str | None, wait: float, name: str, team: str | None, project: str | None, role: str
+) -> None:
     """Create a key NAME and print it (shown this once; only its sha256 is stored)."""
     if config:
         from tokenward.proxy.config import ConfigError, load_config
@@ -236,13 +245,14 @@ def create(config: str | None, db: str | None, wait: float, name: str, team: str
             raise click.ClickException(f"the config already has a key named {name!r}; choose another name")
     state = ledger_named(db, config).state
     try:
-        key = create_key(state, name, team=team, project=project, now=dt.datetime.now(dt.UTC))
+        key = create_key(state, name, team=team, project=project, role=role, now=dt.datetime.now(dt.UTC))
     except ValueError as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(key)
     click.echo(
-        f"key {name!r} created; it is shown only now. A proxy on this ledger in auth mode virtual_keys "
-        "accepts it within 5 s.",
+        f"key {name!r} created{' (role admin)' if role == 'admin' else ''}; it is shown only now. A proxy on "
+        "this ledger accepts it within 5 s (as a virtual key in auth mode virtual_keys"
+        f"{'; as an admin credential for the dashboard in either mode' if role == 'admin' else ''}).",
         err=True,
     )
 
@@ -252,12 +262,13 @@ def create(config: str | None, db: str | None, wait: float, name: str, team: str
 def list_command(config: str | None, db: str | None, wait: float) -> None:
     """Stored keys (names, attribution, state; never the keys)."""
     rows = list_keys(ledger_named(db, config).state)
-    table = Table("name", "team", "project", "created", "state")
+    table = Table("name", "team", "project", "role", "created", "state")
     for key in rows:
         table.add_row(
             key.name,
             key.team or "",
             key.project or "",
+            key.role,
             key.created_at.isoformat(timespec="seconds"),
             f"revoked {key.revoked_at.isoformat(timespec='seconds')}" if key.revoked_at else "live",
         )
