@@ -12,13 +12,14 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 import click
 import yaml
 
-from tokenward.reports.ledger import Ledger, LedgerError
+from tokenward.reports.ledger import Ledger, LedgerError, StateStore
 from tokenward.reports.ledger.duck import include_unflushed
 from tokenward.reports.ledger.factory import is_postgres_url, open_ledger_for, pick_url
 
 __all__ = [
     "DEFAULT_LEDGER",
     "ledger_named",
+    "existing_state",
     "ledger_options",
     "ledger_path",
     "open_named",
@@ -78,6 +79,23 @@ def ledger_named(db: str | None, config: str | None) -> Ledger:
         return open_ledger_for(path=ledger_path(db, config), spool_dir=base / spool if spool else None)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--config") from exc
+
+
+def existing_state(db: str | None, config: str | None) -> StateStore:
+    """The state store of the ledger :func:`ledger_named` names, for commands that only read it.
+
+    A DuckDB ledger whose file and state file are both missing was never used (a wrong
+    directory, a mistyped ``--db``): reading it would create an empty state file and report
+    nothing, so it is refused as ``report`` refuses it.
+
+    Raises:
+        click.ClickException: neither the ledger file nor its state file exists.
+    """
+    ledger = ledger_named(db, config)
+    path = getattr(ledger, "path", None)
+    if isinstance(path, str) and not Path(path).exists() and not Path(path + ".state.sqlite").exists():
+        raise click.ClickException(f"no ledger at {path} yet: start the proxy once, or check --db/--config")
+    return ledger.state
 
 
 def parse_when(text: str | None, tz: ZoneInfo, now: dt.datetime | None = None) -> dt.datetime | None:
