@@ -12,6 +12,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 import click
 import yaml
 
+from tokenward.pricing.catalog import yaml_problem
 from tokenward.reports.ledger import Ledger, LedgerError, StateStore
 from tokenward.reports.ledger.duck import include_unflushed
 from tokenward.reports.ledger.factory import is_postgres_url, open_ledger_for, pick_url
@@ -47,7 +48,7 @@ def ledger_path(db: str | None, config: str | None) -> str:
         try:
             document = yaml.safe_load(Path(config).read_text(encoding="utf-8")) or {}
         except (OSError, yaml.YAMLError) as exc:
-            raise click.BadParameter(f"cannot read {config}: {exc}", param_hint="--config") from exc
+            raise click.BadParameter(f"cannot read {config}: {yaml_problem(exc)}", param_hint="--config") from exc
         path = (document.get("ledger") or {}).get("path") or DEFAULT_LEDGER
         return str(Path(config).resolve().parent / path)
     return DEFAULT_LEDGER
@@ -68,7 +69,7 @@ def ledger_named(db: str | None, config: str | None) -> Ledger:
         try:
             document = (yaml.safe_load(Path(config).read_text(encoding="utf-8")) or {}).get("ledger") or {}
         except (OSError, yaml.YAMLError, AttributeError) as exc:
-            raise click.BadParameter(f"cannot read {config}: {exc}", param_hint="--config") from exc
+            raise click.BadParameter(f"cannot read {config}: {yaml_problem(exc)}", param_hint="--config") from exc
         base = Path(config).resolve().parent
     spool = document.get("spool_dir")
     url = db if is_postgres_url(db) else (None if db else pick_url(document.get("url")))

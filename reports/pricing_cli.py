@@ -21,7 +21,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from tokenward.pricing.catalog import CatalogError, PriceCatalog, PriceEntry, read_file
+from tokenward.pricing.catalog import CatalogError, PriceCatalog, PriceEntry, read_file, yaml_problem
 from tokenward.pricing.imports import from_litellm, from_sheet, to_yaml
 from tokenward.pricing.settings import PricingSettings, build_catalog
 from tokenward.reports.cli_common import DEFAULT_LEDGER, ledger_named, open_named, parse_when
@@ -48,7 +48,9 @@ def load_settings(config: str | None) -> tuple[PricingSettings, str | None]:
         document = yaml.safe_load(Path(config).read_text(encoding="utf-8")) or {}
         settings = msgspec.convert(document.get("pricing") or {}, PricingSettings)
     except (OSError, yaml.YAMLError, msgspec.ValidationError) as exc:
-        raise click.BadParameter(f"cannot read the pricing section of {config}: {exc}", param_hint="--config") from exc
+        raise click.BadParameter(
+            f"cannot read the pricing section of {config}: {yaml_problem(exc)}", param_hint="--config"
+        ) from exc
     base = Path(config).resolve().parent
     settings.files = [str(base / f) for f in settings.files]
     ledger = str(base / ((document.get("ledger") or {}).get("path") or DEFAULT_LEDGER))

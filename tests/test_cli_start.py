@@ -267,6 +267,12 @@ def test_config_check_validates_like_serve(tmp_path):
             f"Error: cannot read config {unclosed}: not valid YAML at line 2, column 1: expected the node content, "
             "but found '<stream end>' (while parsing a flow node)"
         )
+    for command in (("report",), ("keys", "list"), ("pricing", "check")):  # the readers of --config too
+        error = one_line_error(tokenward(*command, "--config", str(unclosed)))
+        assert error.endswith(
+            "not valid YAML at line 2, column 1: expected the node content, but found '<stream end>' "
+            "(while parsing a flow node)"
+        ), command
     tab = tmp_path / "tab.yaml"
     tab.write_text("server:\n\tport: 4000\n")
     assert one_line_error(tokenward("config", "check", "--config", str(tab))).endswith(
