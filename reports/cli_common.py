@@ -16,6 +16,7 @@ from tokenward.pricing.catalog import yaml_problem
 from tokenward.reports.ledger import Ledger, LedgerError, StateStore
 from tokenward.reports.ledger.duck import include_unflushed
 from tokenward.reports.ledger.factory import is_postgres_url, open_ledger_for, pick_url
+from tokenward.reports.views import PERIODS
 
 __all__ = [
     "DEFAULT_LEDGER",
@@ -117,7 +118,8 @@ def parse_when(text: str | None, tz: ZoneInfo, now: dt.datetime | None = None) -
     try:
         value = dt.datetime.fromisoformat(text)
     except ValueError as exc:
-        raise click.BadParameter(f"{text!r} is not a date, datetime or duration like 7d") from exc
+        hint = f" (for the calendar period, --period {text.strip()})" if text.strip() in PERIODS else ""
+        raise click.BadParameter(f"{text!r} is not a date, datetime or duration like 7d{hint}") from exc
     return value if value.tzinfo else value.replace(tzinfo=tz)
 
 

@@ -616,6 +616,11 @@ def test_argument_mistakes_get_clear_errors(ledger):
     assert "instead of --since/--until" in fails("--since", "7d", "--forecast")
     assert "group by something other than time" in fails("--since", "7d", "--compare", "--by", "day")
     assert "99999999999999999999" in fails("--top", "99999999999999999999")
+    # a period's name given to --since: the error names the option that takes it
+    assert "'yesterday' is not a date, datetime or duration like 7d (for the calendar period, --period yesterday)" in (
+        fails("--since", "yesterday")
+    )
+    assert "like 7d\n" in fails("--until", "soon")
     # --compare alone groups by model
     assert [r["model"] for r in report(ledger, *NOVEMBER, "--compare")][:2] == ["acme-9", "gpt-4o"]
 
