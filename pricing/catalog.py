@@ -496,6 +496,22 @@ def load_exact_yaml(text: str) -> Any:
     return yaml.load(text, Loader=_DecimalLoader)  # noqa: S506 - a SafeLoader subclass
 
 
+def yaml_problem(exc: Exception) -> str:
+    """``exc`` (a YAML or OS error) in one line: where in the file and what, for a message naming the file.
+
+    PyYAML's own text names ``"<unicode string>"`` (it parsed a string, not the file) over four
+    lines with a caret; this gives ``line 2, column 1: expected the node content, but found
+    '<stream end>' (while parsing a flow node)``.
+    """
+    if isinstance(exc, yaml.MarkedYAMLError) and exc.problem_mark is not None:
+        mark = exc.problem_mark
+        context = f" ({exc.context})" if exc.context else ""
+        return f"not valid YAML at line {mark.line + 1}, column {mark.column + 1}: {exc.problem}{context}"
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return str(exc)
+
+
 def read_document(path: Path) -> Any:
     """The YAML document in a price file, with every number an exact ``Decimal`` or ``int``.
 
@@ -505,7 +521,7 @@ def read_document(path: Path) -> Any:
     try:
         return load_exact_yaml(path.read_text(encoding="utf-8"))
     except (OSError, yaml.YAMLError) as exc:
-        raise CatalogError(f"{path}: cannot read price file: {exc}") from exc
+        raise CatalogError(f"{path}: cannot read price file: {yaml_problem(exc)}") from exc
 
 
 def read_file(path: Path) -> list[PriceEntry]:

@@ -18,7 +18,7 @@ import msgspec
 import yaml
 
 from tokenward.pricing.budgets import Budget
-from tokenward.pricing.catalog import load_exact_yaml
+from tokenward.pricing.catalog import load_exact_yaml, yaml_problem
 from tokenward.pricing.runs import RunPolicy, parse_duration
 from tokenward.pricing.settings import BudgetSettings, GuardSettings, PricingSettings, UnpricedPolicy
 from tokenward.proxy.config_errors import explain
@@ -472,7 +472,7 @@ def load_config(path: str | Path) -> Config:
     try:
         document = load_exact_yaml(path.read_text(encoding="utf-8"))  # money stays exact: no floats
     except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"cannot read config {path}: {exc}") from exc
+        raise ConfigError(f"cannot read config {path}: {yaml_problem(exc)}") from exc
     try:
         config = msgspec.convert(document or {}, Config)
     except (msgspec.ValidationError, ValueError) as exc:

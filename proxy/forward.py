@@ -822,6 +822,8 @@ class Forwarder:
         hold = self.guard_settings.unpriced_hold_usd
         if hold is None:
             names = ", ".join(repr(b.name) for b in self.guard.in_scope(attributes, blocking_only=True))
+            if not ex.requested_model:  # no price to add: the request itself is wrong
+                raise ProxyError(400, _no_model(f"budget {names} refuses requests it cannot bound"), "missing_model")
             models = ", ".join(repr(m) for m in (ex.requested_model, *ex.fallback_models))
             raise ProxyError(
                 400,
@@ -923,6 +925,8 @@ class Forwarder:
             at = dt.datetime.fromtimestamp(ex.started_at, dt.UTC)
             model, catalog = ex.requested_model, self.recorder.catalog
             if catalog.resolve(model, ex.provider, at, fallback=False, requested=model, price_as=ex.price_as) is None:
+                if not model:
+                    raise ProxyError(400, _no_model("requests for unpriced models are blocked"), "missing_model")
                 raise ProxyError(
                     400,
                     f"tokenward has no price for model {ex.requested_model!r} at upstream {route.name!r}, "
@@ -1397,6 +1401,14 @@ def _books_unavailable() -> ProxyError:
     """503 ``budget_books_unavailable``: fail closed, no replica can know what the others hold."""
     message = "A hard budget applies to this request and its books cannot be reached; try again soon."
     return ProxyError(503, message, "budget_books_unavailable", "server_error", [(b"retry-after", b"5")])
+
+
+def _no_model(why: str) -> str:
+    """The message for a request with no string ``model`` that tokenward had to price (``why``: what refused it)."""
+    return (
+        "The request names no model (a 'model' member holding a string), so tokenward cannot price it, "
+        f"and {why}: send the model's name."
+    )
 
 
 def _no_retry(refusal: BudgetRefusal, now: dt.datetime) -> list[tuple[bytes, bytes]]:

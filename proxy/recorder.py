@@ -505,7 +505,8 @@ class Recorder:
                 raise
             return 0
         self._moving = 0
-        if self.flush_error is not None:
+        if self.flush_error is not None and self._write_problem == "ledger_error":
+            # only after a failure that was logged: a reader holding the file (busy) is routine
             log.warning("ledger rows are being written again")
         self.flush_error = None
         self.last_flush = time.time()

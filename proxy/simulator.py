@@ -7,7 +7,8 @@ recording named by its ``x-tokenward-sim-record`` header or, failing that, the r
 request body is the same JSON (``stream_options`` ignored). Any other well-formed request to
 chat/completions, completions, responses, embeddings or messages gets a synthesised reply in
 that API's shape, streamed or not, with usage counted by the tokenizer
-(:mod:`tokenward.proxy.synthetic`); a header naming an unknown recording gets a 404. Replies
+(:mod:`tokenward.proxy.synthetic`), and the token-counting endpoints (``messages/count_tokens``,
+``responses/input_tokens``) answer that count; a header naming an unknown recording gets a 404. Replies
 carry ``x-tokenward-sim-source: recording`` or ``synthetic``. JSON bodies are sent compact;
 SSE text is sent byte for byte, one event per write.
 
@@ -42,7 +43,7 @@ from typing import Any
 from aiohttp import web
 
 from tokenward.proxy.sse import SSEDecoder, parse_event
-from tokenward.proxy.synthetic import endpoint_of, synthesise
+from tokenward.proxy.synthetic import count_reply, endpoint_of, synthesise
 
 __all__ = ["Recording", "SimulatorServer", "load_recordings", "sample_recordings_path", "synthetic_recording"]
 
@@ -216,6 +217,13 @@ class Simulator:
                     "sha256": hashlib.sha256(data).hexdigest(),
                 }
             return web.json_response({"object": "file", "fields": fields, "query": request.query_string})
+        if request.method == "POST":
+            try:
+                counted = count_reply(path, json.loads(raw) if raw else None)
+            except ValueError:
+                counted = count_reply(path, None)
+            if counted is not None:
+                return web.json_response(counted.body, status=counted.status, headers={SOURCE_HEADER: "synthetic"})
         if request.method == "GET" and path.endswith("/content"):
             return web.Response(body=binary_payload(), content_type="application/octet-stream")
         if request.method == "POST" and path.endswith("/audio/speech"):

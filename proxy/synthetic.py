@@ -30,7 +30,7 @@ from typing import Any
 from tokenward.proxy import tokenizer
 from tokenward.proxy.metering import count_input
 
-__all__ = ["ENDPOINTS", "Synthetic", "endpoint_of", "synthesise"]
+__all__ = ["ENDPOINTS", "Synthetic", "count_reply", "endpoint_of", "synthesise"]
 
 ENDPOINTS = {
     "chat/completions": "chat_completions",
@@ -106,6 +106,36 @@ def synthesise(endpoint: str, body: Any, *, now: float | None = None) -> Synthet
     if endpoint == "responses":
         return reply.response(stream)
     return reply.message(stream)
+
+
+_COUNTERS = {"messages/count_tokens": "anthropic_messages", "responses/input_tokens": "responses"}
+"""The free token-counting endpoints by the path's last segments, and the endpoint whose input they count."""
+
+
+def count_reply(path: str, body: Any) -> Synthetic | None:
+    """A reply to a token-counting request, or ``None`` when ``path`` names no counting endpoint.
+
+    The endpoints are Anthropic's ``messages/count_tokens`` and OpenAI's ``responses/input_tokens``.
+    The count is what :func:`synthesise` would report as the input of the same body sent to
+    ``messages`` or ``responses`` (``{"input_tokens": N}``; OpenAI's adds ``"object":
+    "response.input_tokens"``), so Claude Code's pre-flight counts work against the simulator.
+    A malformed body gets the endpoint's 400.
+    """
+    endpoint = next((name for suffix, name in _COUNTERS.items() if path.rstrip("/").endswith("/" + suffix)), None)
+    if endpoint is None:
+        return None
+    anthropic = endpoint == "anthropic_messages"
+    problem = _problem(endpoint, body)
+    if problem is not None:
+        if anthropic:
+            return Synthetic(400, {"type": "error", "error": {"type": "invalid_request_error", "message": problem}})
+        return Synthetic(
+            400, {"error": {"message": problem, "type": "invalid_request_error", "param": None, "code": None}}
+        )
+    count = count_input("anthropic" if anthropic else "openai", body, body["model"])
+    if anthropic:
+        return Synthetic(200, {"input_tokens": count})
+    return Synthetic(200, {"object": "response.input_tokens", "input_tokens": count})
 
 
 def _problem(endpoint: str, body: Any) -> str | None:

@@ -22,7 +22,7 @@ from rich.text import Text
 from tokenward.pricing.budgets import Budget
 from tokenward.reports.alerts import Alert, AlertSettings, Notifier, html_text
 from tokenward.reports.budget_check import evaluate_and_notify, status_of, usd, velocity_of
-from tokenward.reports.cli_common import ledger_named, open_named, parse_when
+from tokenward.reports.cli_common import existing_state, ledger_named, open_named, parse_when
 from tokenward.reports.keys import create_key, list_keys, revoke_key
 from tokenward.reports.ledger.spend import DuckSpend
 
@@ -175,7 +175,7 @@ def alerts() -> None:
 @click.option("--limit", default=50, show_default=True)
 def history(config: str | None, db: str | None, wait: float, limit: int) -> None:
     """Alerts claimed, newest first, with every delivery attempt and its result."""
-    state = ledger_named(db, config).state
+    state = existing_state(db, config)
     claims = sorted(state.claims(), key=lambda c: c.created_at, reverse=True)[:limit]
     table = Table("claimed at", "budget", "kind", "threshold", "status", "attempts", "deliveries", "last error")
     for claim in claims:
@@ -261,7 +261,7 @@ def create(
 @_options
 def list_command(config: str | None, db: str | None, wait: float) -> None:
     """Stored keys (names, attribution, state; never the keys)."""
-    rows = list_keys(ledger_named(db, config).state)
+    rows = list_keys(existing_state(db, config))
     table = Table("name", "team", "project", "role", "created", "state")
     for key in rows:
         table.add_row(

@@ -12,13 +12,16 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 import click
 import yaml
 
-from tokenward.reports.ledger import Ledger, LedgerError
+from tokenward.pricing.catalog import yaml_problem
+from tokenward.reports.ledger import Ledger, LedgerError, StateStore
 from tokenward.reports.ledger.duck import include_unflushed
 from tokenward.reports.ledger.factory import is_postgres_url, open_ledger_for, pick_url
+from tokenward.reports.views import PERIODS
 
 __all__ = [
     "DEFAULT_LEDGER",
     "ledger_named",
+    "existing_state",
     "ledger_options",
     "ledger_path",
     "open_named",
@@ -46,7 +49,7 @@ def ledger_path(db: str | None, config: str | None) -> str:
         try:
             document = yaml.safe_load(Path(config).read_text(encoding="utf-8")) or {}
         except (OSError, yaml.YAMLError) as exc:
-            raise click.BadParameter(f"cannot read {config}: {exc}", param_hint="--config") from exc
+            raise click.BadParameter(f"cannot read {config}: {yaml_problem(exc)}", param_hint="--config") from exc
         path = (document.get("ledger") or {}).get("path") or DEFAULT_LEDGER
         return str(Path(config).resolve().parent / path)
     return DEFAULT_LEDGER
@@ -67,7 +70,7 @@ def ledger_named(db: str | None, config: str | None) -> Ledger:
         try:
             document = (yaml.safe_load(Path(config).read_text(encoding="utf-8")) or {}).get("ledger") or {}
         except (OSError, yaml.YAMLError, AttributeError) as exc:
-            raise click.BadParameter(f"cannot read {config}: {exc}", param_hint="--config") from exc
+            raise click.BadParameter(f"cannot read {config}: {yaml_problem(exc)}", param_hint="--config") from exc
         base = Path(config).resolve().parent
     spool = document.get("spool_dir")
     url = db if is_postgres_url(db) else (None if db else pick_url(document.get("url")))
@@ -78,6 +81,23 @@ def ledger_named(db: str | None, config: str | None) -> Ledger:
         return open_ledger_for(path=ledger_path(db, config), spool_dir=base / spool if spool else None)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--config") from exc
+
+
+def existing_state(db: str | None, config: str | None) -> StateStore:
+    """The state store of the ledger :func:`ledger_named` names, for commands that only read it.
+
+    A DuckDB ledger whose file and state file are both missing was never used (a wrong
+    directory, a mistyped ``--db``): reading it would create an empty state file and report
+    nothing, so it is refused as ``report`` refuses it.
+
+    Raises:
+        click.ClickException: neither the ledger file nor its state file exists.
+    """
+    ledger = ledger_named(db, config)
+    path = getattr(ledger, "path", None)
+    if isinstance(path, str) and not Path(path).exists() and not Path(path + ".state.sqlite").exists():
+        raise click.ClickException(f"no ledger at {path} yet: start the proxy once, or check --db/--config")
+    return ledger.state
 
 
 def parse_when(text: str | None, tz: ZoneInfo, now: dt.datetime | None = None) -> dt.datetime | None:
@@ -98,7 +118,8 @@ def parse_when(text: str | None, tz: ZoneInfo, now: dt.datetime | None = None) -
     try:
         value = dt.datetime.fromisoformat(text)
     except ValueError as exc:
-        raise click.BadParameter(f"{text!r} is not a date, datetime or duration like 7d") from exc
+        hint = f" (for the calendar period, --period {text.strip()})" if text.strip() in PERIODS else ""
+        raise click.BadParameter(f"{text!r} is not a date, datetime or duration like 7d{hint}") from exc
     return value if value.tzinfo else value.replace(tzinfo=tz)
 
 

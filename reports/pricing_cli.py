@@ -21,7 +21,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from tokenward.pricing.catalog import CatalogError, PriceCatalog, PriceEntry, read_file
+from tokenward.pricing.catalog import CatalogError, PriceCatalog, PriceEntry, read_file, yaml_problem
 from tokenward.pricing.imports import from_litellm, from_sheet, to_yaml
 from tokenward.pricing.settings import PricingSettings, build_catalog
 from tokenward.reports.cli_common import DEFAULT_LEDGER, ledger_named, open_named, parse_when
@@ -48,7 +48,9 @@ def load_settings(config: str | None) -> tuple[PricingSettings, str | None]:
         document = yaml.safe_load(Path(config).read_text(encoding="utf-8")) or {}
         settings = msgspec.convert(document.get("pricing") or {}, PricingSettings)
     except (OSError, yaml.YAMLError, msgspec.ValidationError) as exc:
-        raise click.BadParameter(f"cannot read the pricing section of {config}: {exc}", param_hint="--config") from exc
+        raise click.BadParameter(
+            f"cannot read the pricing section of {config}: {yaml_problem(exc)}", param_hint="--config"
+        ) from exc
     base = Path(config).resolve().parent
     settings.files = [str(base / f) for f in settings.files]
     ledger = str(base / ((document.get("ledger") or {}).get("path") or DEFAULT_LEDGER))
@@ -211,7 +213,8 @@ def explain(request_id: str, db: str | None, wait: float, config: str | None) ->
     try:
         cursor = conn.execute(
             "SELECT request_id, row_kind, served_model, requested_model, provider, started_at, service_tier, "
-            "price_status, price_entry_id, price_resolved_by, cost_usd, cost_lines, provider_cost_usd, usage_source "
+            "price_status, price_entry_id, price_resolved_by, cost_usd, cost_lines, provider_cost_usd, usage_source, "
+            "outcome, http_status, error "
             "FROM requests WHERE request_id = ? OR parent_request_id = ? ORDER BY row_kind DESC, request_id",
             [request_id, request_id],
         )
@@ -227,10 +230,13 @@ def explain(request_id: str, db: str | None, wait: float, config: str | None) ->
             f"[bold]{row['request_id']}[/bold] ({row['row_kind']}) {row['served_model'] or row['requested_model']} "
             f"at {row['provider']}, started {row['started_at'].isoformat()}, tier {row['service_tier'] or 'standard'}"
         )
-        console.print(
-            f"  price status {row['price_status']}, entry {row['price_entry_id']} "
-            f"({row['price_resolved_by']}), usage {row['usage_source']}"
+        entry = (
+            f"entry {row['price_entry_id']} ({row['price_resolved_by']})" if row["price_entry_id"] else "no price entry"
         )
+        console.print(f"  price status {row['price_status']}, {entry}, usage {row['usage_source']}", markup=False)
+        if row["outcome"] != "ok" and row["row_kind"] == "request":  # why a row costs nothing, or is unknown
+            why = f": {row['error']}" if row["error"] else ""
+            console.print(f"  outcome {row['outcome']} (HTTP {row['http_status']}){why}", markup=False)
         lines = json.loads(row["cost_lines"]) if row["cost_lines"] else []
         table = Table("component", "quantity", "rate (USD)", "rule", "amount (USD)")
         for line in lines:

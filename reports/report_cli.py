@@ -197,7 +197,8 @@ def report(
             raise click.ClickException(f"cannot write {html_file}: {exc.strerror or exc}") from exc
         click.echo(f"wrote {html_file}", err=True)
     chosen = bool(columns_text)
-    _emit(rows, totals, columns, fmt, output, title, span, notes, everything=not chosen, chosen=chosen)
+    every = not chosen or columns_text.strip() == "all"  # all: the default's every measure, none left out
+    _emit(rows, totals, columns, fmt, output, title, span, notes, everything=every, chosen=chosen)
     if forecast and fmt == "table":
         _budget_forecasts(db, config, wait, now)
 

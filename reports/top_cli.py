@@ -63,6 +63,9 @@ def fetch_state(client: httpx.Client, url: str, tz: str, range_name: str = "toda
             message = reply.json()["error"]["message"]
         except (ValueError, KeyError, TypeError):
             message = reply.text[:200]
+        if reply.status_code == 401 and "authorization" not in client.headers:
+            # the proxy's own advice (a header, the login page) is for browsers and curl
+            message += " Give `tokenward top` one with --token or TOKENWARD_ADMIN_TOKEN."
         raise click.ClickException(f"{url}: HTTP {reply.status_code}: {message}")
     reply.raise_for_status()
     state: dict[str, Any] = reply.json()

@@ -372,3 +372,22 @@ def test_a_usage_unknown_row_is_reconciled_from_the_bill(tmp_path):
     conn.close()
     assert rows["gone"] == ("priced", Decimal("0.00031"), "reconciled")
     assert rows["free"] == ("not_billed", Decimal(0), "reconciled")
+
+
+def test_listing_keys_or_alerts_of_a_ledger_never_started_says_so_and_creates_nothing(tmp_path, monkeypatch):
+    # `keys list` / `alerts history` in the wrong directory created tokenward.duckdb.state.sqlite
+    # there and answered "no stored keys" / "no alerts yet", where `report` says there is no ledger
+    monkeypatch.chdir(tmp_path)
+    runner = CliRunner()
+    for command in (["keys", "list"], ["alerts", "history"], ["keys", "list", "--db", "typo.duckdb"]):
+        result = runner.invoke(main, command)
+        named = "typo.duckdb" if "--db" in command else "tokenward.duckdb"
+        assert result.exit_code == 1, result.output
+        assert result.output == f"Error: no ledger at {named} yet: start the proxy once, or check --db/--config\n"
+    assert list(tmp_path.iterdir()) == []
+    created = runner.invoke(main, ["keys", "create", "ci-bot"])  # a key may be made before the first start
+    assert created.exit_code == 0, created.output
+    listed = runner.invoke(main, ["keys", "list"], env={"COLUMNS": "200"})
+    assert listed.exit_code == 0 and "ci-bot" in listed.output
+    history = runner.invoke(main, ["alerts", "history"])
+    assert (history.exit_code, history.output) == (0, "no alerts yet\n")

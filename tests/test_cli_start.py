@@ -258,6 +258,29 @@ def test_config_check_validates_like_serve(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("upstreams: [{name: a, base_url: 'http://x', retries: -3}]\n")
     assert one_line_error(tokenward("config", "check", "--config", str(bad))).endswith("$.upstreams[0].retries`")
+    # a YAML mistake was five lines naming "<unicode string>" with a caret, not the file
+    unclosed = tmp_path / "unclosed.yaml"
+    unclosed.write_text("budgets: [\n")
+    for command in (("config", "check"), ("serve",)):
+        error = one_line_error(tokenward(*command, "--config", str(unclosed)))
+        assert error == (
+            f"Error: cannot read config {unclosed}: not valid YAML at line 2, column 1: expected the node content, "
+            "but found '<stream end>' (while parsing a flow node)"
+        )
+    for command in (("report",), ("keys", "list"), ("pricing", "check")):  # the readers of --config too
+        error = one_line_error(tokenward(*command, "--config", str(unclosed)))
+        assert error.endswith(
+            "not valid YAML at line 2, column 1: expected the node content, but found '<stream end>' "
+            "(while parsing a flow node)"
+        ), command
+    tab = tmp_path / "tab.yaml"
+    tab.write_text("server:\n\tport: 4000\n")
+    assert one_line_error(tokenward("config", "check", "--config", str(tab))).endswith(
+        "not valid YAML at line 2, column 1: found character '\\t' that cannot start any token "
+        "(while scanning for the next token)"
+    )
+    missing = one_line_error(tokenward("config", "check", "--config", str(tmp_path / "nope.yaml")))
+    assert missing.startswith("Error: ") and "nope.yaml" in missing
 
 
 def test_make_run_takes_a_port(tmp_path):

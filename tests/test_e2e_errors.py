@@ -294,3 +294,34 @@ def test_empty_body_and_unknown_upstream_messages(start_proxy):
     unknown = httpx.post(f"{proxy.url}/v1/chat/completions", json={"model": "m"}, headers={"x-tokenward-upstream": "x"})
     assert "configured: " in assert_openai_error(unknown, 400, "unknown_upstream")["message"]
     assert "openai" in unknown.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("model", [None, 5, ""])
+def test_a_request_naming_no_model_is_told_so_not_that_model_none_has_no_price(start_proxy, simulator, model):
+    # under a blocking budget (or unpriced: block) a body without a string `model` was refused with
+    # "tokenward has no price for model None ... ask your admin to add a price": no price can fix it
+    from decimal import Decimal
+
+    from tokenward.pricing.settings import BudgetSettings
+
+    cap = BudgetSettings(name="cap", limit_usd=Decimal("1"), period="total", action="block")
+    blocking = start_proxy(budgets=[cap])
+    strict = start_proxy(
+        upstreams=[
+            UpstreamConfig(
+                name="openai", base_url=f"{simulator.url}/openai/v1", default=True, provider="openai", unpriced="block"
+            )
+        ]
+    )
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    if model is not None:
+        body["model"] = model
+    before = len(simulator.simulator.requests)
+    for proxy, why in ((blocking, "budget 'cap' refuses"), (strict, "requests for unpriced models are blocked")):
+        reply = httpx.post(f"{proxy.url}/v1/chat/completions", json=body)
+        error = assert_openai_error(reply, 400, "missing_model")
+        assert error["message"].startswith("The request names no model") and why in error["message"]
+        assert "None" not in error["message"]
+        (row,) = proxy.rows(1)
+        assert (row["outcome"], row["http_status"], row["price_status"]) == ("client_error", 400, "not_billed")
+    assert len(simulator.simulator.requests) == before  # neither reached the provider

@@ -253,6 +253,13 @@ def test_block_policy_refuses_unpriced_models_before_forwarding(start_proxy, sim
     assert len(simulator.simulator.requests) == before  # never reached the provider
     (row,) = proxy.rows(1)
     assert (row["outcome"], row["price_status"], row["cost_usd"]) == ("rejected", "not_billed", 0)
+    # explain said "entry None (None)" and not why the row costs nothing
+    explain = CliRunner().invoke(main, ["pricing", "explain", row["request_id"], "--db", str(proxy.ledger)])
+    assert explain.exit_code == 0, explain.output
+    lines = explain.output.splitlines()
+    assert lines[1] == "  price status not_billed, no price entry, usage none"
+    assert lines[2].startswith("  outcome rejected (HTTP 400): tokenward has no price for model 'brand-new-model-9'")
+    assert "None" not in explain.output and lines[-1] == "  total: $0.000000000000"
 
 
 def test_fallback_policy_prices_unknown_models_and_says_so(start_proxy, simulator):

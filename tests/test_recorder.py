@@ -219,6 +219,42 @@ async def test_a_ledger_that_fails_a_move_is_written_by_the_next_one_and_at_stop
     assert rows == [(first.request_id, 1), (second.request_id, 2)]  # once each: the retried segment deduplicated
 
 
+async def test_a_reader_holding_the_ledger_logs_no_warning(tmp_path, catalog, caplog, monkeypatch):
+    # `tokenward report` while the proxy runs holds the file for a moment: the move finds it busy
+    # (logged at debug), and the next move logged "ledger rows are being written again" at WARNING,
+    # a recovery from a problem the operator was never told about
+    import logging
+
+    from tokenward.reports.ledger import LedgerBusy
+
+    path = tmp_path / "l.duckdb"
+    recorder = Recorder(catalog, str(path), flush_interval_s=0.01)
+    await recorder.start()
+    real = recorder.ledger.flush
+    busy = []
+
+    def held_by_a_reader(wal):
+        if len(busy) < 2:
+            busy.append(wal)
+            raise LedgerBusy("Could not set lock on file: held by a reader")
+        return real(wal)
+
+    monkeypatch.setattr(recorder.ledger, "flush", held_by_a_reader)
+    caplog.set_level(logging.DEBUG, logger="tokenward.recorder")
+    ex = make_exchange(requested_model="gpt-4o", usage=Usage(input_tokens=1, output_tokens=1))
+    await recorder.commit(ex)
+    for _ in range(200):
+        if len(busy) == 2 and recorder.flush_error is None:
+            break
+        await asyncio.sleep(0.02)
+    await recorder.stop()
+    assert len(busy) == 2 and recorder.flush_error is None
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    conn = open_ledger(path, read_only=True)
+    assert conn.execute("SELECT request_id FROM requests").fetchall() == [(ex.request_id,)]
+    conn.close()
+
+
 async def test_start_refuses_a_ledger_it_cannot_create(tmp_path, catalog):
     blocker = tmp_path / "file"
     blocker.write_text("x")

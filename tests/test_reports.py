@@ -616,6 +616,11 @@ def test_argument_mistakes_get_clear_errors(ledger):
     assert "instead of --since/--until" in fails("--since", "7d", "--forecast")
     assert "group by something other than time" in fails("--since", "7d", "--compare", "--by", "day")
     assert "99999999999999999999" in fails("--top", "99999999999999999999")
+    # a period's name given to --since: the error names the option that takes it
+    assert "'yesterday' is not a date, datetime or duration like 7d (for the calendar period, --period yesterday)" in (
+        fails("--since", "yesterday")
+    )
+    assert "like 7d\n" in fails("--until", "soon")
     # --compare alone groups by model
     assert [r["model"] for r in report(ledger, *NOVEMBER, "--compare")][:2] == ["acme-9", "gpt-4o"]
 
@@ -632,6 +637,15 @@ def test_machine_formats_keep_every_measure_unless_columns_are_chosen(ledger, tm
     described = {name: kind for name, kind, *_ in duckdb.sql(f"DESCRIBE SELECT * FROM '{parquet}'").fetchall()}
     assert described["requests"] == "BIGINT" and described["cost_usd"] == "DECIMAL(38,12)"
     assert {"output_cost_usd", "priced_requests", "estimated_requests"} <= set(described)
+
+
+def test_columns_all_in_a_machine_format_is_every_measure_the_default_gives(ledger):
+    # `--columns all` gave fewer JSON/CSV columns than no --columns at all: output_cost_usd and
+    # priced_requests (the parts of output share and avg/request) were left out
+    default = report(ledger, *NOVEMBER, "--by", "team")
+    everything = report(ledger, *NOVEMBER, "--by", "team", "--columns", "all")
+    assert [list(r) for r in everything] == [list(r) for r in default]
+    assert {"output_cost_usd", "priced_requests", "estimated_requests"} <= set(everything[0])
 
 
 def test_wide_tables_are_never_cut():

@@ -198,3 +198,36 @@ def test_endpoint_of_paths():
     assert endpoint_of("/anthropic/v1/messages") == "anthropic_messages"
     assert endpoint_of("/v1/responses/") == "responses"
     assert endpoint_of("/v1/files") is None
+
+
+def test_token_counting_endpoints_answer_the_count_the_reply_would_report(proxy, client):
+    # Claude Code calls messages/count_tokens before its requests: the simulator answered 404
+    # ("no recording for /anthropic/v1/messages/count_tokens"), and the SDKs raised NotFoundError
+    with anthropic.Anthropic(base_url=proxy.url, api_key="sk-ant-test", max_retries=0) as claude:
+        counted = claude.messages.count_tokens(model="claude-sonnet-4-5", messages=HI)
+        beta = claude.beta.messages.count_tokens(
+            model="claude-sonnet-4-5", messages=HI, betas=["token-counting-2024-11-01"]
+        )
+        message = claude.messages.create(model="claude-sonnet-4-5", max_tokens=16, messages=HI)
+    # Anthropic's dialect: "hi" is 1 token, plus 3 for the message and 3: 7, as the reply reports
+    assert (counted.input_tokens, beta.input_tokens, message.usage.input_tokens) == (7, 7, 7)
+    raw = client.post(
+        "/responses/input_tokens", body={"model": "gpt-4o-mini", "input": "hello world"}, cast_to=httpx.Response
+    )
+    # "hello world" is 2 o200k_base tokens (a bare string input: no message overhead)
+    assert (raw.status_code, raw.json()) == (200, {"object": "response.input_tokens", "input_tokens": 2})
+    bad = httpx.post(
+        f"{proxy.url}/v1/messages/count_tokens",
+        json={"model": "claude-sonnet-4-5"},
+        headers={"x-api-key": "sk-ant-test", "anthropic-version": "2023-06-01"},
+    )
+    assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
+    rows = proxy.rows(5)
+    # the four counts (the 400 included) are free: not metered; the one message is priced
+    assert sorted((r["endpoint"], r["price_status"]) for r in rows) == [
+        ("anthropic_messages", "priced"),
+        ("passthrough", "not_metered"),
+        ("passthrough", "not_metered"),
+        ("passthrough", "not_metered"),
+        ("passthrough", "not_metered"),
+    ]

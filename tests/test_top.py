@@ -110,6 +110,11 @@ def test_top_once_and_credential_errors(tmp_path, simulator, sample, monkeypatch
         assert max(len(line) for line in ok.output.splitlines()) <= 80
         refused = runner.invoke(main, ["top", "--url", proxy.url, "--once", "--token", "wrong"])
         assert refused.exit_code == 1 and "HTTP 401: That is not an admin credential." in refused.output
+        assert "--token" not in refused.output  # a token was given: it is the wrong one
+        # without one, the proxy's advice is a header or /dashboard's form: top says how it sends one
+        bare = runner.invoke(main, ["top", "--url", proxy.url, "--once"], env={"TOKENWARD_ADMIN_TOKEN": None})
+        assert bare.exit_code == 1 and "HTTP 401: Admin credential required" in bare.output
+        assert "Give `tokenward top` one with --token or TOKENWARD_ADMIN_TOKEN." in bare.output
     gone = runner.invoke(main, ["top", "--url", proxy.url, "--once", "--token", "x"])
     assert gone.exit_code == 1 and "cannot reach the proxy" in gone.output
     bad_zone = runner.invoke(main, ["top", "--once", "--tz", "Mars/Olympus"])
