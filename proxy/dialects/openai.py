@@ -180,7 +180,8 @@ def _observe_tools(tools: _Tools, view: _View, seen: Observation) -> None:
                 executed = part.get("executed_tools") if isinstance(part, dict) else None
                 for slot, tool in enumerate(executed if isinstance(executed, list) else ()):
                     if isinstance(tool, dict) and (
-                        tool.get("type") in _SEARCH_TOOLS or ("type" not in tool and "search_results" in tool)
+                        (isinstance(tool.get("type"), str) and tool["type"] in _SEARCH_TOOLS)
+                        or ("type" not in tool and "search_results" in tool)
                     ):
                         seen.web_search_calls.add(f"groq:{number}:{tool.get('index', slot)}")
 
