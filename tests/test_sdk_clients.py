@@ -628,3 +628,38 @@ def test_a_reply_the_meter_fails_on_still_gets_its_row_and_the_client_its_whole_
     assert chunks and chunks[-1].choices[0].finish_reason == "stop"
     assert (row["outcome"], row["price_status"], row["cost_usd"]) == ("ok", "usage_unknown", None)
     assert "the reply could not be metered: ValueError: a shape no rule foresaw" in row["error"]
+
+
+def test_a_reply_whose_estimate_fails_is_usage_unknown_not_a_free_row(provider, tmp_path, monkeypatch):
+    """An upstream that reports no usage is estimated; if the estimate fails, the row may still have been billed."""
+    from tokenward.proxy import forward
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise ValueError("no estimate")
+
+    monkeypatch.setattr(forward, "estimate", broken)
+    script, servers = provider
+    head = {"id": "c1", "object": "chat.completion.chunk", "model": "gpt-4o-mini"}
+    frames = sse(  # no usage chunk although tokenward asked for one
+        [
+            (None, {**head, "choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": None}]}),
+            (None, {**head, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}),
+        ]
+    ) + [b"data: [DONE]\n\n"]
+
+    async def chat(request: web.Request, body: bytes) -> web.StreamResponse:
+        return await stream_frames(request, frames)
+
+    script.routes["/v1/chat/completions"] = chat
+    with start(servers, tmp_path / "l.duckdb") as proxy:
+        with sdk(proxy) as client:
+            chunks = list(
+                client.chat.completions.create(
+                    model="gpt-4o-mini", messages=[{"role": "user", "content": "hi"}], stream=True
+                )
+            )
+        (row,) = proxy.rows(1)
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    # before: not_billed at $0, as if the provider had billed nothing
+    assert (row["outcome"], row["price_status"], row["cost_usd"]) == ("ok", "usage_unknown", None)
+    assert "the usage could not be estimated: ValueError: no estimate" in row["error"]
