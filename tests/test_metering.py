@@ -462,3 +462,16 @@ def test_no_reply_shape_makes_the_meter_raise():
         result = meter.finish()
         if result.usage is not None:
             result.usage.violations()
+
+
+def test_an_estimate_reads_indexes_and_choices_of_an_unexpected_type_without_raising():
+    request = json.dumps({"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}).encode()
+    chunks = [
+        b'data: {"choices": [{"index": [0], "delta": {"content": "Hello"}}]}\n\n',  # an index no dict key can be
+        b'data: {"choices": [{"index": [0], "delta": {"content": " there"}}]}\n\n',
+        b'data: {"choices": true}\n\n',  # choices that are no list hold no text
+        b"data: [DONE]\n\n",
+    ]
+    usage = estimate("openai", request, chunks, stream=True, model="gpt-4o-mini", source=UsageSource.ESTIMATED)
+    # "Hello there" is 2 tokens (o200k_base), joined as one piece; the input: 1 message x 3 + "user" + "hi" + 3
+    assert (usage.input_tokens, usage.output_tokens) == (8, 2)

@@ -424,7 +424,8 @@ def reply_texts(obj: dict[str, Any]) -> list[tuple[Any, str, bool]]:
     piece in full (a non-streamed message, a finished Responses item), replacing its deltas.
     """
     found: list[tuple[Any, str, bool]] = []
-    for position, choice in enumerate(obj.get("choices") or ()):
+    choices = obj.get("choices")
+    for position, choice in enumerate(choices if isinstance(choices, list) else ()):
         if not isinstance(choice, dict):
             continue
         number = choice.get("index", position)
