@@ -594,6 +594,32 @@ def test_a_streamed_image_pair_with_an_unreadable_count_gets_its_flagged_row(
     assert violation is None or violation in row["violations"]
 
 
+def one_chat_stream(
+    provider: tuple[Provider, Servers], tmp_path: Path, usage: dict[str, Any] | None
+) -> tuple[Any, dict]:
+    """One streamed chat request through the proxy to an upstream that sends ``usage`` (``None``: no usage chunk)."""
+    script, servers = provider
+    head = {"id": "c1", "object": "chat.completion.chunk", "model": "gpt-4o-mini"}
+    events: list[tuple[str | None, dict[str, Any]]] = [
+        (None, {**head, "choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": None}]}),
+        (None, {**head, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}),
+    ]
+    if usage is not None:
+        events.append((None, {**head, "choices": [], "usage": usage}))
+    frames = [*sse(events), b"data: [DONE]\n\n"]
+
+    async def chat(request: web.Request, body: bytes) -> web.StreamResponse:
+        return await stream_frames(request, frames)
+
+    script.routes["/v1/chat/completions"] = chat
+    with start(servers, tmp_path / "l.duckdb") as proxy:
+        with sdk(proxy) as client:
+            messages = [{"role": "user", "content": "hi"}]
+            chunks = list(client.chat.completions.create(model="gpt-4o-mini", messages=messages, stream=True))
+        (row,) = proxy.rows(1)
+    return chunks, row
+
+
 def test_a_reply_the_meter_fails_on_still_gets_its_row_and_the_client_its_whole_stream(provider, tmp_path, monkeypatch):
     """Whatever a dialect trips on, the exchange is recorded (usage_unknown) and the stream is relayed to its end."""
     from tokenward.proxy.dialects import openai as openai_dialect
@@ -602,29 +628,7 @@ def test_a_reply_the_meter_fails_on_still_gets_its_row_and_the_client_its_whole_
         raise ValueError("a shape no rule foresaw")
 
     monkeypatch.setattr(openai_dialect, "finish", broken)
-    script, servers = provider
-    head = {"id": "c1", "object": "chat.completion.chunk", "model": "gpt-4o-mini"}
-    usage = {"prompt_tokens": 8, "completion_tokens": 1, "total_tokens": 9}
-    frames = sse(
-        [
-            (None, {**head, "choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": None}]}),
-            (None, {**head, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}),
-            (None, {**head, "choices": [], "usage": usage}),
-        ]
-    ) + [b"data: [DONE]\n\n"]
-
-    async def chat(request: web.Request, body: bytes) -> web.StreamResponse:
-        return await stream_frames(request, frames)
-
-    script.routes["/v1/chat/completions"] = chat
-    with start(servers, tmp_path / "l.duckdb") as proxy:
-        with sdk(proxy) as client:
-            chunks = list(
-                client.chat.completions.create(
-                    model="gpt-4o-mini", messages=[{"role": "user", "content": "hi"}], stream=True
-                )
-            )
-        (row,) = proxy.rows(1)
+    chunks, row = one_chat_stream(provider, tmp_path, {"prompt_tokens": 8, "completion_tokens": 1, "total_tokens": 9})
     assert chunks and chunks[-1].choices[0].finish_reason == "stop"
     assert (row["outcome"], row["price_status"], row["cost_usd"]) == ("ok", "usage_unknown", None)
     assert "the reply could not be metered: ValueError: a shape no rule foresaw" in row["error"]
@@ -638,27 +642,7 @@ def test_a_reply_whose_estimate_fails_is_usage_unknown_not_a_free_row(provider, 
         raise ValueError("no estimate")
 
     monkeypatch.setattr(forward, "estimate", broken)
-    script, servers = provider
-    head = {"id": "c1", "object": "chat.completion.chunk", "model": "gpt-4o-mini"}
-    frames = sse(  # no usage chunk although tokenward asked for one
-        [
-            (None, {**head, "choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": None}]}),
-            (None, {**head, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}),
-        ]
-    ) + [b"data: [DONE]\n\n"]
-
-    async def chat(request: web.Request, body: bytes) -> web.StreamResponse:
-        return await stream_frames(request, frames)
-
-    script.routes["/v1/chat/completions"] = chat
-    with start(servers, tmp_path / "l.duckdb") as proxy:
-        with sdk(proxy) as client:
-            chunks = list(
-                client.chat.completions.create(
-                    model="gpt-4o-mini", messages=[{"role": "user", "content": "hi"}], stream=True
-                )
-            )
-        (row,) = proxy.rows(1)
+    chunks, row = one_chat_stream(provider, tmp_path, None)  # no usage chunk although tokenward asked for one
     assert chunks[-1].choices[0].finish_reason == "stop"
     # before: not_billed at $0, as if the provider had billed nothing
     assert (row["outcome"], row["price_status"], row["cost_usd"]) == ("ok", "usage_unknown", None)
