@@ -595,7 +595,10 @@ def test_a_streamed_image_pair_with_an_unreadable_count_gets_its_flagged_row(
 
 
 def one_chat_stream(
-    provider: tuple[Provider, Servers], tmp_path: Path, usage: dict[str, Any] | None
+    provider: tuple[Provider, Servers],
+    tmp_path: Path,
+    usage: dict[str, Any] | None,
+    headers: dict[str, str] | None = None,
 ) -> tuple[Any, dict]:
     """One streamed chat request through the proxy to an upstream that sends ``usage`` (``None``: no usage chunk)."""
     script, servers = provider
@@ -609,7 +612,7 @@ def one_chat_stream(
     frames = [*sse(events), b"data: [DONE]\n\n"]
 
     async def chat(request: web.Request, body: bytes) -> web.StreamResponse:
-        return await stream_frames(request, frames)
+        return await stream_frames(request, frames, headers)
 
     script.routes["/v1/chat/completions"] = chat
     with start(servers, tmp_path / "l.duckdb") as proxy:
@@ -647,3 +650,13 @@ def test_a_reply_whose_estimate_fails_is_usage_unknown_not_a_free_row(provider, 
     # before: not_billed at $0, as if the provider had billed nothing
     assert (row["outcome"], row["price_status"], row["cost_usd"]) == ("ok", "usage_unknown", None)
     assert "the usage could not be estimated: ValueError: no estimate" in row["error"]
+
+
+def test_a_stream_whose_media_type_is_not_lower_case_is_metered_as_a_stream(provider, tmp_path):
+    """Media types are case-insensitive (RFC 9110 8.3.1): ``Text/Event-Stream`` is a stream."""
+    usage = {"prompt_tokens": 8, "completion_tokens": 1, "total_tokens": 9}
+    chunks, row = one_chat_stream(provider, tmp_path, usage, {"content-type": "Text/Event-Stream; charset=UTF-8"})
+    assert [c.choices[0].delta.content for c in chunks] == ["hi", None]  # the usage chunk tokenward asked for is hidden
+    # gpt-4o-mini: 8 x 0.15 + 1 x 0.60 = 1.8 / 1M; before: read as one JSON body, estimated from the request alone
+    assert (row["usage_source"], row["input_tokens"], row["output_tokens"]) == ("reported", 8, 1)
+    assert row["cost_usd"] == Decimal("0.0000018")
