@@ -475,3 +475,14 @@ def test_an_estimate_reads_indexes_and_choices_of_an_unexpected_type_without_rai
     usage = estimate("openai", request, chunks, stream=True, model="gpt-4o-mini", source=UsageSource.ESTIMATED)
     # "Hello there" is 2 tokens (o200k_base), joined as one piece; the input: 1 message x 3 + "user" + "hi" + 3
     assert (usage.input_tokens, usage.output_tokens) == (8, 2)
+
+
+def test_a_responses_error_event_is_recorded_with_its_message():
+    meter = Meter("openai")
+    meter.feed_stream(b'event: response.created\ndata: {"type":"response.created","response":{"model":"gpt-4.1"}}\n\n')
+    meter.feed_stream(
+        b'event: error\ndata: {"type":"error","code":"server_error","message":"The model is overloaded"}\n\n'
+    )
+    meter.end_stream()
+    result = meter.finish()
+    assert (result.error, result.complete, result.usage) == ("The model is overloaded", True, None)  # before: "error"

@@ -92,6 +92,7 @@ class _View(msgspec.Struct):
     type: Any = None
     object: Any = None
     status: Any = None
+    message: Any = None
 
 
 class _Tools(msgspec.Struct):
@@ -157,8 +158,9 @@ def observe(view: _View, seen: Observation) -> None:
         seen.error = str(error.get("message") or error.get("code") or "error")
     elif failed and view.type == "response.failed" and seen.error is None:
         seen.error = "response.failed"
-    elif view.type == "error" and seen.error is None:
-        seen.error = view.error if isinstance(view.error, str) and view.error else "error"
+    elif view.type == "error" and seen.error is None:  # the Responses API's error event: code and message at the top
+        text = next((v for v in (view.error, view.message) if isinstance(v, str) and v), "error")
+        seen.error = text[:500]
 
 
 def _observe_tools(tools: _Tools, view: _View, seen: Observation) -> None:
