@@ -430,7 +430,7 @@ class Plan:
         if _encoded(reply):
             log.warning("request %s: the reply is compressed, so its new object gets no owner", ex.request_id)
             return reply
-        if (_header(reply, b"content-type") or "").startswith("text/event-stream"):
+        if (_header(reply, b"content-type") or "").strip().lower().startswith("text/event-stream"):
             return await self._capture_stream(ex, reply, capture)
         return await self._capture_body(ex, reply, capture)
 

@@ -344,8 +344,11 @@ class Recorder:
         if estimate is not None:
             try:
                 ex.usage = await asyncio.get_running_loop().run_in_executor(None, estimate)
-            except Exception as exc:
+            except Exception as exc:  # nothing is known of what the provider billed: never a $0 not_billed row
                 log.error("token estimate failed for %s: %s", ex.request_id, exc)
+                ex.maybe_billed = True
+                note = f"the usage could not be estimated: {type(exc).__name__}: {exc}"[:500]
+                ex.error = f"{ex.error}; {note}" if ex.error else note
         await self._append(ex)
 
     async def _append(self, ex: Exchange) -> None:

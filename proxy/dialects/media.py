@@ -68,7 +68,7 @@ def observe_body(body: bytes, seen: Observation) -> None:
     elif view.type == "error":
         seen.error = "error"
     variant = _variant(view.size, view.quality)
-    if view.type in _IMAGE_DONE:
+    if isinstance(view.type, str) and view.type in _IMAGE_DONE:
         extra["images"] = extra.get("images", 0) + 1
         extra.setdefault("variant", variant)
         if isinstance(view.usage, dict):
