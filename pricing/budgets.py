@@ -41,6 +41,7 @@ __all__ = [
     "Degrade",
     "Period",
     "evaluate",
+    "model_base",
     "same_model",
 ]
 
@@ -229,11 +230,19 @@ class Degrade:
         """The model ``model`` is rerouted to (the name or its dated snapshots), or ``None``."""
         if model is None:
             return None
-        return next((to for source, to in self.reroute if same_model(source, model)), None)
+        return next((to for source, to in self.reroute if _same_snapshot(source, model)), None)
 
 
 SNAPSHOT_SUFFIX = re.compile(r"-(?:\d{4}-\d{2}-\d{2}|\d{8})$")
 """A dated snapshot suffix of a model name (``-2024-08-06``, ``-20250514``)."""
+
+
+def model_base(name: str) -> str:
+    """``name`` without a routing prefix: what follows its last ``/`` (``openrouter/openai/gpt-4o``: ``gpt-4o``).
+
+    The prices resolve such names the same way (``price_resolved_by = routing_prefix``).
+    """
+    return name.rpartition("/")[2]
 
 
 def same_model(scope: str, name: str) -> bool:
@@ -241,8 +250,15 @@ def same_model(scope: str, name: str) -> bool:
 
     Equal names match, and a name matches its dated snapshots either way: a request for
     ``gpt-4o`` may be served as ``gpt-4o-2024-08-06``, so a budget on either name covers both
-    (but not another snapshot of the same model).
+    (but not another snapshot of the same model). Routing prefixes do not count: a budget on
+    ``gpt-4o`` covers ``openai/gpt-4o`` (OpenRouter), ``azure/gpt-4o`` (LiteLLM's names) and
+    ``openrouter/openai/gpt-4o-2024-08-06``, so a client cannot step outside it by prefixing the
+    name it sends (SQL: :func:`tokenward.reports.queries.model_condition`).
     """
+    return _same_snapshot(model_base(scope), model_base(name))
+
+
+def _same_snapshot(scope: str, name: str) -> bool:
     return scope == name or SNAPSHOT_SUFFIX.sub("", name) == scope or SNAPSHOT_SUFFIX.sub("", scope) == name
 
 

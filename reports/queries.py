@@ -20,7 +20,7 @@ from zoneinfo import ZoneInfo
 
 import duckdb
 
-from tokenward.pricing.budgets import SNAPSHOT_SUFFIX
+from tokenward.pricing.budgets import SNAPSHOT_SUFFIX, model_base
 from tokenward.pricing.usage import TOKEN_FIELDS
 from tokenward.reports.ledger import ROW_COLUMNS
 from tokenward.reports.localtime import local_hour_start_sql, local_timestamp_sql
@@ -36,6 +36,7 @@ __all__ = [
     "derive",
     "export_rows",
     "model_condition",
+    "plain_models",
     "spend",
     "spend_report",
     "spend_totals",
@@ -175,7 +176,7 @@ class Selection:
             params["until"] = self.until
         for i, (name, values) in enumerate(sorted(self.filters.items())):
             dimension = canonical(name)
-            params[f"f{i}"] = list(values)
+            params[f"f{i}"] = plain_models(values) if dimension == "model" else list(values)
             if dimension == "tag":  # "(none)", as --by tag shows it, keeps the untagged rows
                 untagged = " OR len(coalesce(tags, [])) = 0" if "(none)" in values else ""
                 clauses.append(f"(list_has_any(coalesce(tags, []), $f{i}){untagged})")
@@ -220,21 +221,30 @@ class Selection:
         return f"(SELECT {columns}, unnest({_TAGS}) AS tag FROM requests{where}) AS tagged", params
 
 
+def plain_models(names: Sequence[str]) -> list[str]:
+    """``names`` without their routing prefixes (the first list :func:`model_condition` takes)."""
+    return [model_base(n) for n in names]
+
+
 def bare_models(names: Sequence[str]) -> list[str]:
-    """``names`` without their dated snapshot suffixes (the second list :func:`model_condition` takes)."""
-    return [SNAPSHOT_SUFFIX.sub("", n) for n in names]
+    """``names`` without routing prefixes and dated snapshot suffixes (:func:`model_condition`'s second list)."""
+    return [SNAPSHOT_SUFFIX.sub("", model_base(n)) for n in names]
 
 
 def model_condition(names: str, bare: str) -> str:
     """SQL keeping rows whose model is one of the list ``names``.
 
     As :func:`tokenward.pricing.budgets.same_model` has it: the requested, sent (a degraded
-    request's reroute) or served name, equal, or equal once a dated snapshot suffix is removed from
-    either side (the guard's :func:`~tokenward.proxy.guard.attributes_of_row` reads the same three).
+    request's reroute) or served name, without its routing prefix (``openai/gpt-4o`` is
+    ``gpt-4o``), equal, or equal once a dated snapshot suffix is removed from either side (the
+    guard's :func:`~tokenward.proxy.guard.attributes_of_row` reads the same three).
 
-    ``names`` and ``bare`` are placeholders for the names and for :func:`bare_models` of them.
+    ``names`` and ``bare`` are placeholders for :func:`plain_models` and :func:`bare_models` of the names.
     """
-    columns = [f"coalesce({c}, '(none)')" for c in ("requested_model", "sent_model", "served_model")]
+    columns = [
+        f"list_extract(string_split(coalesce({c}, '(none)'), '/'), -1)"
+        for c in ("requested_model", "sent_model", "served_model")
+    ]
     stripped = [f"regexp_replace({c}, '{SNAPSHOT_SUFFIX.pattern}', '')" for c in columns]
     return f"(list_has_any({names}, [{', '.join(columns + stripped)}]) OR list_has_any({bare}, [{', '.join(columns)}]))"
 

@@ -19,6 +19,7 @@ from tokenward.proxy.config import UpstreamConfig, VirtualKeyConfig
 from tokenward.proxy.keys import key_id
 from tokenward.proxy.simulator import FAULT_HEADER, RECORD_HEADER, Recording
 from tokenward.reports.ledger import write_rows
+from tokenward.reports.queries import Selection, spend_report
 
 from .servers import post_then_leave
 from .test_ledger import make_row
@@ -564,6 +565,11 @@ def test_a_model_scope_covers_its_dated_snapshots_in_the_guard_and_the_ledger(tm
         ("b", "gpt-4o", "gpt-4o-2024-11-20", "2"),
         ("c", "gpt-4o-mini", "gpt-4o-mini-2024-07-18", "4"),
         ("d", "gpt-4o-2024-08-06", None, "8"),
+        # routing prefixes (OpenRouter's, LiteLLM's): the same model for the guard and the ledger
+        ("e", "openai/gpt-4o", "openai/gpt-4o", "16"),
+        ("f", "azure/gpt-4o-2024-08-06", None, "32"),
+        ("g", "openrouter/openai/gpt-4o-mini", None, "64"),
+        ("h", "azure/gpt-4o-2024-11-20", None, "128"),
     ]
     write_rows(
         path,
@@ -574,14 +580,31 @@ def test_a_model_scope_covers_its_dated_snapshots_in_the_guard_and_the_ledger(tm
     )
     conn = open_ledger(path, read_only=True)
     window = (dt.datetime(2020, 1, 1, tzinfo=UTC), dt.datetime(2030, 1, 1, tzinfo=UTC))
-    # dated: a (served as it), b (requested as gpt-4o, which the snapshot belongs to), d (requested as it)
-    # plain: a, b and d (all gpt-4o); never gpt-4o-mini
+    # dated: a (served as it), b (requested as gpt-4o, which the snapshot belongs to), d (requested as it),
+    # e (gpt-4o behind openai/), f (the snapshot behind azure/): 1 + 2 + 8 + 16 + 32 = 59
+    # plain: a, b, d, e, f and h (all gpt-4o): 59 + 128 = 187; never gpt-4o-mini (g)
     spend = DuckSpend(conn)
-    assert (spend.spend_in(dated, *window), spend.spend_in(plain, *window)) == (Decimal(11), Decimal(11))
+    assert (spend.spend_in(dated, *window), spend.spend_in(plain, *window)) == (Decimal(59), Decimal(187))
+    # a report's --where model= filter reads the names the same way
+    selection = Selection(filters={"model": ["gpt-4o"]})
+    assert sum(r["cost_usd"] for r in spend_report(conn, ["model"], selection)[0]) == Decimal(187)
     conn.close()
     for row_id, requested, served, _ in rows:
         attributes = {"model": (requested, served) if served else (requested,)}
-        assert dated.matches(attributes) == (row_id in "abd") and plain.matches(attributes) == (row_id in "abd")
+        assert dated.matches(attributes) == (row_id in "abdef") and plain.matches(attributes) == (row_id in "abdefh")
+
+
+def test_a_routing_prefix_does_not_take_a_request_out_of_its_model_budget(start_proxy, simulator):
+    request = long_prompt_request(10, 100) | {"model": "azure/gpt-4o"}  # priced as gpt-4o (routing_prefix)
+    register(simulator, "prefixed", request, prompt_tokens=17, completion_tokens=100)
+    # worst case (17 x 2.50 + 100 x 10.00) / 1M = $0.0010425 > the $0.001 left in the gpt-4o budget
+    budget = BudgetSettings(name="gpt-4o-cap", limit_usd="0.001", scope={"model": "gpt-4o"}, period="total", action="block")
+    proxy = budget_proxy(start_proxy, simulator, [budget])
+    headers = {"authorization": "Bearer tw-agent-key-0001", RECORD_HEADER: "prefixed"}
+    for model in ("azure/gpt-4o", "openrouter/openai/gpt-4o", "gpt-4o"):
+        refused = httpx.post(f"{proxy.url}/v1/chat/completions", json=request | {"model": model}, headers=headers)
+        assert refused.status_code == 429, (model, refused.text)
+        assert refused.json()["error"]["code"] == "budget_exceeded" and "gpt-4o-cap" in refused.json()["error"]["message"]
 
 
 def test_a_client_that_leaves_before_the_reply_keeps_its_reservation_as_spend(start_proxy, simulator):

@@ -410,6 +410,39 @@ def test_spend_sources_give_the_same_figures_on_both_engines(tmp_path, pg_url):
         conn.close()
 
 
+def test_a_model_budget_covers_routing_prefixed_names_on_both_engines(tmp_path, pg_url):
+    from tokenward.reports.ledger import open_ledger
+    from tokenward.reports.ledger.pg_spend import PgSpend
+    from tokenward.reports.ledger.spend import DuckSpend
+
+    at = T0.timestamp()
+    names = [  # (requested, served, cost): gpt-4o behind the prefixes clients use (OpenRouter, LiteLLM)
+        ("openai/gpt-4o", "openai/gpt-4o", "1"),
+        ("azure/gpt-4o-2024-08-06", None, "2"),
+        ("openrouter/openai/gpt-4o", "openai/gpt-4o-2024-11-20", "4"),
+        ("openrouter/openai/gpt-4o-mini", None, "8"),  # another model
+        ("a\n/gpt-4o", None, "16"),  # a newline does not hide the prefix
+    ]
+    rows = [
+        make_row(f"p{i}", requested_model=r, served_model=s, cost_usd=D(c), started_at=at)
+        for i, (r, s, c) in enumerate(names)
+    ]
+    ledger = pg(tmp_path, pg_url)
+    ledger.write_rows(rows)
+    write_rows(str(tmp_path / "same.duckdb"), rows)
+    conn = open_ledger(tmp_path / "same.duckdb", read_only=True)
+    window = (T0 - dt.timedelta(hours=1), T0 + dt.timedelta(hours=1))
+    try:
+        for source in (DuckSpend(conn), PgSpend(ledger.pool)):
+            # gpt-4o: 1 + 2 + 4 + 16 = 23; its 2024-08-06 snapshot: the same rows (requested as gpt-4o or
+            # as the snapshot; the 2024-11-20 row was requested as gpt-4o), but not gpt-4o-mini
+            for model, spent in (("gpt-4o", "23"), ("azure/gpt-4o", "23"), ("gpt-4o-2024-08-06", "23"), ("gpt-4o-mini", "8")):
+                budget = Budget("m", D(10), scope=(("model", model),), period=Period("day"))
+                assert source.spend_in(budget, *window) == D(spent), (type(source).__name__, model)
+    finally:
+        conn.close()
+
+
 def test_object_owners_newest_first_on_postgres(tmp_path, pg_url):
     ledger = pg(tmp_path, pg_url)
     state = ledger.state

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from decimal import Decimal
 from typing import Any
 
-from tokenward.pricing.budgets import SNAPSHOT_SUFFIX, Budget
+from tokenward.pricing.budgets import SNAPSHOT_SUFFIX, Budget, model_base
 from tokenward.reports.ledger.pg_pool import SyncPool
 from tokenward.reports.ledger.schema import SPEND_EXPRESSION
 from tokenward.reports.ledger.spend import _COLUMNS, UnpricedModel  # the dimensions' columns, as DuckDB's
@@ -25,19 +25,22 @@ def pg_scope_clause(budget: Budget) -> tuple[str, list[Any]]:
     """Postgres SQL condition (and its ``%s`` parameters) selecting the rows in ``budget``'s scope.
 
     As :meth:`tokenward.pricing.budgets.Budget.matches` (and DuckDB's ``model_condition``): a
-    ``model`` scope takes the requested, sent (a rerouted request's) or served name, equal or once a
-    dated snapshot suffix is removed from either side.
+    ``model`` scope takes the requested, sent (a rerouted request's) or served name, without its
+    routing prefix, equal or once a dated snapshot suffix is removed from either side.
     """
     clauses: list[str] = []
     params: list[Any] = []
     for dimension, value in budget.scope:
         if dimension == "model":
-            columns = [f"coalesce({c}, '(none)')" for c in ("requested_model", "sent_model", "served_model")]
+            columns = [  # '.' matches a newline in Postgres's regular expressions: all up to the last '/'
+                f"regexp_replace(coalesce({c}, '(none)'), '^.*/', '')"
+                for c in ("requested_model", "sent_model", "served_model")
+            ]
             stripped = [f"regexp_replace({c}, '{SNAPSHOT_SUFFIX.pattern}', '')" for c in columns]
             clauses.append(
                 f"(ARRAY[{', '.join(columns + stripped)}] && %s::text[] OR ARRAY[{', '.join(columns)}] && %s::text[])"
             )
-            params += [[value], [SNAPSHOT_SUFFIX.sub("", value)]]
+            params += [[model_base(value)], [SNAPSHOT_SUFFIX.sub("", model_base(value))]]
         elif dimension == "tag":
             clauses.append("%s = ANY (tags)")
             params.append(value)

@@ -20,7 +20,7 @@ import duckdb
 
 from tokenward.pricing.budgets import Budget
 from tokenward.reports.ledger.schema import SPEND_EXPRESSION
-from tokenward.reports.queries import bare_models, model_condition
+from tokenward.reports.queries import bare_models, model_condition, plain_models
 
 __all__ = ["DuckSpend", "SpendSource", "UnpricedModel", "scope_clause"]
 
@@ -70,9 +70,9 @@ def scope_clause(budget: Budget) -> tuple[str, list[Any]]:
     clauses: list[str] = []
     params: list[Any] = []
     for dimension, value in budget.scope:
-        if dimension == "model":  # as pricing.budgets.same_model: the name or its dated snapshots
+        if dimension == "model":  # as pricing.budgets.same_model: the name (any routing prefix) or its snapshots
             clauses.append(model_condition("?", "?"))
-            params += [[value], bare_models([value])]
+            params += [plain_models([value]), bare_models([value])]
         elif dimension == "tag":
             clauses.append("list_contains(tags, ?)")
             params.append(value)
