@@ -554,7 +554,7 @@ class Forwarder:
                 )
             counts: dict[Any, Any] = {}
             if media is not None:
-                worst, unbounded = await self._media_worst_case(ex, media, now), False
+                worst, unbounded = await self._media_worst_case(ex, media, now), media.remote_audio
             else:
                 # what is left in the budget in scope with least (the bytes bound is weighed against it)
                 ample = guard.tightest(attributes, now) if self.guard_settings.bytes_bound_share > 0 else None
@@ -570,7 +570,7 @@ class Forwarder:
                                 attributes, worst, now, unbounded=unbounded, request_id=ex.request_id
                             )
                         except BudgetRefusal:
-                            if counts:
+                            if counts or media is not None:  # a media bound is the only one it has
                                 raise
                             # bounded by bytes (nothing counted) and refused all the same: others hold
                             # the headroom; the counted bound may fit
@@ -1141,6 +1141,7 @@ class Forwarder:
         source = UsageSource.ESTIMATED if ex.outcome is Outcome.OK else UsageSource.PARTIAL
         if relay.media is not None:
             kept = list(meter.kept_reply)
+            ex.maybe_billed = ex.maybe_billed or relay.media.remote_audio  # its estimate may find no length
             await self.recorder.commit(ex, estimate=partial(media_estimate, relay.media, kept, source=source))
             return
         job = partial(
