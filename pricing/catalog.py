@@ -203,7 +203,9 @@ class Resolution:
     name mapped in the config), ``vendor_prefix`` (``openai/gpt-4o`` at a reseller, priced as the
     vendor's model), ``other_provider`` (the model name listed under another provider),
     ``snapshot`` (a dated snapshot such as ``o1-2024-12-17`` priced as its base model ``o1``;
-    field case B22's ``inferred_base_model``), ``price_as_upstream`` (the upstream's ``price_as``
+    field case B22's ``inferred_base_model``, also behind a routing prefix: ``azure/o1-2024-12-17``),
+    ``routing_prefix`` (a name behind a prefix that is no catalog provider: ``azure/gpt-4o``,
+    ``openrouter/openai/gpt-4o``), ``price_as_upstream`` (the upstream's ``price_as``
     pin), ``price_as_model`` (a ``pricing.price_as`` pin on the requested model) or ``fallback``
     (the configured fallback price).
     """
@@ -295,7 +297,9 @@ class PriceCatalog:
             an unknown model leaves the row unpriced rather than pricing what the reply named.
             Without a pin, rules are tried in order: a configured alias, provider + name, vendor
             prefix, any provider, and then the same for the name without a
-            ``-YYYY-MM-DD``/``-YYYYMMDD`` snapshot suffix; then the fallback.
+            ``-YYYY-MM-DD``/``-YYYYMMDD`` snapshot suffix; then all of these for the name without
+            its first ``prefix/`` (a routing prefix such as ``azure/``, named ``routing_prefix``, or
+            ``snapshot`` when a suffix was stripped too), one prefix at a time; then the fallback.
         """
         pin, how = price_as, "price_as_upstream"
         if not pin and requested:
@@ -323,6 +327,18 @@ class PriceCatalog:
         if configured is not None:
             found = self._lookup(configured.lower(), provider)
             return (found[0], "configured_alias") if found else None
+        found = self._named(name, provider)
+        rest = name
+        while found is None and "/" in rest:
+            # a routing prefix that names no catalog provider (LiteLLM's azure/o1, openrouter/openai/gpt-4o)
+            rest = rest.partition("/")[2]
+            found = self._named(rest, provider)
+            if found is not None and found[1] != "snapshot":
+                found = found[0], "routing_prefix"
+        return found
+
+    def _named(self, name: str, provider: str | None) -> tuple[str, str] | None:
+        """``name`` by provider + name, vendor prefix or any provider; then without its snapshot suffix."""
         found = self._lookup(name, provider)
         if found is not None:
             return found

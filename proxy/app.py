@@ -54,6 +54,7 @@ from tokenward.proxy.startup import (
     StartupError,
     import_legacy_state,
     load_books,
+    load_unpriced,
     needs_single_proxy,
     refresh_local_books,
     runs_allowed,
@@ -230,6 +231,8 @@ def create_app(
         try:
             await recorder.start()
             await asyncio.to_thread(import_legacy_state, ledger)
+            if config.alerts.admins:
+                await asyncio.to_thread(load_unpriced, ledger, recorder)
             await reload_keys(ledger.state, auth)
             if isolation is not None:
                 await isolation.owners.load()

@@ -32,6 +32,7 @@ from urllib.parse import unquote_to_bytes, urlsplit
 from yarl import URL
 
 __all__ = [
+    "DIRECT_ENDPOINTS",
     "FREE_ENDPOINTS",
     "METERED_ENDPOINTS",
     "Base",
@@ -96,6 +97,19 @@ Model lists and model lookups (OpenAI and Anthropic, ``HEAD`` included), Anthrop
 counting and OpenAI's input-token counting are free at the provider (docs.anthropic.com
 "Token counting"; platform.openai.com "Counting tokens"). ``DELETE models/...`` (deleting a
 fine-tuned model) is left out on purpose, hence the ``GET``.
+"""
+
+DIRECT_ENDPOINTS: frozenset[str] = frozenset(
+    {"realtime/client_secrets", "realtime/sessions", "realtime/transcription_sessions", "realtime/calls"}
+)
+"""Endpoints whose ``POST`` opens spending straight at the provider, past tokenward, for minutes to hours.
+
+Realtime's client secrets (``ek_...``, valid up to 2 hours) let a browser or any holder open
+Realtime sessions at ``api.openai.com`` with the account's quota; ``realtime/calls`` hands a
+WebRTC peer a media session with the provider. None of that spend passes tokenward again: one
+row, no usage, no budget (platform.openai.com/docs/api-reference/realtime-sessions, checked
+2026-12-02). So they pass only an ``allow_unmetered`` entry that names them exactly, without a
+wildcard (``POST realtime/client_secrets``): ``*`` or ``realtime/*`` does not let them pass.
 """
 
 _UNRESERVED = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~")
@@ -297,23 +311,32 @@ class UnmeteredPolicy:
         ValueError: an entry with an unknown method, an empty pattern or a leading ``/``.
     """
 
-    __slots__ = ("_by_method", "entries")
+    __slots__ = ("_by_method", "_named", "entries")
 
     def __init__(self, entries: Iterable[str]) -> None:
         self.entries = tuple(entries)
         globs: dict[str, list[str]] = {method: [] for method in _METHODS}
+        named: set[tuple[str, str]] = set()
         for entry in self.entries:
             method, pattern = _split_entry(entry)
             for name in (method,) if method else _METHODS:
                 globs[name].append(fnmatch.translate(pattern.lower()))
+                named.add((name, pattern.lower()))
         self._by_method = {m: re.compile("|".join(g)) for m, g in globs.items() if g}
+        self._named = frozenset(named)
 
     def allows(self, method: str, tail: str) -> bool:
-        """Whether ``method`` on ``/v1/<tail>`` may pass unmetered."""
+        """Whether ``method`` on ``/v1/<tail>`` may pass unmetered.
+
+        A ``POST`` to one of :data:`DIRECT_ENDPOINTS` passes only an entry naming it exactly.
+        """
         if method == "OPTIONS":
             return True
+        lower = tail.lower()
+        if method == "POST" and lower in DIRECT_ENDPOINTS:
+            return (method, lower) in self._named
         regex = self._by_method.get("GET" if method == "HEAD" else method)
-        return regex is not None and regex.match(tail.lower()) is not None
+        return regex is not None and regex.match(lower) is not None
 
 
 def _split_entry(entry: str) -> tuple[str | None, str]:

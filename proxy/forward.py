@@ -43,7 +43,15 @@ from tokenward.proxy.budget_api import header_name, reply_headers, usd_text
 from tokenward.proxy.config import UpstreamConfig
 from tokenward.proxy.degrade import Plan, degrade
 from tokenward.proxy.dialects.claude_code import parse_user_id
-from tokenward.proxy.edge import METERED_ENDPOINTS, EdgeError, Endpoint, Target, request_dialect, target
+from tokenward.proxy.edge import (
+    DIRECT_ENDPOINTS,
+    METERED_ENDPOINTS,
+    EdgeError,
+    Endpoint,
+    Target,
+    request_dialect,
+    target,
+)
 from tokenward.proxy.errors import ProxyError
 from tokenward.proxy.exchange import Exchange, Outcome
 from tokenward.proxy.guard import BudgetGuard, BudgetRefusal
@@ -70,7 +78,39 @@ log = logging.getLogger("tokenward.proxy")
 # "Expect: 100-continue" (curl, bodies over 1 MiB) is the server's to answer, and tokenward's server
 # does as it reads the body: forwarded, the upstream client held the body until the upstream's own
 # 100, which a server that waits for the body never sends (nginx does not forward it either).
-_KEEP_LENGTH_DROPPED = HOP_BY_HOP | {b"host", b"expect"}
+# Headers naming the URL, host or client of the hop *to* tokenward: a front end the upstream trusts
+# (IIS URL Rewrite and Symfony/Laminas read X-Original-URL and X-Rewrite-URL as the path to serve;
+# Werkzeug's ProxyFix, uvicorn --forwarded-allow-ips and Rails read the X-Forwarded-* family and
+# RFC 7239's Forwarded) would serve or build URLs from the client's word instead of the request line
+# tokenward checked, routed, metered and held to the caller's objects. They describe tokenward's
+# client side, never the hop to the upstream, so none is forwarded, in either auth mode.
+# https://learn.microsoft.com/iis/extensions/url-rewrite-module/url-rewrite-module-configuration-reference,
+# https://symfony.com/doc/current/deployment/proxies.html (checked 2026-12-02)
+_FORWARDING_HEADERS = frozenset(
+    {
+        b"x-original-url",
+        b"x-rewrite-url",
+        b"x-original-uri",
+        b"x-original-host",
+        b"x-forwarded-host",
+        b"x-forwarded-server",
+        b"x-forwarded-prefix",
+        b"x-forwarded-path",
+        b"x-forwarded-uri",
+        b"x-forwarded-proto",
+        b"x-forwarded-scheme",
+        b"x-forwarded-port",
+        b"x-forwarded-ssl",
+        b"x-forwarded-for",
+        b"x-url-scheme",
+        b"x-real-ip",
+        b"x-client-ip",
+        b"x-host",
+        b"forwarded",
+    }
+)
+"""Request headers never forwarded upstream: they would let a client name the path, host or scheme served."""
+_KEEP_LENGTH_DROPPED = HOP_BY_HOP | _FORWARDING_HEADERS | {b"host", b"expect"}
 _NOT_FORWARDED = _KEEP_LENGTH_DROPPED | {b"content-length"}
 _UPSTREAM_HEADER = b"x-tokenward-upstream"
 _TAGS_HEADER = b"x-tokenward-tags"
@@ -782,6 +822,8 @@ class Forwarder:
         hold = self.guard_settings.unpriced_hold_usd
         if hold is None:
             names = ", ".join(repr(b.name) for b in self.guard.in_scope(attributes, blocking_only=True))
+            if not ex.requested_model:  # no price to add: the request itself is wrong
+                raise ProxyError(400, _no_model(f"budget {names} refuses requests it cannot bound"), "missing_model")
             models = ", ".join(repr(m) for m in (ex.requested_model, *ex.fallback_models))
             raise ProxyError(
                 400,
@@ -883,6 +925,8 @@ class Forwarder:
             at = dt.datetime.fromtimestamp(ex.started_at, dt.UTC)
             model, catalog = ex.requested_model, self.recorder.catalog
             if catalog.resolve(model, ex.provider, at, fallback=False, requested=model, price_as=ex.price_as) is None:
+                if not model:
+                    raise ProxyError(400, _no_model("requests for unpriced models are blocked"), "missing_model")
                 raise ProxyError(
                     400,
                     f"tokenward has no price for model {ex.requested_model!r} at upstream {route.name!r}, "
@@ -1038,7 +1082,9 @@ class Forwarder:
           deferred; otherwise tokens are estimated, ``estimated`` when the reply ended well and
           ``partial`` when it did not (client gone, stream cut, error event). After an error event
           only generated content is billed: an error before any content is not billed;
-        * none reported, the upstream said 4xx/5xx: not billed.
+        * none reported, the upstream said 4xx/5xx: not billed;
+        * a reply the meter fails on (a shape no dialect rule foresaw): ``usage_unknown``, with the
+          failure in the row's ``error`` (the row is never lost, the reservation counts as spend).
 
         What the meter relayed without metering (an SSE event over its cap, an undecodable body)
         is noted in the row's ``error``.
@@ -1047,7 +1093,14 @@ class Forwarder:
         if meter is None:
             await self.recorder.commit(ex)
             return
-        result = meter.finish()
+        try:
+            result = meter.finish()
+        except Exception as exc:  # a reply no dialect rule foresaw: the row is kept, the provider may bill it
+            log.exception("metering the reply of %s failed", ex.request_id)
+            ex.maybe_billed = True
+            ex.error = ex.error or f"the reply could not be metered: {type(exc).__name__}: {exc}"[:500]
+            await self.recorder.commit(ex)
+            return
         ex.served_model = result.model or None
         ex.service_tier = result.service_tier
         ex.provider_cost = result.provider_cost
@@ -1188,6 +1241,15 @@ def _not_allowed(found: Target, identity: Identity) -> ProxyError:
     method = "GET" if found.method == "HEAD" else found.method
     first, _, rest = found.tail.partition("/")
     suggestion = f"{method} {first.lower()}" + ("/*" if rest else "")
+    if method == "POST" and found.tail.lower() in DIRECT_ENDPOINTS:
+        return ProxyError(
+            403,
+            f"POST /v1/{found.tail} opens spending straight at the provider that tokenward never sees (no usage, "
+            "no budget), and passes only an entry naming it exactly, without a wildcard: add "
+            f"'POST {found.tail.lower()}' to {identity.unmetered_setting} to let it pass.",
+            "endpoint_not_allowed",
+            "permission_error",
+        )
     return ProxyError(
         403,
         f"tokenward does not meter {found.method} /v1/{found.tail}, and in virtual_keys mode unmetered endpoints "
@@ -1339,6 +1401,14 @@ def _books_unavailable() -> ProxyError:
     """503 ``budget_books_unavailable``: fail closed, no replica can know what the others hold."""
     message = "A hard budget applies to this request and its books cannot be reached; try again soon."
     return ProxyError(503, message, "budget_books_unavailable", "server_error", [(b"retry-after", b"5")])
+
+
+def _no_model(why: str) -> str:
+    """The message for a request with no string ``model`` that tokenward had to price (``why``: what refused it)."""
+    return (
+        "The request names no model (a 'model' member holding a string), so tokenward cannot price it, "
+        f"and {why}: send the model's name."
+    )
 
 
 def _no_retry(refusal: BudgetRefusal, now: dt.datetime) -> list[tuple[bytes, bytes]]:

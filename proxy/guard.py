@@ -275,10 +275,25 @@ class BudgetGuard:
                 for name, amount in source.top_spenders(book.budget, book.start, book.end, "key", 1000):
                     book.by_key[name] = amount
             book.refused = source.refusals(book.budget, book.start) if book.budget.blocking else 0
+            if book.budget.period.kind in CALENDAR_PERIODS and not book.store.shared:
+                # the period that ended: its crossings are still looked for (BooksSpend) in the next
+                # period's first hour, also by a process started then (after a kill, a deploy)
+                before = book.budget.period.window(book.start - dt.timedelta(microseconds=1))[0]
+                book.store.set_spent((book.budget.name, before), source.spend_in(book.budget, before, book.start))
         for row in unflushed:
             self.observe(row, crossing=False)
+            if row.get("outcome") == "rejected":  # a refusal the ledger does not hold yet (SpendSource.refusals)
+                self._count_refusal(row)
         for book in self._books:
             book.crossed = {t for t in book.budget.thresholds if book.spent * 100 >= book.budget.limit_usd * t}
+
+    def _count_refusal(self, row: Mapping[str, Any]) -> None:
+        """Count a logged refusal row against the blocking budget whose refusal message it carries, in its period."""
+        error = str(row.get("error") or "")
+        started = dt.datetime.fromtimestamp(row["started_at"], dt.UTC)
+        for book in self._books:
+            if book.budget.blocking and error.startswith(f"Budget {book.budget.name!r} ") and book.start <= started:
+                book.refused += 1
 
     def read_local(self, source: Any, now: dt.datetime) -> list[tuple[_Book, Any]]:
         """What the ledger holds now for each configured budget kept in this process's memory.

@@ -95,6 +95,7 @@ _KIND = {kind.name: kind for kind in KINDS}
 _CHAT = _KIND["chat_completion"]
 _RESPONSE = _KIND["response"]
 _EVAL = _KIND["eval"]
+_CHATKIT_SESSION = _KIND["chatkit_session"]
 _OUTPUT = ("output[].id",)
 _STREAM_ENDS = frozenset({"response.completed", "response.incomplete", "response.failed"})
 _ITEM_MARKERS = re.compile(rb"output_item\.added|response\.(?:completed|incomplete|failed)")
@@ -279,10 +280,19 @@ class Plan:
 
         Raises:
             ObjectNotFound: 404, before anything is sent upstream.
+            ProxyError: 403 ``isolation_refused`` for a ChatKit session a key that is not an admin creates.
         """
         if self.admin:
             return
         what = self.access
+        if what.kind is _CHATKIT_SESSION and not what.ids and self.found.method == "POST":
+            raise ProxyError(
+                403,
+                "A ChatKit session's client secret reaches every ChatKit thread of the session's user, whichever "
+                "key made them, straight at the provider: tokenward lets only admin keys create one.",
+                "isolation_refused",
+                "permission_error",
+            )
         assert what.kind is not None or not what.ids
         wanted = [Reference("path", object_id, what.kind) for object_id in what.ids if what.kind is not None]
         if what.lists and what.kind is not None and self.found.query:
@@ -420,7 +430,7 @@ class Plan:
         if _encoded(reply):
             log.warning("request %s: the reply is compressed, so its new object gets no owner", ex.request_id)
             return reply
-        if (_header(reply, b"content-type") or "").startswith("text/event-stream"):
+        if (_header(reply, b"content-type") or "").strip().lower().startswith("text/event-stream"):
             return await self._capture_stream(ex, reply, capture)
         return await self._capture_body(ex, reply, capture)
 

@@ -424,6 +424,14 @@ def input_bytes(dialect: str, body: Any) -> int:
     return size + 3 * messages + 3 if messages else size
 
 
+def _hashable(key: Any) -> bool:
+    try:
+        hash(key)
+    except TypeError:
+        return False
+    return True
+
+
 def _count_long(text: str, encoding: str) -> int:
     """Tokens of a long ``text``, tokenized in pieces of at most :data:`_PIECE` characters.
 
@@ -504,7 +512,8 @@ def estimate(
         except msgspec.DecodeError:
             continue
         if isinstance(obj, dict):
-            for key, text, is_whole in module.reply_texts(obj):
+            for found, text, is_whole in module.reply_texts(obj):
+                key = found if _hashable(found) else repr(found)  # an index or id a reply gave as a list
                 if is_whole:
                     whole[key] = text
                 else:

@@ -91,6 +91,11 @@ _VIDEO = Kind("video", "Video", "videos", reserved=frozenset({"edits", "extensio
 _CHARACTER = Kind("video_character", "Character", "videos/characters")
 _EVAL = Kind("eval", "Eval", "evals")
 _MESSAGE_BATCH = Kind("message_batch", "MessageBatch", "messages/batches", max_limit=1000)
+# ChatKit's threads are made by its front end with a session's client secret, straight at the
+# provider: tokenward never sees one made, so they reach admin keys only (and so may a session,
+# whose secret reaches every thread of its ``user``: ``Plan.check`` in :mod:`tokenward.proxy.isolation`)
+_CHATKIT_SESSION = Kind("chatkit_session", "ChatSession", "chatkit/sessions")
+_CHATKIT_THREAD = Kind("chatkit_thread", "ChatKitThread", "chatkit/threads", creates=False)
 
 RESPONSE_ITEM = Kind("response_item", "Item", "responses/*/items", creates=False)
 """A stored response's input or output item (``msg_...``, ``fc_...``, ``rs_...``): no collection of its own,
@@ -112,10 +117,13 @@ KINDS: tuple[Kind, ...] = (
     _CHARACTER,
     _EVAL,
     _MESSAGE_BATCH,
+    _CHATKIT_SESSION,
+    _CHATKIT_THREAD,
 )
 """Every isolated kind. OpenAI: files, uploads, batches, vector stores, stored chat completions,
 stored responses, conversations, assistants, threads, fine-tuning jobs, containers, videos,
-evals, video characters; Anthropic: files (the same ``/v1/files`` paths) and message batches."""
+evals, video characters, ChatKit sessions and threads; Anthropic: files (the same ``/v1/files`` paths) and
+message batches."""
 
 _BY_COLLECTION = {kind.collection: kind for kind in KINDS}
 _BY_NAME = {kind.name: kind for kind in (*KINDS, RESPONSE_ITEM)}

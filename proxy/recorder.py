@@ -344,8 +344,11 @@ class Recorder:
         if estimate is not None:
             try:
                 ex.usage = await asyncio.get_running_loop().run_in_executor(None, estimate)
-            except Exception as exc:
+            except Exception as exc:  # nothing is known of what the provider billed: never a $0 not_billed row
                 log.error("token estimate failed for %s: %s", ex.request_id, exc)
+                ex.maybe_billed = True
+                note = f"the usage could not be estimated: {type(exc).__name__}: {exc}"[:500]
+                ex.error = f"{ex.error}; {note}" if ex.error else note
         await self._append(ex)
 
     async def _append(self, ex: Exchange) -> None:
@@ -407,6 +410,30 @@ class Recorder:
                 self.on_unpriced(row)
             except Exception:
                 log.exception("unpriced-model hook failed")
+
+    def seed_unpriced(
+        self, found: list[tuple[str, tuple[Any, Any, dt.datetime, int, str]]], unflushed: list[dict[str, Any]]
+    ) -> None:
+        """At start: what earlier runs recorded without a price, so their admin alerts survive a restart.
+
+        ``found``: ``(price status, (provider, model, first seen, count, a request id))`` per model
+        in the ledger (``SpendSource.unpriced_models``); ``unflushed``: rows still in the log, counted
+        on top. Models this process has seen already keep their figures.
+        """
+        seeded: dict[tuple[str | None, str | None, str], dict[str, Any]] = {}
+        for status, (provider, model, first, count, request_id) in found:
+            row = {"request_id": request_id, "started_at": first.timestamp(), "provider": provider}
+            seeded[(provider, model, status)] = {"row": row, "count": count}
+        for row in unflushed:
+            if row.get("price_status") not in (PriceStatus.UNPRICED, PriceStatus.USAGE_INVALID):
+                continue
+            key = (row.get("provider"), row.get("served_model") or row.get("requested_model"), row["price_status"])
+            seen = seeded.setdefault(key, {"row": row, "count": 0})
+            seen["count"] += 1
+            if row.get("started_at", 0) < seen["row"].get("started_at", 0):
+                seen["row"] = row
+        for key, seen in seeded.items():
+            self.unpriced_seen.setdefault(key, seen)
 
     # -- lifecycle ---------------------------------------------------------------------------
 

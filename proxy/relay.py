@@ -287,7 +287,7 @@ class Relay:
         headers = [(name, value) for name, value in reply.headers if name not in _REPLY_DROPPED]
         headers.append((b"x-tokenward-request-id", ex.request_id.encode()))
         headers.extend(self.extra_headers)
-        content_type = header(reply.headers, b"content-type") or ""
+        content_type = (header(reply.headers, b"content-type") or "").strip().lower()  # media types ignore case
         self.streaming = self.meter is not None and content_type.startswith("text/event-stream")
         listener = self.watch or DisconnectWatch(receive)
         try:

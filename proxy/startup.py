@@ -5,6 +5,8 @@
   refuses to start (field case: two proxies overshot a hard budget by 90 %).
 * :func:`import_legacy_state`: keys and alert claims an earlier version kept in the DuckDB
   file move to the state store once.
+* :func:`load_unpriced`: the models earlier runs recorded without a price, so that the admins'
+  alert about each survives a restart (the proxy's checks read this process's figures);
 * :func:`load_books`: the budget books start from the ledger plus every row still in the
   write-ahead log (what a crash left: rows, and the reservation of each request that was at the
   upstream), so a hard limit holds across kill -9 and restart.
@@ -33,6 +35,7 @@ __all__ = [
     "StartupError",
     "import_legacy_state",
     "load_books",
+    "load_unpriced",
     "needs_single_proxy",
     "refresh_local_books",
     "single_proxy_lock",
@@ -144,6 +147,30 @@ def load_books(
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.1)
+
+
+def load_unpriced(ledger: Ledger, recorder: Any) -> None:
+    """Seed ``recorder.unpriced_seen`` from the ledger and the log (blocking; DuckDB ledgers only).
+
+    The proxy's alert checks read unpriced models from this process's figures
+    (:class:`~tokenward.proxy.guard.BooksSpend`): without this, a model first seen less than an
+    evaluation before a restart (a kill, a deploy) was never alerted. A ledger that cannot be read
+    now is logged and skipped (the alert then waits for the model's next request).
+    """
+    if ledger.shared:  # the checks read the shared ledger itself
+        return
+    try:
+        unflushed = ledger.unflushed_rows(recorder.wal)
+        found = ledger.read_spend(
+            lambda spend: [(status, model) for status in _UNPRICED for model in spend.unpriced_models(status)]
+        )
+    except LedgerError as exc:
+        log.warning("models recorded without a price before this start not read: %s", exc)
+        return
+    recorder.seed_unpriced(found, unflushed)
+
+
+_UNPRICED = ("unpriced", "usage_invalid")
 
 
 async def refresh_local_books(ledger: Ledger, guard: BudgetGuard) -> None:

@@ -163,6 +163,8 @@ class ObjectStore:
             return await self._videos(request, method, parts[1:])
         if parts[0] == "containers":
             return await self._containers(request, method, parts[1:])
+        if parts[0] == "chatkit":
+            return await self._chatkit(request, method, parts[1:])
         raise _error(404, f"unknown path {request.path}")
 
     async def _files(self, request: web.Request, method: str, parts: list[str], anthropic: bool) -> web.Response:
@@ -374,6 +376,36 @@ class ObjectStore:
             entry = self.of(rest[2], "container.file")
             return web.Response(body=self.contents[entry["id"]], content_type="application/octet-stream")
         return web.json_response(container)
+
+    async def _chatkit(self, request: web.Request, method: str, rest: list[str]) -> web.Response:
+        """ChatKit sessions (each with a client secret scoped to its ``user``) and threads (made by ChatKit's
+        front end with that secret, straight at the provider: :meth:`add_thread` plays it)."""
+        if rest == ["sessions"] and method == "POST":
+            body = await request.json()
+            session = {"id": self.new_id("cksess_"), "object": "chatkit.session", "user": body["user"]}
+            session.update(client_secret=self.new_id("ek_"), status="active", workflow=body["workflow"])
+            return web.json_response(self.add(session))
+        if rest[:1] == ["sessions"] and rest[2:] == ["cancel"]:
+            session = self.of(rest[1], "chatkit.session")
+            session["status"] = "cancelled"
+            return web.json_response(session)
+        if rest == ["threads"]:
+            return self.page(request, "chatkit.thread")
+        thread = self.of(rest[1], "chatkit.thread")
+        if rest[2:] == ["items"]:
+            return web.json_response({"object": "list", "data": thread["items"], "has_more": False})
+        if method == "DELETE":
+            del self.objects[thread["id"]]
+            return web.json_response({"id": thread["id"], "object": "chatkit.thread.deleted", "deleted": True})
+        return web.json_response(thread)
+
+    def add_thread(self, user: str, text: str) -> dict[str, Any]:
+        """A ChatKit thread of ``user``'s, as ChatKit's front end makes one (never through tokenward)."""
+        item = {"id": self.new_id("cthi_"), "object": "chatkit.thread_item", "type": "chatkit.user_message"}
+        item.update(content=[{"type": "input_text", "text": text}])
+        thread = {"id": self.new_id("cthr_"), "object": "chatkit.thread", "title": None, "user": user}
+        thread.update(status={"type": "active"}, items=[item])
+        return self.add(thread)
 
     async def _message_batches(self, request: web.Request, method: str, rest: list[str]) -> web.Response:
         if not rest and method == "POST":

@@ -106,5 +106,28 @@ def test_resolution_rules_in_order():
     assert catalog.resolve(None) is None and catalog.resolve("", "openai") is None
 
 
+def test_a_routing_prefix_that_names_no_provider_is_stripped_one_segment_at_a_time():
+    catalog = load_catalog()
+    found = {
+        name: catalog.resolve(name, provider)
+        for name, provider in (
+            ("azure/gpt-4o", "azure"),  # LiteLLM's name for an Azure deployment of gpt-4o
+            ("openrouter/openai/gpt-4o", "openrouter"),  # LiteLLM's name for OpenRouter's openai/gpt-4o
+            ("azure/gpt-4o-2024-08-06", "azure"),  # a prefix and a snapshot suffix
+            ("gemini/gemini-2.5-pro", None),
+        )
+    }
+    assert {name: (r.entry.id, r.how) for name, r in found.items()} == {
+        "azure/gpt-4o": ("openai/gpt-4o", "routing_prefix"),
+        "openrouter/openai/gpt-4o": ("openai/gpt-4o", "routing_prefix"),
+        "azure/gpt-4o-2024-08-06": ("openai/gpt-4o", "snapshot"),
+        "gemini/gemini-2.5-pro": ("google/gemini-2.5-pro", "routing_prefix"),
+    }
+    # a vendor prefix the catalog knows keeps its rule; names whose price differs stay unpriced
+    assert catalog.resolve("openai/gpt-4o", "openrouter").how == "vendor_prefix"
+    for name in ("openai/gpt-4o-mini:free", "openai/gpt-4o:online", "ft:gpt-4o-mini-2024-07-18:org::abc", "azure/"):
+        assert catalog.resolve(name, "openrouter") is None, name
+
+
 def test_default_catalog_path_is_inside_the_package():
     assert default_catalog_path().name == "default.yaml" and default_catalog_path().exists()

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import hashlib
 import os
 import shutil
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from decimal import Decimal
@@ -22,14 +24,18 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from click.testing import CliRunner
 
 from tokenward.pricing.settings import BudgetSettings, GuardSettings
 from tokenward.proxy.app import create_app
+from tokenward.proxy.cli import main
 from tokenward.proxy.config import AuthConfig, Config, LedgerConfig, ServerConfig, VirtualKeyConfig
 from tokenward.proxy.demo import send_recorded
 from tokenward.proxy.server import running_in_thread
 from tokenward.reports.alerts import AlertSettings
 from tokenward.reports.budget_check import usd
+from tokenward.reports.cli_common import ledger_named
+from tokenward.reports.keys import revoke_key
 
 from .conftest import Proxy, upstreams_for
 from .test_alerts import settings_for, smtp  # noqa: F401 - smtp is a fixture
@@ -158,6 +164,67 @@ def test_admin_role_keys_in_virtual_key_mode(tmp_path, simulator):
             f"{proxy.url}/dashboard/api/state", params={"range": "1y"}, headers={"authorization": f"Bearer {ADMIN_KEY}"}
         )
         assert bad_range.status_code == 400 and "unknown range" in bad_range.json()["error"]["message"]
+
+
+def _keys_cli(*args: str) -> str:
+    result = CliRunner().invoke(main, ["keys", *args], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def _until(proxy: Proxy, done: Any, what: str) -> None:
+    """Bring the stored-key reload (every 5 s) forward until ``done()`` holds (at most 20 s)."""
+    deadline = time.monotonic() + 20
+    while not done():
+        assert time.monotonic() < deadline, f"not seen within 20 s: {what}"
+        job = proxy.app.state.scheduler.get_job("keys")
+        job.modify(next_run_time=dt.datetime.now(dt.UTC))
+        time.sleep(0.05)
+
+
+def test_revoking_an_admin_key_ends_its_dashboard_rights_and_stored_keys_can_be_admins(tmp_path, simulator):
+    keys = [
+        VirtualKeyConfig(name="agent", key="tw-agent-key-0001"),
+        VirtualKeyConfig(name="ops-admin", key=ADMIN_KEY, role="admin"),
+    ]
+    with dashboard_proxy(tmp_path, simulator, auth="virtual_keys", keys=keys) as proxy:
+        db = str(proxy.ledger)
+        oncall = _keys_cli("create", "oncall", "--role", "admin", "--db", db).splitlines()[0]
+        bot = _keys_cli("create", "bot", "--db", db).splitlines()[0]
+        assert "admin" in _keys_cli("list", "--db", db)
+        _until(proxy, lambda: state(proxy, authorization=f"Bearer {oncall}").status_code == 200, "oncall is admin")
+        refused = state(proxy, authorization=f"Bearer {bot}")  # loaded with oncall, a plain virtual key
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_admin_credential"
+        with httpx.Client(base_url=proxy.url) as browser, httpx.Client(base_url=proxy.url) as second:
+            assert browser.post("/dashboard/login", data={"token": ADMIN_KEY}).status_code == 303
+            assert second.post("/dashboard/login", data={"token": oncall}).status_code == 303
+            assert browser.get("/dashboard/api/state").status_code == 200
+            # the operator revokes the leaked config key: not only /v1 refuses it, the dashboard does too
+            configured = {"ops-admin": hashlib.sha256(ADMIN_KEY.encode()).hexdigest()}
+            state_store = ledger_named(db, None).state
+            assert revoke_key(state_store, "ops-admin", now=dt.datetime.now(dt.UTC), configured=configured)
+            _until(proxy, lambda: state(proxy, authorization=f"Bearer {ADMIN_KEY}").status_code == 401, "revoked")
+            assert state(proxy, **{"x-api-key": ADMIN_KEY}).status_code == 401
+            gone = browser.get("/dashboard/api/state")  # the session it opened before is over
+            assert gone.status_code == 401 and gone.json()["error"]["code"] == "admin_required"
+            assert browser.get("/dashboard").status_code == 401  # the login form again
+            relogin = browser.post("/dashboard/login", data={"token": ADMIN_KEY})
+            assert relogin.status_code == 401 and "set-cookie" not in relogin.headers
+            # the other admin and its session are untouched
+            assert state(proxy, authorization=f"Bearer {oncall}").status_code == 200
+            assert second.get("/dashboard/api/state").status_code == 200
+            _keys_cli("revoke", "oncall", "--db", db)
+            _until(proxy, lambda: second.get("/dashboard/api/state").status_code == 401, "oncall revoked")
+            assert state(proxy, authorization=f"Bearer {oncall}").status_code == 401
+
+
+def test_a_stored_admin_key_closes_the_loopback_dashboard_of_passthrough_mode(tmp_path, simulator):
+    with dashboard_proxy(tmp_path, simulator) as proxy:
+        assert state(proxy).status_code == 200  # no admin credential: loopback clients are let in
+        admin = _keys_cli("create", "ops", "--role", "admin", "--db", str(proxy.ledger)).splitlines()[0]
+        _until(proxy, lambda: state(proxy).status_code == 401, "an admin credential now exists")
+        assert state(proxy).json()["error"]["code"] == "admin_required"
+        assert state(proxy, authorization=f"Bearer {admin}").status_code == 200
 
 
 def test_no_admin_configured_refuses_everyone(tmp_path, simulator, monkeypatch):

@@ -652,3 +652,48 @@ def test_groq_compound_inner_models_become_parts(proxy, simulator):
     # the compound model's own row keeps what the parts leave over: nothing, so tokens are not counted twice
     assert (main["served_model"], main["input_tokens"], main["output_tokens"]) == ("groq/compound", 0, 0)
     assert sum(r["input_tokens"] for r in rows) == 5296 and sum(r["output_tokens"] for r in rows) == 387
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    ("served", "resolved_by"),
+    [
+        ("azure/o1-2024-12-17", "snapshot"),  # the name B22's gateway logged: a routing prefix and a snapshot
+        ("openrouter/openai/o1", "routing_prefix"),  # LiteLLM's name for OpenRouter's openai/o1
+        ("openai/o1-2024-12-17", "snapshot"),  # a vendor prefix naming no provider of this catalog
+    ],
+)
+def test_b22_a_routing_prefix_and_a_snapshot_are_stripped_to_the_base_model(
+    proxy, simulator, served, resolved_by, stream
+):
+    # 500 * 15.00 + 2000 * 60.00 = 127500 -> $0.1275 (reasoning is inside the output); before, every one of
+    # these names was unpriced (cost NULL): the prefix was kept, so neither the name nor its base was found
+    usage = {
+        "prompt_tokens": 500,
+        "completion_tokens": 2000,
+        "total_tokens": 2500,
+        "completion_tokens_details": {"reasoning_tokens": 1600},
+    }
+    request = {"model": served, "messages": [{"role": "user", "content": "Prove it."}]}
+    choice = {"index": 0, "message": {"role": "assistant", "content": "QED"}, "finish_reason": "stop"}
+    if stream:
+        head = {"id": "b22", "object": "chat.completion.chunk", "model": served}
+        sse = (
+            chunk(**head, choices=[{"index": 0, "delta": {"content": "QED"}, "finish_reason": None}])
+            + chunk(**head, choices=[{"index": 0, "delta": {}, "finish_reason": "stop"}])
+            + chunk(**head, choices=[], usage=usage)
+            + "data: [DONE]\n\n"
+        )
+        sent = {**request, "stream": True, "stream_options": {"include_usage": True}}
+        register(simulator, f"B22-{served}", "chat_completions", sent, sse=sse)
+    else:
+        body = {"id": "b22", "object": "chat.completion", "model": served, "choices": [choice], "usage": usage}
+        register(simulator, f"B22-{served}", "chat_completions", request, body=body)
+    with openai_client(proxy) as client:
+        reply = client.chat.completions.create(**request, stream=stream, extra_headers={RECORD_HEADER: f"B22-{served}"})
+        if stream:
+            assert "".join(c.choices[0].delta.content or "" for c in reply if c.choices) == "QED"
+    row = row_of(proxy)
+    assert (row["served_model"], row["price_status"], row["price_entry_id"]) == (served, "priced", "test/o1")
+    assert (row["price_resolved_by"], row["cost_usd"]) == (resolved_by, Decimal("0.1275"))
+    assert (row["input_tokens"], row["output_tokens"], row["reasoning_tokens"]) == (500, 2000, 1600)

@@ -500,3 +500,113 @@ def test_a_whole_reply_over_the_cap_is_relayed_as_it_arrives_and_not_metered(tmp
         (200, "ok", "usage_unknown", None)
     ]
     assert rows[0]["error"] == "a whole reply over 1048576 bytes: relayed, not metered"
+
+
+class RewritingUpstream:
+    """An upstream behind a front end that serves the URL a trusted header names (IIS URL Rewrite, Symfony).
+
+    IIS's URL Rewrite and Symfony's ``Request`` (with the proxy it trusts) read ``X-Original-URL``
+    or ``X-Rewrite-URL`` as the request's path. The account holds a file of another key
+    (``file-of-b``): ``GET /v1/files`` lists it. ``served`` collects the path each request was served as.
+    """
+
+    def __init__(self) -> None:
+        self.served: list[str] = []
+
+    async def handle(self, request: web.Request, body: bytes) -> web.StreamResponse:
+        path = request.headers.get("X-Original-URL") or request.headers.get("X-Rewrite-URL") or request.path
+        self.served.append(path)
+        if path.startswith("/v1/files"):
+            return web.json_response({"object": "list", "data": [{"id": "file-of-b", "object": "file"}]})
+        return web.json_response({"object": "list", "data": [{"id": "gpt-4o-mini", "object": "model"}]})
+
+
+@pytest.mark.parametrize("header", ["X-Original-URL", "X-Rewrite-URL", "x-original-url"])
+def test_a_header_naming_another_path_cannot_turn_an_allowed_model_list_into_a_file_list(tmp_path, header):
+    # The default allow_unmetered lets GET models pass and refuses files (403); an upstream whose front
+    # end serves the path X-Original-URL names listed the account's files, another key's among them, to
+    # a key that may list none (before: 200 with file-of-b, the row said GET /v1/models). The forwarding
+    # headers of the hop to tokenward (X-Forwarded-Host, Forwarded, ...) did not stop at tokenward either.
+    upstream = RewritingUpstream()
+    forwarding = (
+        f"{header}: /v1/files\r\nX-Forwarded-Host: evil.example\r\nX-Forwarded-Prefix: /evil\r\n"
+        "X-Forwarded-Proto: http\r\nX-Forwarded-For: 10.0.0.7\r\nForwarded: host=evil.example;proto=http\r\n"
+        "X-Real-IP: 10.0.0.7\r\nX-Original-Host: evil.example\r\n"
+    )
+    with Servers(upstream.handle).running() as servers:
+        with proxy(servers.upstream_url, tmp_path / "l.duckdb") as url:
+            status, body = raw(
+                url,
+                f"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n{forwarding}"
+                "Connection: close\r\n\r\n".encode(),
+            )
+            files, _ = raw(
+                url, f"GET /v1/files HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nConnection: close\r\n\r\n".encode()
+            )  # fmt: skip
+    assert status == 200 and json.loads(body)["data"] == [{"id": "gpt-4o-mini", "object": "model"}]
+    assert files == 403  # the files list itself stays refused, as before
+    assert upstream.served == ["/v1/models"]
+    (sent,) = servers.requests
+    assert sorted(sent["headers"]) == ["accept-encoding", "authorization", "host"]
+    assert sent["headers"]["host"] == f"127.0.0.1:{servers.port}"
+    rows = read_rows(tmp_path / "l.duckdb")
+    assert [(r["method"], r["path"], r["http_status"]) for r in rows] == [
+        ("GET", "/v1/models", 200),
+        ("GET", "/v1/files", 403),
+    ]
+
+
+async def mints_secrets(request: web.Request, body: bytes) -> web.StreamResponse:
+    """Realtime as the provider answers it: a client secret (``ek_...``) good for opening sessions straight at it."""
+    if request.path == "/v1/realtime/calls":
+        return web.Response(text="v=0\r\no=- 1 1 IN IP4 203.0.113.1\r\n", content_type="application/sdp", status=201)
+    session = {"type": "realtime", "model": "gpt-realtime"}
+    return web.json_response({"value": "ek_live_secret", "expires_at": 1_900_000_000, "session": session})
+
+
+@pytest.mark.parametrize(
+    "allow", [("*",), ("GET models", "realtime/*"), ("GET models", "POST realtime*", "POST realtime/client_secret?")]
+)
+def test_a_wildcard_does_not_let_a_key_mint_secrets_that_spend_past_tokenward(tmp_path, allow):
+    # A Realtime client secret opens sessions at the provider for up to 2 hours with the account's quota, and
+    # realtime/calls hands a WebRTC peer a media session there: none of that spend passes tokenward again. An
+    # operator's "*" (or "realtime/*") let any key mint them (before: 200 with "ek_live_secret", one row of
+    # $0 not_metered, and every Realtime minute it bought unmetered and outside the $0.01 cap)
+    with Servers(mints_secrets).running() as servers:
+        with proxy(servers.upstream_url, tmp_path / "l.duckdb", allow=allow) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+            with pytest.raises(openai.PermissionDeniedError) as refused:
+                client.realtime.client_secrets.create(session={"type": "realtime", "model": "gpt-realtime"})
+            status, body = raw(
+                url,
+                f"POST /v1/Realtime/Calls HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nContent-Type: "
+                "application/sdp\r\nContent-Length: 4\r\nConnection: close\r\n\r\nv=0\n".encode(),
+            )
+            listed = client.models.with_raw_response.list()  # the wildcard still lets everything else pass
+    error = refused.value.body
+    assert error["code"] == "endpoint_not_allowed"  # type: ignore[index]
+    assert "'POST realtime/client_secrets'" in error["message"]  # type: ignore[index]
+    assert (status, json.loads(body)["error"]["code"]) == (403, "endpoint_not_allowed")
+    assert listed.status_code == 200
+    assert [r["target"] for r in servers.requests] == ["/v1/models"]
+    rows = read_rows(tmp_path / "l.duckdb")
+    assert [(r["path"], r["http_status"], r["outcome"]) for r in rows] == [
+        ("/v1/realtime/client_secrets", 403, "rejected"),
+        ("/v1/Realtime/Calls", 403, "rejected"),
+        ("/v1/models", 200, "ok"),
+    ]
+
+
+def test_an_entry_naming_a_realtime_secret_endpoint_exactly_lets_it_pass(tmp_path):
+    with Servers(mints_secrets).running() as servers:
+        allow = ("POST realtime/client_secrets", "realtime/calls")
+        with proxy(servers.upstream_url, tmp_path / "l.duckdb", allow=allow) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+            secret = client.realtime.client_secrets.create(session={"type": "realtime", "model": "gpt-realtime"})
+            status, body = raw(
+                url,
+                f"POST /v1/realtime/calls HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nContent-Type: "
+                "application/sdp\r\nContent-Length: 4\r\nConnection: close\r\n\r\nv=0\n".encode(),
+            )
+    assert secret.value == "ek_live_secret" and status == 201 and body.startswith(b"v=0")
+    assert [r["target"] for r in servers.requests] == ["/v1/realtime/client_secrets", "/v1/realtime/calls"]

@@ -737,3 +737,48 @@ def test_a_reasoning_item_passed_back_without_its_encrypted_content_is_the_calle
         # an item that brings its encrypted content is read from that, not from the store: it goes on
         carried = {**by_id, "encrypted_content": "gAAAAB-opaque"}
         assert bob.responses.create(model=model, input=[carried]).output_text == "after None"
+
+
+def test_chatkit_threads_and_sessions_reach_admin_keys_only(store, tmp_path):
+    """ChatKit's front end makes threads with a session's client secret, straight at the provider: tokenward never
+    sees one made, so no key owns one, and a session's secret reaches every thread of its ``user``. Before: bob
+    listed, read and deleted alice's user's threads through tokenward (the account's list, whole), and made a
+    session for her user whose secret read them at the provider."""
+    ledger = tmp_path / "ledger.duckdb"
+    theirs = store.add_thread("alice-user", "my salary is 90k")["id"]
+    workflow = {"id": "wf_support"}
+    with proxy(store, ledger) as url, gpt(url, BOB) as bob, gpt(url, OPS) as ops:
+        assert [t.id for t in bob.beta.chatkit.threads.list()] == []
+        for call in (
+            lambda: bob.beta.chatkit.threads.retrieve(theirs),
+            lambda: bob.beta.chatkit.threads.list_items(theirs),
+            lambda: bob.beta.chatkit.threads.delete(theirs),
+        ):
+            with pytest.raises(openai.NotFoundError) as info:
+                call()
+            assert info.value.body == not_found("ChatKitThread", theirs)
+        with pytest.raises(openai.PermissionDeniedError) as denied:
+            bob.beta.chatkit.sessions.create(user="alice-user", workflow=workflow)
+        assert denied.value.body["code"] == "isolation_refused"  # type: ignore[index]
+        assert store.requests == [("GET", "/v1/chatkit/threads?limit=100")]  # only the list, filtered to nothing
+        session = ops.beta.chatkit.sessions.create(user="alice-user", workflow=workflow)
+        with pytest.raises(openai.NotFoundError) as info:
+            bob.beta.chatkit.sessions.cancel(session.id)
+        assert info.value.body == not_found("ChatSession", session.id)
+        assert [t.id for t in ops.beta.chatkit.threads.list()] == [theirs]
+        assert [i.id for i in ops.beta.chatkit.threads.list_items(theirs)] == [store.objects[theirs]["items"][0]["id"]]
+        assert ops.beta.chatkit.sessions.cancel(session.id).status == "cancelled"
+    assert theirs in store.objects  # bob's delete never reached the account
+    rows = read_rows(ledger)
+    assert [(r["principal"], r["method"], r["http_status"], r["outcome"]) for r in rows] == [
+        ("bob", "GET", 200, "ok"),
+        ("bob", "GET", 404, "rejected"),
+        ("bob", "GET", 404, "rejected"),
+        ("bob", "DELETE", 404, "rejected"),
+        ("bob", "POST", 403, "rejected"),
+        ("ops", "POST", 200, "ok"),
+        ("bob", "POST", 404, "rejected"),
+        ("ops", "GET", 200, "ok"),
+        ("ops", "GET", 200, "ok"),
+        ("ops", "POST", 200, "ok"),
+    ]

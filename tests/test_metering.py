@@ -382,3 +382,107 @@ def test_an_event_over_the_cap_is_metered_from_its_copy_and_the_row_says_what_wa
     meter.feed_stream(b'data: {"parts":[' + b",".join([b'"ab"'] * (cap // 4)) + b"]," + usage + b"}\n\n")
     result = meter.finish()
     assert result.usage is None and result.unmetered == f"an SSE event over {cap} bytes: relayed, not metered"
+
+
+@pytest.mark.parametrize(
+    ("dialect", "document", "expected"),
+    [
+        # iterations that are no list list none: the top-level counts are billed (before: TypeError)
+        ("anthropic", {"type": "message", "usage": {"input_tokens": 10, "output_tokens": 5, "iterations": 3}},
+         Usage(input_tokens=10, output_tokens=5)),
+        # an event type that is no string is no image event (before: TypeError, unhashable list)
+        ("media", {"type": ["image_generation.completed"], "usage": {"input_tokens": 7, "output_tokens": 9}},
+         Usage(input_tokens=7, output_tokens=9)),
+        # a Groq executed tool whose type is no string is no search (before: TypeError, unhashable dict)
+        ("openai", {"choices": [{"index": 0, "message": {"executed_tools": [{"type": {"search": 1}}]}}],
+                    "usage": {"prompt_tokens": 4, "completion_tokens": 2}},
+         Usage(input_tokens=4, output_tokens=2)),
+    ],
+)  # fmt: skip
+def test_members_of_an_unexpected_type_are_read_as_absent_not_raised(dialect, document, expected):
+    meter = Meter(dialect)
+    meter.feed_body(json.dumps(document).encode())
+    assert meter.finish().usage == expected
+
+
+JUNK = [None, True, 0, -1, 1.5, 12.0, "12", "x", [], [1], [[]], [{}], {}, {"a": 1}, 2**60, 1e30]
+USAGE_NAMES = [
+    "prompt_tokens", "completion_tokens", "total_tokens", "input_tokens", "output_tokens", "prompt_tokens_details",
+    "input_tokens_details", "completion_tokens_details", "output_tokens_details", "cached_tokens",
+    "prompt_cache_hit_tokens", "cache_read_input_tokens", "cache_creation_input_tokens", "cache_write_tokens",
+    "cache_creation", "server_tool_use_details", "cost", "iterations", "server_tool_use", "ephemeral_1h_input_tokens",
+    "reasoning_tokens", "audio_tokens", "image_tokens", "web_search_requests", "thinking_tokens", "type", "seconds",
+]  # fmt: skip
+REPLY_NAMES = [
+    "usage", "model", "service_tier", "x_groq", "usage_breakdown", "response", "tool_usage", "error", "type",
+    "object", "status", "output", "item", "output_index", "choices", "message", "data", "size", "quality", "duration",
+]  # fmt: skip
+
+
+def test_no_reply_shape_makes_the_meter_raise():
+    """Seeded random replies, JSON of every type in every member the dialects read: the meter never raises.
+
+    A meter that raises leaves the exchange to the forwarder's last resort (a usage_unknown row).
+    """
+    rng = random.Random(7)
+
+    def junk(depth: int = 0):
+        if depth < 2 and rng.random() < 0.3:
+            return {rng.choice(USAGE_NAMES): junk(depth + 1) for _ in range(rng.randint(1, 4))}
+        return rng.choice(JUNK)
+
+    def reply(names: list[str]) -> dict:
+        document = {name: junk() for name in rng.sample(names, rng.randint(1, 8))}
+        if rng.random() < 0.5:
+            document["type"] = rng.choice(
+                ["message_delta", "image_generation.completed", "response.output_item.done", "response.completed", 1]
+            )
+        for name, value in (
+            ("output", [{"type": "web_search_call", "id": junk()}]),
+            ("item", {"type": "web_search_call", "id": junk()}),
+            (
+                "choices",
+                [{"index": junk(), "message": {"executed_tools": junk()}, "delta": {"executed_tools": [junk()]}}],
+            ),
+            ("message", {"usage": junk(), "model": junk()}),
+            ("usage_breakdown", {"models": [{"model": "m", "usage": junk()}, junk()]}),
+        ):
+            if rng.random() < 0.3:
+                document[name] = value
+        return document
+
+    for _ in range(3000):
+        dialect = rng.choice(["openai", "anthropic", "media"])
+        meter = Meter(dialect)
+        for document in (reply(rng.choice([USAGE_NAMES, REPLY_NAMES])) for _ in range(rng.randint(1, 3))):
+            text = json.dumps(document).encode()
+            text = text[:-1] + b', "web_search_call": 1, "executed_tools": 1}' if rng.random() < 0.3 else text
+            meter.feed_stream(b"data: " + text + b"\n\n")
+        meter.end_stream()
+        result = meter.finish()
+        if result.usage is not None:
+            result.usage.violations()
+
+
+def test_an_estimate_reads_indexes_and_choices_of_an_unexpected_type_without_raising():
+    request = json.dumps({"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}).encode()
+    chunks = [
+        b'data: {"choices": [{"index": [0], "delta": {"content": "Hello"}}]}\n\n',  # an index no dict key can be
+        b'data: {"choices": [{"index": [0], "delta": {"content": " there"}}]}\n\n',
+        b'data: {"choices": true}\n\n',  # choices that are no list hold no text
+        b"data: [DONE]\n\n",
+    ]
+    usage = estimate("openai", request, chunks, stream=True, model="gpt-4o-mini", source=UsageSource.ESTIMATED)
+    # "Hello there" is 2 tokens (o200k_base), joined as one piece; the input: 1 message x 3 + "user" + "hi" + 3
+    assert (usage.input_tokens, usage.output_tokens) == (8, 2)
+
+
+def test_a_responses_error_event_is_recorded_with_its_message():
+    meter = Meter("openai")
+    meter.feed_stream(b'event: response.created\ndata: {"type":"response.created","response":{"model":"gpt-4.1"}}\n\n')
+    meter.feed_stream(
+        b'event: error\ndata: {"type":"error","code":"server_error","message":"The model is overloaded"}\n\n'
+    )
+    meter.end_stream()
+    result = meter.finish()
+    assert (result.error, result.complete, result.usage) == ("The model is overloaded", True, None)  # before: "error"

@@ -550,3 +550,113 @@ def test_sdk_retries_are_one_row_per_attempt_and_the_refused_attempt_costs_nothi
     assert refused["cost_usd"] == 0 and refused["error"] == "Rate limit reached"
     # gpt-4o-mini: 30 x 0.15 + 12 x 0.60 = 11.7 / 1M
     assert (served["outcome"], served["cost_usd"]) == ("ok", Decimal("0.0000117"))
+
+
+@pytest.mark.parametrize(
+    ("first_usage", "status", "cost", "violation"),
+    [
+        ({**IMAGE_USAGE, "input_tokens": "50"}, "usage_invalid", None, "image 1: input_tokens: '50' is not a count"),
+        ({**IMAGE_USAGE, "output_tokens": True}, "usage_invalid", None, "image 1: output_tokens: True is not a count"),
+        # details that are no object are read as none (as in every dialect): 100 in, 10 of them image (the
+        # second's), 12480 out: 90 x 5.00 + 10 x 10.00 + 12480 x 40.00 = 450 + 100 + 499,200 -> $0.49975
+        ({**IMAGE_USAGE, "input_tokens_details": "none"}, "priced", Decimal("0.49975"), None),
+    ],
+)
+def test_a_streamed_image_pair_with_an_unreadable_count_gets_its_flagged_row(
+    provider, tmp_path, first_usage, status, cost, violation
+):
+    """Each streamed image's usage is read like any usage before the images' usages are added up.
+
+    Before, the meter added the raw counts: a string raised (the client's stream broke off and no row was
+    written), ``true`` was added as 1.
+    """
+    script, servers = provider
+    done = {"type": "image_generation.completed", "b64_json": "aW1n", "size": "1024x1536", "quality": "high"}
+    frames = sse([("image_generation.completed", {**done, "usage": u}) for u in (first_usage, IMAGE_USAGE)])
+
+    async def generate(request: web.Request, body: bytes) -> web.StreamResponse:
+        return await stream_frames(request, frames)
+
+    script.routes["/v1/images/generations"] = generate
+    with start(servers, tmp_path / "l.duckdb") as proxy:
+        with sdk(proxy) as client:
+            request = {"model": "gpt-image-1", "prompt": "two lighthouses", "n": 2, "size": "1024x1536"}
+            events = list(client.images.generate(stream=True, quality="high", **request))
+        (row,) = proxy.rows(1)
+    assert len(events) == 2
+    assert (row["outcome"], row["usage_source"], row["price_status"], row["cost_usd"]) == (
+        "ok",
+        "reported",
+        status,
+        cost,
+    )
+    assert row["output_images"] == 2 and (violation is None) == (row["violations"] is None)
+    assert violation is None or violation in row["violations"]
+
+
+def one_chat_stream(
+    provider: tuple[Provider, Servers],
+    tmp_path: Path,
+    usage: dict[str, Any] | None,
+    headers: dict[str, str] | None = None,
+) -> tuple[Any, dict]:
+    """One streamed chat request through the proxy to an upstream that sends ``usage`` (``None``: no usage chunk)."""
+    script, servers = provider
+    head = {"id": "c1", "object": "chat.completion.chunk", "model": "gpt-4o-mini"}
+    events: list[tuple[str | None, dict[str, Any]]] = [
+        (None, {**head, "choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": None}]}),
+        (None, {**head, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}),
+    ]
+    if usage is not None:
+        events.append((None, {**head, "choices": [], "usage": usage}))
+    frames = [*sse(events), b"data: [DONE]\n\n"]
+
+    async def chat(request: web.Request, body: bytes) -> web.StreamResponse:
+        return await stream_frames(request, frames, headers)
+
+    script.routes["/v1/chat/completions"] = chat
+    with start(servers, tmp_path / "l.duckdb") as proxy:
+        with sdk(proxy) as client:
+            messages = [{"role": "user", "content": "hi"}]
+            chunks = list(client.chat.completions.create(model="gpt-4o-mini", messages=messages, stream=True))
+        (row,) = proxy.rows(1)
+    return chunks, row
+
+
+def test_a_reply_the_meter_fails_on_still_gets_its_row_and_the_client_its_whole_stream(provider, tmp_path, monkeypatch):
+    """Whatever a dialect trips on, the exchange is recorded (usage_unknown) and the stream is relayed to its end."""
+    from tokenward.proxy.dialects import openai as openai_dialect
+
+    def broken(seen: Any) -> Any:
+        raise ValueError("a shape no rule foresaw")
+
+    monkeypatch.setattr(openai_dialect, "finish", broken)
+    chunks, row = one_chat_stream(provider, tmp_path, {"prompt_tokens": 8, "completion_tokens": 1, "total_tokens": 9})
+    assert chunks and chunks[-1].choices[0].finish_reason == "stop"
+    assert (row["outcome"], row["price_status"], row["cost_usd"]) == ("ok", "usage_unknown", None)
+    assert "the reply could not be metered: ValueError: a shape no rule foresaw" in row["error"]
+
+
+def test_a_reply_whose_estimate_fails_is_usage_unknown_not_a_free_row(provider, tmp_path, monkeypatch):
+    """An upstream that reports no usage is estimated; if the estimate fails, the row may still have been billed."""
+    from tokenward.proxy import forward
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise ValueError("no estimate")
+
+    monkeypatch.setattr(forward, "estimate", broken)
+    chunks, row = one_chat_stream(provider, tmp_path, None)  # no usage chunk although tokenward asked for one
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    # before: not_billed at $0, as if the provider had billed nothing
+    assert (row["outcome"], row["price_status"], row["cost_usd"]) == ("ok", "usage_unknown", None)
+    assert "the usage could not be estimated: ValueError: no estimate" in row["error"]
+
+
+def test_a_stream_whose_media_type_is_not_lower_case_is_metered_as_a_stream(provider, tmp_path):
+    """Media types are case-insensitive (RFC 9110 8.3.1): ``Text/Event-Stream`` is a stream."""
+    usage = {"prompt_tokens": 8, "completion_tokens": 1, "total_tokens": 9}
+    chunks, row = one_chat_stream(provider, tmp_path, usage, {"content-type": "Text/Event-Stream; charset=UTF-8"})
+    assert [c.choices[0].delta.content for c in chunks] == ["hi", None]  # the usage chunk tokenward asked for is hidden
+    # gpt-4o-mini: 8 x 0.15 + 1 x 0.60 = 1.8 / 1M; before: read as one JSON body, estimated from the request alone
+    assert (row["usage_source"], row["input_tokens"], row["output_tokens"]) == ("reported", 8, 1)
+    assert row["cost_usd"] == Decimal("0.0000018")

@@ -99,8 +99,8 @@ def to_usage(raw: dict[str, Any], tool_usage: dict[str, Any] | None = None, *, s
     Counts that are not valid make the usage invalid (see :func:`~tokenward.pricing.usage.read_count`).
     """
     problems: list[str] = []
-    iterations = raw.get("iterations")
-    own = [it for it in iterations or () if isinstance(it, dict) and it.get("type") in _OWN_MODEL_ITERATIONS]
+    iterations = _iterations(raw)
+    own = [it for it in iterations if isinstance(it, dict) and it.get("type") in _OWN_MODEL_ITERATIONS]
     pieces = [_one(it, problems, "iterations.") for it in own] if own else [_one(raw, problems)]
     details = raw.get("output_tokens_details") if isinstance(raw.get("output_tokens_details"), dict) else {}
     tools = raw.get("server_tool_use") if isinstance(raw.get("server_tool_use"), dict) else {}
@@ -120,7 +120,7 @@ def to_usage(raw: dict[str, Any], tool_usage: dict[str, Any] | None = None, *, s
 def parts(raw: dict[str, Any]) -> list[tuple[str, Usage]]:
     """Usage spent on other models inside the request: each ``advisor_message`` iteration."""
     found = []
-    for iteration in raw.get("iterations") or ():
+    for iteration in _iterations(raw):
         if isinstance(iteration, dict) and iteration.get("type") not in _OWN_MODEL_ITERATIONS:
             model = iteration.get("model")
             if isinstance(model, str) and model:
@@ -128,6 +128,12 @@ def parts(raw: dict[str, Any]) -> list[tuple[str, Usage]]:
                 usage = _one(iteration, problems, "iterations.")
                 found.append((model, replace(usage, invalid=tuple(problems)) if problems else usage))
     return found
+
+
+def _iterations(raw: dict[str, Any]) -> list[Any]:
+    """``usage.iterations`` when it is a list (anything else lists none)."""
+    iterations = raw.get("iterations")
+    return iterations if isinstance(iterations, list) else []
 
 
 def finish(seen: Observation) -> Reading:

@@ -6,7 +6,8 @@ Reported usage, as OpenAI sends it (openai-python ``types/images_response.py``,
 * images (GPT image models): ``usage.input_tokens`` (text and image input),
   ``usage.input_tokens_details.image_tokens`` (the image part), ``usage.output_tokens`` (the
   generated images' tokens); streamed, each ``image_generation.completed`` /
-  ``image_edit.completed`` event carries its image's usage (summed over the images). Every reply
+  ``image_edit.completed`` event carries its image's usage (each read as one usage, then
+  summed over the images: a count one of them gets wrong flags the row). Every reply
   also counts its images (``data`` items, or completed events) as ``output_images``, made at the
   ``size`` and ``quality`` it names (``image_variant``): models priced per image (DALL-E) report
   no tokens and are priced by them.
@@ -33,6 +34,7 @@ from tokenward.proxy.dialects.observation import Observation, Reading
 __all__ = ["finish", "observe_body", "reply_texts", "request_texts", "to_usage"]
 
 _IMAGE_DONE = frozenset({"image_generation.completed", "image_edit.completed"})
+_SUMMED = ("input_tokens", "image_input_tokens", "audio_input_tokens", "output_tokens")
 
 
 class _View(msgspec.Struct):
@@ -66,7 +68,7 @@ def observe_body(body: bytes, seen: Observation) -> None:
     elif view.type == "error":
         seen.error = "error"
     variant = _variant(view.size, view.quality)
-    if view.type in _IMAGE_DONE:
+    if isinstance(view.type, str) and view.type in _IMAGE_DONE:
         extra["images"] = extra.get("images", 0) + 1
         extra.setdefault("variant", variant)
         if isinstance(view.usage, dict):
@@ -122,15 +124,16 @@ def finish(seen: Observation) -> Reading:
     extra = seen.extra
     images, variant = int(extra.get("images", 0)), str(extra.get("variant", ""))
     usages = extra.get("image_usages")
-    if usages and len(usages) > 1:  # one usage per streamed image: their sum
-        total: dict[str, Any] = {
-            "input_tokens": sum(u.get("input_tokens") or 0 for u in usages),
-            "output_tokens": sum(u.get("output_tokens") or 0 for u in usages),
-            "input_tokens_details": {
-                "image_tokens": sum((u.get("input_tokens_details") or {}).get("image_tokens") or 0 for u in usages)
-            },
-        }
-        return Reading(to_usage(total, images=images, variant=variant))
+    if usages and len(usages) > 1:  # one usage per streamed image: their sum, each read (and checked) alone
+        each = [to_usage(usage) for usage in usages]
+        return Reading(
+            Usage(
+                **{name: sum(getattr(u, name) for u in each) for name in _SUMMED},
+                output_images=images,
+                image_variant=variant,
+                invalid=tuple(f"image {n}: {note}" for n, u in enumerate(each, start=1) for note in u.invalid),
+            )
+        )
     if seen.usage is not None:
         return Reading(to_usage(seen.usage, images=images, variant=variant))
     if images:

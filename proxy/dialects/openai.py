@@ -92,6 +92,7 @@ class _View(msgspec.Struct):
     type: Any = None
     object: Any = None
     status: Any = None
+    message: Any = None
 
 
 class _Tools(msgspec.Struct):
@@ -157,8 +158,9 @@ def observe(view: _View, seen: Observation) -> None:
         seen.error = str(error.get("message") or error.get("code") or "error")
     elif failed and view.type == "response.failed" and seen.error is None:
         seen.error = "response.failed"
-    elif view.type == "error" and seen.error is None:
-        seen.error = view.error if isinstance(view.error, str) and view.error else "error"
+    elif view.type == "error" and seen.error is None:  # the Responses API's error event: code and message at the top
+        text = next((v for v in (view.error, view.message) if isinstance(v, str) and v), "error")
+        seen.error = text[:500]
 
 
 def _observe_tools(tools: _Tools, view: _View, seen: Observation) -> None:
@@ -180,7 +182,8 @@ def _observe_tools(tools: _Tools, view: _View, seen: Observation) -> None:
                 executed = part.get("executed_tools") if isinstance(part, dict) else None
                 for slot, tool in enumerate(executed if isinstance(executed, list) else ()):
                     if isinstance(tool, dict) and (
-                        tool.get("type") in _SEARCH_TOOLS or ("type" not in tool and "search_results" in tool)
+                        (isinstance(tool.get("type"), str) and tool["type"] in _SEARCH_TOOLS)
+                        or ("type" not in tool and "search_results" in tool)
                     ):
                         seen.web_search_calls.add(f"groq:{number}:{tool.get('index', slot)}")
 
@@ -423,7 +426,8 @@ def reply_texts(obj: dict[str, Any]) -> list[tuple[Any, str, bool]]:
     piece in full (a non-streamed message, a finished Responses item), replacing its deltas.
     """
     found: list[tuple[Any, str, bool]] = []
-    for position, choice in enumerate(obj.get("choices") or ()):
+    choices = obj.get("choices")
+    for position, choice in enumerate(choices if isinstance(choices, list) else ()):
         if not isinstance(choice, dict):
             continue
         number = choice.get("index", position)

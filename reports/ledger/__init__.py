@@ -33,6 +33,7 @@ import logging
 import os
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -110,17 +111,45 @@ class DuckLedger:
 
         return self.session(lambda conn: work(DuckSpend(conn)), read_only=True)
 
-    def migrate(self) -> list[str]:
-        """See :meth:`Ledger.migrate`."""
+    def migrate(self, wait_s: float = 10.0) -> list[str]:
+        """See :meth:`Ledger.migrate`.
+
+        While a reader (``tokenward report``, ``top``, a notebook) holds the file, a file whose
+        schema is current needs nothing: ``[]`` at once, and the proxy starts with its rows
+        waiting in the log, as they wait between flushes. Only a file that needs a migration
+        waits up to ``wait_s`` seconds for the reader to let go.
+
+        Raises:
+            LedgerBusy: the file needs migrations and stayed held for ``wait_s`` seconds.
+            LedgerError: the file cannot be opened or migrated.
+        """
         from tokenward.reports.ledger import migrations
 
-        conn = open_ledger(self.path, wait_s=10, migrate_schema=False)
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                conn = open_ledger(self.path, migrate_schema=False)
+                break
+            except LedgerBusy:
+                if self._schema_current():
+                    return []
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.1)
         try:
             applied = migrations.migrate(conn)
             self._migrated_file = _identity(self.path)
             return applied
         finally:
             conn.close()
+
+    def _schema_current(self) -> bool:
+        """Whether the file opens read-only with no migration pending (a reader may hold it meanwhile)."""
+        try:
+            open_ledger(self.path, read_only=True).close()
+        except LedgerError:
+            return False
+        return True
 
     def write_rows(self, rows: Iterable[Mapping[str, Any]]) -> int:
         """See :meth:`Ledger.write_rows` (:func:`write_rows` on the file, de-duplicated)."""

@@ -109,7 +109,7 @@ def include_unflushed(conn: duckdb.DuckDBPyConnection, spool_dir: Path) -> int:
     A report run right after a request would otherwise miss it until the proxy's next flush.
     On a read-only connection, a temporary view named ``requests`` shadows the table: the file's
     rows, plus the log's rows files not yet moved in (any writer's, a line being appended right
-    now skipped), minus those already in the file. Rows of requests still in flight are not
+    now skipped; a request in two files once), minus those already in the file. Rows of requests still in flight are not
     shown (they have no row yet).
 
     Returns:
@@ -125,8 +125,11 @@ def include_unflushed(conn: duckdb.DuckDBPyConnection, spool_dir: Path) -> int:
     database = conn.execute("SELECT current_database()").fetchone()
     table = f'"{database[0] if database else "main"}".main.requests'
     logged = _SOURCE.replace("format = 'newline_delimited',", "format = 'newline_delimited', ignore_errors = true,")
+    # one row per request: a recovery cut short by a kill (its ``-recovered`` file written, the
+    # writer's own files not removed yet) leaves each of its rows in two files
+    once = f"SELECT * FROM ({logged}) QUALIFY row_number() OVER (PARTITION BY request_id) = 1"
     try:
-        conn.execute(f"CREATE TEMP TABLE _unflushed AS {logged}", [files])
+        conn.execute(f"CREATE TEMP TABLE _unflushed AS {once}", [files])
     except duckdb.IOException:  # a file went into the ledger (and away) meanwhile: what is left is in the file
         return include_unflushed(conn, spool_dir) if any(Path(f).exists() for f in files) else 0
     conn.execute(

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenward.reports.ledger.errors import LedgerError
-from tokenward.reports.ledger.wal import WriteAheadLog, dead_writers, read_rows
+from tokenward.reports.ledger.wal import WriteAheadLog, dead_writers, read_rows, typed_row
 
 __all__ = ["unflushed_rows", "waiting_segments"]
 
@@ -32,7 +32,8 @@ def unflushed_rows(
 ) -> list[dict[str, Any]]:
     """Rows in the log that are not in the ledger yet: ``wal``'s and dead writers' (with their in-flight rows).
 
-    ``present`` says which request ids the ledger holds already (rows a dead writer had inserted
+    Money columns are ``Decimal`` (:func:`~tokenward.reports.ledger.wal.typed_row`): the budget
+    books count them. ``present`` says which request ids the ledger holds already (rows a dead writer had inserted
     before it died are left out); when it raises :class:`LedgerError` nothing is left out.
     """
     rows: list[dict[str, Any]] = []
@@ -52,4 +53,4 @@ def unflushed_rows(
         except LedgerError:
             found = set()
         rows += [row for row in recovered if row.get("request_id") not in found]
-    return rows
+    return [typed_row(row) for row in rows]

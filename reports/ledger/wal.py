@@ -34,6 +34,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,7 @@ __all__ = [
     "encode_row",
     "fill_row",
     "read_rows",
+    "typed_row",
 ]
 
 log = logging.getLogger("tokenward.ledger")
@@ -64,6 +66,7 @@ segment per statement, so ``read_json``, which holds its whole input, holds at m
 (~750 rows), however many rows a move takes."""
 _Admission = bytes | dict[str, Any] | Callable[[], dict[str, Any]]
 _TOKEN_COLUMNS = tuple(name for name, kind in ROW_COLUMNS.items() if kind == "BIGINT")
+_MONEY_COLUMNS = tuple(name for name, kind in ROW_COLUMNS.items() if kind.startswith("DECIMAL"))
 _DEFAULTS: dict[str, Any] = {name: None for name in ROW_COLUMNS} | dict.fromkeys(_TOKEN_COLUMNS, 0)
 _DEFAULTS |= {"stream": False, "usage_source": "none", "row_kind": "request", "principal": "anonymous"}
 
@@ -102,6 +105,22 @@ def fill_row(partial: dict[str, Any]) -> dict[str, Any]:
     row.update(partial)
     if row.get("ended_at") is None:
         row["ended_at"] = row.get("started_at")
+    return row
+
+
+def typed_row(row: dict[str, Any]) -> dict[str, Any]:
+    """A row read back from the log with its money as ``Decimal`` (the log holds exact decimal strings).
+
+    What Python code counting a logged row needs (the budget books at start): a cost left a string
+    is no amount (``Decimal + str`` raises). A value that is not a number is left as it is.
+    """
+    for name in _MONEY_COLUMNS:
+        value = row.get(name)
+        if isinstance(value, str | int | float) and not isinstance(value, bool):
+            try:
+                row[name] = Decimal(value) if not isinstance(value, float) else Decimal(repr(value))
+            except ArithmeticError:
+                pass
     return row
 
 
