@@ -317,7 +317,7 @@ class Forwarder:
             _settle_attribution(ex, inbound.identity, inbound.claimed)
             has_body = any(name in (b"content-length", b"transfer-encoding") for name, _ in scope["headers"])
             plan = self.isolation.plan(found, inbound.identity, inbound.anthropic) if self.isolation else None
-            body = None
+            body = decoded = None
             if plan is not None:
                 await plan.check()
                 if has_body and plan.reads_body:  # a body that may name objects: read it once, check it
@@ -330,6 +330,9 @@ class Forwarder:
             route = self.router.pick(None, inbound.upstream, request_dialect(found.tail, inbound.anthropic))
             self._attach(ex, route, inbound)
             if plan is not None:
+                input_file = plan.batch_input(decoded)
+                if input_file is not None:  # the requests it runs may name objects too
+                    await plan.check_batch_lines(await self._file_content(route, input_file, ex))
                 found = plan.prepare(found, inbound.headers)
             if has_body and body is None:
                 content = body_stream(request.receive, scope["headers"], self.limits)
@@ -346,6 +349,21 @@ class Forwarder:
         except BaseException as exc:
             # an upload that broke off over a limit: the client hears why, not what the upstream made of it
             return self._refuse(ex, content.error if content is not None and content.error is not None else exc)
+
+    async def _file_content(self, route: Route, file_id: str, ex: Exchange) -> UpstreamReply:
+        """The upstream's reply to ``GET files/{file_id}/content``, asked with tokenward's credential alone.
+
+        Raises:
+            ProxyError: 400 ``invalid_path`` for an id that is not one plain path segment; as :meth:`_send`.
+        """
+        try:
+            found = target(f"/v1/files/{file_id}/content".encode(), "GET")
+        except (EdgeError, UnicodeEncodeError):
+            found = None
+        if found is None or found.tail.count("/") != 2:
+            raise ProxyError(400, f"The input file id {file_id[:100]!r} is not a plain id.", "invalid_path")
+        headers = [(b"accept-encoding", b"identity")] + ([route.auth_header] if route.auth_header else [])
+        return await self._send(route, found, headers, None, ex)
 
     def method_not_allowed(self, request: Request[Any, Any, Any]) -> Relay:
         """Refuse a method the API does not take (``TRACE``, ``PROPFIND``, ...) with a 405, recorded."""
@@ -554,7 +572,7 @@ class Forwarder:
                 )
             counts: dict[Any, Any] = {}
             if media is not None:
-                worst, unbounded = await self._media_worst_case(ex, media, now), False
+                worst, unbounded = await self._media_worst_case(ex, media, now), media.remote_audio
             else:
                 # what is left in the budget in scope with least (the bytes bound is weighed against it)
                 ample = guard.tightest(attributes, now) if self.guard_settings.bytes_bound_share > 0 else None
@@ -570,7 +588,7 @@ class Forwarder:
                                 attributes, worst, now, unbounded=unbounded, request_id=ex.request_id
                             )
                         except BudgetRefusal:
-                            if counts:
+                            if counts or media is not None:  # a media bound is the only one it has
                                 raise
                             # bounded by bytes (nothing counted) and refused all the same: others hold
                             # the headroom; the counted bound may fit
@@ -1154,6 +1172,7 @@ class Forwarder:
         source = UsageSource.ESTIMATED if ex.outcome is Outcome.OK else UsageSource.PARTIAL
         if relay.media is not None:
             kept = list(meter.kept_reply)
+            ex.maybe_billed = ex.maybe_billed or relay.media.remote_audio  # its estimate may find no length
             await self.recorder.commit(ex, estimate=partial(media_estimate, relay.media, kept, source=source))
             return
         job = partial(

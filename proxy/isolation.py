@@ -96,6 +96,7 @@ _CHAT = _KIND["chat_completion"]
 _RESPONSE = _KIND["response"]
 _EVAL = _KIND["eval"]
 _CHATKIT_SESSION = _KIND["chatkit_session"]
+_BATCH = _KIND["batch"]
 _OUTPUT = ("output[].id",)
 _STREAM_ENDS = frozenset({"response.completed", "response.incomplete", "response.failed"})
 _ITEM_MARKERS = re.compile(rb"output_item\.added|response\.(?:completed|incomplete|failed)")
@@ -368,6 +369,50 @@ class Plan:
                 "permission_error",
             )
         await self._require(references(document))
+
+    def batch_input(self, body: bytes | None) -> str | None:
+        """The input file a batch create by a key that is not an admin runs (its lines must be checked), or ``None``.
+
+        ``body``: the request body, decoded (already checked by :meth:`check_body`).
+        """
+        what = self.access
+        if body is None or self.admin or what.kind is not _BATCH or what.ids or self.found.method != "POST":
+            return None
+        document = _decode_strict(body)
+        file_id = document.get("input_file_id") if isinstance(document, dict) else None
+        return file_id if isinstance(file_id, str) and file_id else None
+
+    async def check_batch_lines(self, reply: UpstreamReply) -> None:
+        """Refuse a batch whose input file's requests name objects that are not the caller's.
+
+        ``reply`` is the upstream's answer to ``GET files/{input_file_id}/content``: each JSONL line's
+        ``body`` is a request the provider runs with the account's objects (a ``previous_response_id``,
+        a ``file_id`` in a message), so it is checked as the request itself would be. The file is
+        read line by line, never held whole; a line that is not JSON is the provider's to refuse.
+
+        Raises:
+            ObjectNotFound: 404 for the first such id (before the batch is created).
+            ProxyError: 400 ``invalid_json`` for a line naming a member twice or nested too deeply;
+                502 ``batch_input_unchecked`` when the content cannot be read (not a 200, or
+                compressed).
+        """
+        try:
+            if reply.status != 200 or _encoded(reply):
+                raise ProxyError(
+                    502,
+                    f"tokenward could not read the batch's input file to check the objects it names "
+                    f"(upstream answered {reply.status}); try again.",
+                    "batch_input_unchecked",
+                    "server_error",
+                )
+            rest = b""
+            async for chunk in reply.chunks():
+                lines = (rest + chunk).split(b"\n")
+                rest = lines.pop()
+                await self._require([ref for line in lines for ref in _line_references(line)])
+            await self._require(_line_references(rest))
+        finally:
+            await reply.aclose()
 
     async def _require(self, wanted: list[Reference]) -> None:
         if not wanted:
@@ -733,6 +778,23 @@ async def _list_page(reply: UpstreamReply, ex: Exchange) -> dict[str, Any]:
         return document
     finally:
         await reply.aclose()
+
+
+def _line_references(line: bytes) -> list[Reference]:
+    """The objects one batch input line's request ``body`` names (none for a line that is not a JSON object)."""
+    if not line.strip():
+        return []
+    try:
+        document = json.loads(line, object_pairs_hook=_unique)
+    except _DuplicateMember as exc:  # the provider might read the other one
+        message = f"A line of the batch's input file names the member {str(exc)!r} twice."
+        raise ProxyError(400, message, "invalid_json") from None
+    except RecursionError:
+        raise ProxyError(400, "A line of the batch's input file is nested too deeply.", "invalid_json") from None
+    except ValueError:  # not JSON: the provider refuses the line
+        return []
+    body = document.get("body") if isinstance(document, dict) else None
+    return references(body) if isinstance(body, dict) else []
 
 
 def _unfiltered(why: str) -> ProxyError:

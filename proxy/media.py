@@ -18,7 +18,10 @@ one :class:`MediaRequest`. Its bound (:meth:`MediaRequest.bound_args`) and its e
   at 8 kbit/s (1000 bytes a second, the lowest common speech bitrate) and at one audio token per
   100 bytes (:data:`tokenward.proxy.bounds.AUDIO_BYTES_PER_TOKEN`); when the reply reports no
   duration (``response_format`` ``text``), an SRT or VTT reply's last cue end is its duration,
-  else the bound is billed (marked ``estimated``).
+  else the bound is billed (marked ``estimated``). Audio the request names instead of uploading
+  (Groq's ``url`` field, a ``file`` sent as text: the upstream fetches it) has no such bound
+  (:attr:`MediaRequest.remote_audio`): the request is unbounded, and without a reported or cued
+  duration its usage is unknown.
 """
 
 from __future__ import annotations
@@ -55,7 +58,9 @@ class MediaRequest:
     ``kind``: ``images``, ``speech`` or ``transcription``; ``text``: the prompt (images,
     transcriptions) or ``input`` (speech); ``instructions``: speech instructions; ``n``: images
     asked for; ``size``/``quality``: as asked (``None``: any); ``input_images``: uploaded images;
-    ``audio_bytes``: bytes of uploaded audio; ``response_format``: as asked.
+    ``audio_bytes``: bytes of uploaded audio; ``response_format``: as asked; ``remote_audio``: the
+    request names audio for the upstream to fetch (a ``url`` field, or ``file`` as text), whose length
+    nothing in the request bounds.
     """
 
     kind: str
@@ -71,6 +76,7 @@ class MediaRequest:
     input_images: int = 0
     audio_bytes: int = 0
     response_format: str | None = None
+    remote_audio: bool = False
 
     @property
     def variant(self) -> str:
@@ -194,6 +200,9 @@ def _request(kind: str, tail: str, fields: dict[str, Any], form: Form | None, js
             response_format=_text(fields.get("response_format")) or None,
         )
     audio = sum(f.size for f in form.files_named("file")) if form is not None else 0
+    # Groq transcribes the audio at a `url` (or a base64 data URL) it fetches itself
+    # (console.groq.com/docs/api-reference#audio-transcription, checked 2026-12-02)
+    named = fields.get("url") not in (None, "") or fields.get("file") not in (None, "")
     return MediaRequest(
         kind,
         model if isinstance(model, str) else None,
@@ -201,6 +210,7 @@ def _request(kind: str, tail: str, fields: dict[str, Any], form: Form | None, js
         text=_text(fields.get("prompt")),
         audio_bytes=audio,
         response_format=_text(fields.get("response_format")) or None,
+        remote_audio=named,
     )
 
 
@@ -230,13 +240,14 @@ def _count(value: Any, *, default: int, most: int) -> int:
     return min(max(number, 0), most) if number >= 0 else most
 
 
-def estimate(media: MediaRequest, reply: list[bytes], *, source: UsageSource) -> Usage:
+def estimate(media: MediaRequest, reply: list[bytes], *, source: UsageSource) -> Usage | None:
     """Usage for a media reply that reported none, from the request (and an SRT/VTT reply's cues).
 
     Images: ``n`` images at the size and quality asked for, and the prompt's tokens. Speech:
     the input's characters and tokens, and 6 audio tokens per text token. Transcriptions: the
     last cue's end of an SRT or VTT reply as its seconds, else the upload's bound; the upload's
-    audio-token bound and the reply's text tokens.
+    audio-token bound and the reply's text tokens. ``None`` (not known) for audio the upstream
+    fetched (:attr:`MediaRequest.remote_audio`) when the reply has no cue.
     """
     tokens = media.text_tokens()
     if media.kind == "images":
@@ -252,6 +263,8 @@ def estimate(media: MediaRequest, reply: list[bytes], *, source: UsageSource) ->
         )
     text = b"".join(reply)
     seconds = _last_cue_end(text)
+    if seconds is None and media.remote_audio:
+        return None
     written = tokenizer.count_tokens(text.decode("utf-8", "replace"), tokenizer.encoding_for_model(media.model))
     return Usage(
         input_tokens=tokens + media.audio_tokens,

@@ -310,7 +310,7 @@ class Recorder:
         except OSError:
             pass  # logged by the log's writer; the request goes on (the row stays queued)
 
-    async def commit(self, ex: Exchange, estimate: Callable[[], Usage] | None = None) -> None:
+    async def commit(self, ex: Exchange, estimate: Callable[[], Usage | None] | None = None) -> None:
         """Price ``ex``, append its rows and wait until they are written (once per exchange).
 
         Args:
@@ -327,20 +327,20 @@ class Recorder:
             return
         await self._append(ex)  # the rows are appended before the first await: never lost to a cancel
 
-    def finish(self, ex: Exchange, estimate: Callable[[], Usage] | None = None) -> None:
+    def finish(self, ex: Exchange, estimate: Callable[[], Usage | None] | None = None) -> None:
         """:meth:`commit` without waiting for it (nobody waits for this exchange's reply)."""
         if ex.recorded:
             return
         ex.recorded = True
         self._spawn(ex, estimate)
 
-    def _spawn(self, ex: Exchange, estimate: Callable[[], Usage] | None) -> asyncio.Future[None]:
+    def _spawn(self, ex: Exchange, estimate: Callable[[], Usage | None] | None) -> asyncio.Future[None]:
         task = asyncio.ensure_future(self._estimated(ex, estimate))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
 
-    async def _estimated(self, ex: Exchange, estimate: Callable[[], Usage] | None) -> None:
+    async def _estimated(self, ex: Exchange, estimate: Callable[[], Usage | None] | None) -> None:
         if estimate is not None:
             try:
                 ex.usage = await asyncio.get_running_loop().run_in_executor(None, estimate)

@@ -7,7 +7,9 @@ counts it (OpenAI's chat recipe: 3 tokens a message plus 3), output as the token
 reply text. So a proxy in front of the simulator records the same numbers it would estimate
 itself, and a client sees figures of the right size. The reply text says it is simulated and
 quotes the start of the prompt; ``max_tokens`` (and its per-API names) cut it as a provider
-would (``finish_reason: length``, ``stop_reason: max_tokens``, Responses ``incomplete``).
+would (``finish_reason: length``, ``stop_reason: max_tokens``, Responses ``incomplete``). A
+request that forces a tool call (``tool_choice`` required, any or a named tool) gets that call
+instead of text, its output counted as tokenward's meter counts a call.
 
 Like OpenAI, chat/completions and completions streams carry usage only when the request sets
 ``stream_options.include_usage``. A malformed request (no JSON object, no ``model``, no
@@ -97,7 +99,11 @@ def synthesise(endpoint: str, body: Any, *, now: float | None = None) -> Synthet
     input_tokens = count_input(dialect, body, model)
     limit = _limit(endpoint, body)
     text, output_tokens, cut = _reply_text(body, model, limit)
-    reply = _Reply(model, digest, created, text, input_tokens, output_tokens, cut)
+    call = _forced_call(endpoint, body)
+    if call is not None:  # the request makes the model call a tool: the reply is that call alone
+        text, cut = "", False
+        output_tokens = _call_tokens(endpoint, call, model)
+    reply = _Reply(model, digest, created, text, input_tokens, output_tokens, cut, call)
     stream = body.get("stream") is True
     if endpoint == "chat_completions":
         return reply.chat(body, stream)
@@ -151,6 +157,64 @@ def _problem(endpoint: str, body: Any) -> str | None:
     return None
 
 
+def _forced_call(endpoint: str, body: dict[str, Any]) -> tuple[str, str] | None:
+    """The tool call a request forces, as ``(name, arguments JSON)``; ``None`` when the model may answer in text.
+
+    Forced: chat ``tool_choice: "required"`` or ``{"type": "function", "function": {"name": ...}}``,
+    Responses ``"required"`` or ``{"type": "function", "name": ...}``, Anthropic ``{"type": "any"}``
+    or ``{"type": "tool", "name": ...}``; ``required``/``any`` call the first function tool. The
+    arguments give each property of the tool's schema a value of its type (strings quote the
+    prompt), as compact JSON.
+    """
+    choice, tools = body.get("tool_choice"), body.get("tools")
+    if not isinstance(tools, list) or endpoint not in ("chat_completions", "responses", "anthropic_messages"):
+        return None
+    named: Any = None
+    if isinstance(choice, dict):
+        function = choice.get("function")
+        named = function.get("name") if isinstance(function, dict) else choice.get("name")
+        forced = choice.get("type") in ("function", "tool", "any") and (named is not None or choice["type"] == "any")
+    else:
+        forced = choice == "required" and endpoint != "anthropic_messages"
+    if not forced:
+        return None
+    for tool in tools:
+        if not isinstance(tool, dict):
+            continue
+        spec = tool.get("function") if endpoint == "chat_completions" else tool
+        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+            continue
+        if endpoint != "anthropic_messages" and tool.get("type") != "function":
+            continue
+        if named is None or spec["name"] == named:
+            schema = spec.get("input_schema" if endpoint == "anthropic_messages" else "parameters")
+            return spec["name"], _arguments(schema, _last_text(body))
+    return None
+
+
+def _arguments(schema: Any, said: str) -> str:
+    properties = schema.get("properties") if isinstance(schema, dict) else None
+    samples = {"string": " ".join(said.split())[:40] or "simulated", "integer": 1, "number": 1, "boolean": True}
+    values = {}
+    for name, spec in (properties if isinstance(properties, dict) else {}).items():
+        kind = spec.get("type") if isinstance(spec, dict) else None
+        values[name] = samples.get(kind) if isinstance(kind, str) else None
+        if kind == "array":
+            values[name] = []
+    return json.dumps(values, separators=(",", ":"), ensure_ascii=False)
+
+
+def _call_tokens(endpoint: str, call: tuple[str, str], model: str) -> int:
+    """A tool call's output tokens as tokenward's meter counts them.
+
+    Chat: the name and the arguments; Responses: the arguments; Anthropic: the input as compact JSON.
+    """
+    encoding = tokenizer.encoding_for_model(model)
+    name, arguments = call
+    count = tokenizer.count_tokens(arguments, encoding)
+    return count + tokenizer.count_tokens(name, encoding) if endpoint == "chat_completions" else count
+
+
 def _limit(endpoint: str, body: dict[str, Any]) -> int | None:
     names = {
         "chat_completions": ("max_completion_tokens", "max_tokens"),
@@ -197,6 +261,12 @@ def _reply_text(body: dict[str, Any], model: str, limit: int | None) -> tuple[st
     return encoding.decode(tokens[:limit]), limit, True
 
 
+def _chunks(function: dict[str, str]) -> list[str]:
+    """A tool call's arguments as stream deltas (8 characters each)."""
+    arguments = function["arguments"]
+    return [arguments[k : k + 8] for k in range(0, len(arguments), 8)]
+
+
 def _pieces(text: str) -> list[str]:
     """The reply text as stream deltas (a word with its leading space each)."""
     return _WORDS.findall(text) or [text]
@@ -217,6 +287,7 @@ class _Reply:
     input_tokens: int
     output_tokens: int
     cut: bool
+    call: tuple[str, str] | None = None  # a forced tool call (name, arguments JSON) in place of the text
 
     def chat(self, body: dict[str, Any], stream: bool) -> Synthetic:
         n = body.get("n") if isinstance(body.get("n"), int) and 1 <= body["n"] <= 8 else 1
@@ -234,14 +305,17 @@ class _Reply:
             },
         }
         head = {"id": f"chatcmpl-sim{self.digest[:24]}", "created": self.created, "model": self.model}
+        calls = None
+        if self.call is not None:
+            finish = "tool_calls"
+            function = {"name": self.call[0], "arguments": self.call[1]}
+            calls = [{"id": f"call_sim{self.digest[:24]}", "type": "function", "function": function}]
         if not stream:
+            message = {"role": "assistant", "content": self.text if calls is None else None, "refusal": None}
+            if calls is not None:
+                message["tool_calls"] = calls
             choices = [
-                {
-                    "index": i,
-                    "message": {"role": "assistant", "content": self.text, "refusal": None, "annotations": []},
-                    "logprobs": None,
-                    "finish_reason": finish,
-                }
+                {"index": i, "message": {**message, "annotations": []}, "logprobs": None, "finish_reason": finish}
                 for i in range(n)
             ]
             reply = {**head, "object": "chat.completion", "choices": choices, "usage": usage}
@@ -254,11 +328,17 @@ class _Reply:
 
         events = []
         for i in range(n):
-            start = {"role": "assistant", "content": "", "refusal": None}
+            start = {"role": "assistant", "content": "" if calls is None else None, "refusal": None}
             events.append(event([{"index": i, "delta": start, "logprobs": None, "finish_reason": None}]))
-            for piece in _pieces(self.text):
-                delta = {"index": i, "delta": {"content": piece}, "logprobs": None, "finish_reason": None}
-                events.append(event([delta]))
+            if calls is not None:  # the name first, then the arguments in pieces, as OpenAI streams them
+                opening = {**calls[0], "index": 0, "function": {"name": calls[0]["function"]["name"], "arguments": ""}}
+                pieces = [{"tool_calls": [opening]}] + [
+                    {"tool_calls": [{"index": 0, "function": {"arguments": piece}}]} for piece in _chunks(function)
+                ]
+            else:
+                pieces = [{"content": piece} for piece in _pieces(self.text)]
+            for piece in pieces:
+                events.append(event([{"index": i, "delta": piece, "logprobs": None, "finish_reason": None}]))
             events.append(event([{"index": i, "delta": {}, "logprobs": None, "finish_reason": finish}]))
         if with_usage:
             events.append(_sse({**chunk, "choices": [], "usage": usage}))
@@ -311,10 +391,34 @@ class _Reply:
         }
         status = "incomplete" if self.cut else "completed"
         incomplete = {"reason": "max_output_tokens"} if self.cut else None
+        if self.call is not None:
+            item_id = f"fc_sim{self.digest[:24]}"
+            name, arguments = self.call
+            item = {"id": item_id, "type": "function_call", "status": "completed", "arguments": arguments}
+            item |= {"call_id": f"call_sim{self.digest[:24]}", "name": name}
         done = {**base, "status": status, "incomplete_details": incomplete, "output": [item], "usage": usage}
         if not stream:
             return Synthetic(200, done)
         started = {**base, "status": "in_progress", "incomplete_details": None, "output": [], "usage": None}
+        if self.call is not None:
+            on = {"item_id": item_id, "output_index": 0}
+            calling: list[tuple[str, dict[str, Any]]] = [
+                ("response.created", {"response": started}),
+                ("response.in_progress", {"response": started}),
+                (
+                    "response.output_item.added",
+                    {"output_index": 0, "item": {**item, "status": "in_progress", "arguments": ""}},
+                ),
+            ]
+            calling += [("response.function_call_arguments.delta", {**on, "delta": p}) for p in _chunks(item)]
+            calling += [
+                ("response.function_call_arguments.done", {**on, "arguments": item["arguments"]}),
+                ("response.output_item.done", {"output_index": 0, "item": item}),
+                ("response.completed", {"response": done}),
+            ]
+            return Synthetic(
+                200, events=[_sse({"type": k, "sequence_number": i, **d}, k) for i, (k, d) in enumerate(calling)]
+            )
         at = {"item_id": item_id, "output_index": 0, "content_index": 0}
         blank = {**part, "text": ""}
         steps: list[tuple[str, dict[str, Any]]] = [
@@ -337,7 +441,7 @@ class _Reply:
         return Synthetic(200, events=events)
 
     def message(self, stream: bool) -> Synthetic:
-        stop = "max_tokens" if self.cut else "end_turn"
+        stop = "max_tokens" if self.cut else "tool_use" if self.call is not None else "end_turn"
         usage = {
             "input_tokens": self.input_tokens,
             "cache_creation_input_tokens": 0,
@@ -349,7 +453,7 @@ class _Reply:
             "type": "message",
             "role": "assistant",
             "model": self.model,
-            "content": [{"type": "text", "text": self.text}],
+            "content": [{"type": "text", "text": self.text}] if self.call is None else [self._tool_use()],
             "stop_reason": stop,
             "stop_sequence": None,
             "usage": usage,
@@ -357,21 +461,28 @@ class _Reply:
         if not stream:
             return Synthetic(200, message)
         opening = {**message, "content": [], "stop_reason": None, "usage": {**usage, "output_tokens": 1}}
+        block: dict[str, Any] = {"type": "text", "text": ""}
+        deltas = [{"type": "text_delta", "text": p} for p in _pieces(self.text)]
+        if self.call is not None:
+            block = {**self._tool_use(), "input": {}}
+            deltas = [{"type": "input_json_delta", "partial_json": p} for p in _chunks({"arguments": self.call[1]})]
         steps: list[tuple[str, dict[str, Any]]] = [
             ("message_start", {"message": opening}),
-            ("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}),
+            ("content_block_start", {"index": 0, "content_block": block}),
             ("ping", {}),
         ]
-        steps += [
-            ("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": p}})
-            for p in _pieces(self.text)
-        ]
+        steps += [("content_block_delta", {"index": 0, "delta": delta}) for delta in deltas]
         steps += [
             ("content_block_stop", {"index": 0}),
             ("message_delta", {"delta": {"stop_reason": stop, "stop_sequence": None}, "usage": usage}),
             ("message_stop", {}),
         ]
         return Synthetic(200, events=[_sse({"type": kind, **data}, kind) for kind, data in steps])
+
+    def _tool_use(self) -> dict[str, Any]:
+        assert self.call is not None
+        name, arguments = self.call
+        return {"type": "tool_use", "id": f"toolu_sim{self.digest[:24]}", "name": name, "input": json.loads(arguments)}
 
 
 def _asks_usage(body: dict[str, Any]) -> bool:

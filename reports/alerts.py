@@ -237,26 +237,30 @@ class Notifier:
         """Deliver ``alert`` to every target; one :class:`Delivery` per target.
 
         Each email address gets its own message (so each target's success is known on its
-        own). ``on_delivery`` is awaited with each target's outcome as soon as it is known.
+        own); targets are tried side by side. ``on_delivery`` is awaited with each target's
+        outcome as soon as it is known.
         """
-        results = []
-        for target in alert.targets:
-            if "@" in target:
-                if self.settings.smtp is None:  # a configuration problem: no point retrying
-                    result = Delivery("email", target, False, 0, "no SMTP server is configured (alerts.smtp)")
-                else:
-                    email_attempt = partial(self._email, alert, target)
-                    result = await self._retry("email", target, email_attempt, self.settings.smtp.timeout_s)
+        return list(await asyncio.gather(*(self._send_one(alert, target, on_delivery) for target in alert.targets)))
+
+    async def _send_one(
+        self, alert: Alert, target: str, on_delivery: Callable[[Delivery], Awaitable[None]] | None
+    ) -> Delivery:
+        """One target's delivery (side by side with the others': a webhook that hangs delays no mail)."""
+        if "@" in target:
+            if self.settings.smtp is None:  # a configuration problem: no point retrying
+                result = Delivery("email", target, False, 0, "no SMTP server is configured (alerts.smtp)")
             else:
-                hook = self._webhooks.get(target)
-                if hook is None:
-                    result = Delivery("webhook", target, False, 0, f"no webhook named {target!r} is configured")
-                else:
-                    result = await self._retry("webhook", target, partial(self._webhook, alert, hook), hook.timeout_s)
-            results.append(result)
-            if on_delivery is not None:
-                await on_delivery(result)
-        return results
+                email_attempt = partial(self._email, alert, target)
+                result = await self._retry("email", target, email_attempt, self.settings.smtp.timeout_s)
+        else:
+            hook = self._webhooks.get(target)
+            if hook is None:
+                result = Delivery("webhook", target, False, 0, f"no webhook named {target!r} is configured")
+            else:
+                result = await self._retry("webhook", target, partial(self._webhook, alert, hook), hook.timeout_s)
+        if on_delivery is not None:
+            await on_delivery(result)
+        return result
 
     async def _retry(self, channel: str, target: str, attempt: Any, timeout_s: float) -> Delivery:
         delay = self.settings.backoff_s

@@ -568,29 +568,35 @@ async def evaluate_and_notify(
 ) -> list[tuple[Alert, list[Delivery]]]:
     """Claim the alerts due at ``now``, send them, record the deliveries; returns what was sent.
 
-    A target not reached leaves its claims pending (retried, there only, at the next
-    evaluation) and sends the admins a ``delivery_failed`` alert once. With ``dry_run`` nothing
-    is claimed or sent. ``rates``: where velocity rules read spend rates (default ``spend``).
+    Alerts are delivered side by side, and each alert's targets too, so a receiver that hangs
+    (until its ``timeout_s``) delays nobody else's. A target not reached leaves its claims
+    pending (retried, there only, at the next evaluation) and sends the admins a
+    ``delivery_failed`` alert once. With ``dry_run`` nothing is claimed or sent. ``rates``: where
+    velocity rules read spend rates (default ``spend``).
     """
     alerts: list[Alert] = await asyncio.to_thread(
         claim_alerts, spend, state, budgets, settings, now, dry_run=dry_run, rates=rates
     )
     if dry_run:
         return [(alert, []) for alert in alerts]
-    sent = []
-    for due in alerts:
+
+    async def one(due: Alert) -> list[tuple[Alert, list[Delivery]]]:
         done = await deliver(state, notifier, due)
         if done is None:  # another evaluator is delivering it (or has)
-            continue
+            return []
         alert, deliveries = done
         failed = await asyncio.to_thread(record_deliveries, state, alert, deliveries, now)
-        sent.append((alert, deliveries))
+        out = [(alert, deliveries)]
         if failed is not None and settings.admins:
             reported = await deliver(state, notifier, replace(failed, targets=tuple(settings.admins)))
             if reported is not None:
                 await asyncio.to_thread(record_deliveries, state, *reported, now)
-                sent.append(reported)
-    return sent
+                out.append(reported)
+        return out
+
+    # each alert on its own (its claims leased apart): a receiver that hangs until its timeout_s
+    # delays no other alert's mail
+    return [item for group in await asyncio.gather(*map(one, alerts)) for item in group]
 
 
 def digest_alert(

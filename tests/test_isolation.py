@@ -782,3 +782,47 @@ def test_chatkit_threads_and_sessions_reach_admin_keys_only(store, tmp_path):
         ("ops", "GET", 200, "ok"),
         ("ops", "POST", 200, "ok"),
     ]
+
+
+def batch_file(client: openai.OpenAI, *bodies: dict[str, Any], url: str = "/v1/responses") -> str:
+    lines = [json.dumps({"custom_id": f"r{i}", "method": "POST", "url": url, "body": b}) for i, b in enumerate(bodies)]
+    return client.files.create(file=("batch.jsonl", "\n".join(lines).encode()), purpose="batch").id
+
+
+def test_the_requests_a_batch_runs_name_only_the_callers_objects(store, tmp_path):
+    """A batch's input file holds requests the provider runs with the account's objects: bob's own file, naming
+    alice's stored response as ``previous_response_id`` (or her file in a message), ran her conversation on and
+    handed him its output (before: the batch was created; its output file, his, continued her secret)."""
+    ledger = tmp_path / "ledger.duckdb"
+    with proxy(store, ledger) as url, gpt(url, ALICE) as alice, gpt(url, BOB) as bob:
+        theirs = alice.responses.create(model="gpt-4o-mini", input="my password is hunter2").id
+        secret = upload(alice, "secret.jsonl")
+        own = bob.responses.create(model="gpt-4o-mini", input="hi").id
+        chained = batch_file(bob, {"model": "gpt-4o-mini", "input": "ok"},
+                             {"model": "gpt-4o-mini", "previous_response_id": theirs, "input": "say it again"})  # fmt: skip
+        with_file = batch_file(
+            bob,
+            {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": [{"type": "file", "file": {"file_id": secret}}]}]},
+            url="/v1/chat/completions",
+        )  # fmt: skip
+        twice = batch_file(bob, {"model": "gpt-4o-mini", "previous_response_id": own, "input": "x"})
+        store.contents[twice] = store.contents[twice].replace(b'"input"', f'"previous_response_id": "{theirs}", "input"'.encode())
+        sent = len(store.requests)
+        for file_id, endpoint, kind, named in (
+            (chained, "/v1/responses", "Response", theirs),
+            (with_file, "/v1/chat/completions", "File", secret),
+        ):
+            with pytest.raises(openai.NotFoundError) as info:
+                bob.batches.create(input_file_id=file_id, endpoint=endpoint, completion_window="24h")  # type: ignore[arg-type]
+            assert info.value.body == not_found(kind, named)
+        with pytest.raises(openai.BadRequestError) as bad:
+            bob.batches.create(input_file_id=twice, endpoint="/v1/responses", completion_window="24h")
+        assert bad.value.body["code"] == "invalid_json"  # type: ignore[index]
+        assert store.requests[sent:] == [("GET", f"/v1/files/{f}/content") for f in (chained, with_file, twice)]
+        mine = batch_file(bob, {"model": "gpt-4o-mini", "previous_response_id": own, "input": "and?"})
+        batch = bob.batches.create(input_file_id=mine, endpoint="/v1/responses", completion_window="24h")
+        assert batch.input_file_id == mine and store.requests[-1] == ("POST", "/v1/batches")
+    rows = read_rows(ledger)
+    assert [(r["path"], r["http_status"]) for r in rows if r["path"] == "/v1/batches"] == [
+        ("/v1/batches", 404), ("/v1/batches", 404), ("/v1/batches", 400), ("/v1/batches", 200)
+    ]  # fmt: skip

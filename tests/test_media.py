@@ -10,7 +10,10 @@ output 10.00; tts-1 $15.00 per 1M characters.
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from decimal import Decimal
@@ -250,3 +253,126 @@ def test_a_malformed_form_is_a_400_with_its_row(tmp_path):
     (row,) = read_rows(ledger)
     assert (row["endpoint"], row["outcome"], row["price_status"]) == ("audio_transcriptions", "client_error", "not_billed")
     assert row["cost_usd"] == 0
+
+
+class FetchingUpstream:
+    """Transcriptions as Groq serves them: the audio may be named by a ``url`` the upstream fetches itself.
+
+    Every request is 10 minutes of audio (whisper-1 at $0.006 a minute: $0.06). ``verbose_json``
+    reports the duration, ``json`` does not. Replies wait for :attr:`release`; :attr:`arrived`
+    counts the requests that reached it.
+    """
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.arrived = 0
+
+    async def handle(self, request: web.Request, body: bytes) -> web.StreamResponse:
+        self.arrived += 1
+        await asyncio.get_running_loop().run_in_executor(None, self.release.wait, 30)
+        form = await request.post() if not body else None
+        text = body.decode("latin-1")
+        assert form is None and 'name="url"' in text  # the audio was named, not uploaded
+        if "verbose_json" in text:
+            return web.json_response({"task": "transcribe", "language": "en", "duration": 600.0, "text": "a talk"})
+        return web.json_response({"text": "a talk"})
+
+
+@contextmanager
+def fetching_proxy(tmp_path: Path, upstream: FetchingUpstream, budgets: list[BudgetSettings]) -> Iterator[str]:
+    with Servers(upstream.handle).running() as servers:
+        config = Config(
+            upstreams=[UpstreamConfig(name="groq", base_url=f"{servers.upstream_url}/v1", provider="openai")],
+            ledger=LedgerConfig(path=str(tmp_path / "media.duckdb"), flush_interval_s=0.05),
+            budgets=budgets,
+        )
+        with running_in_thread(create_app(config)) as url:
+            yield url
+
+
+def transcribe_by_url(url: str, response_format: str) -> httpx.Response:
+    fields = {"model": "whisper-1", "url": "https://cdn.example/talk.mp3", "response_format": response_format}
+    files = {name: (None, value) for name, value in fields.items()}  # a multipart form without a file part
+    return httpx.post(f"{url}/v1/audio/transcriptions", headers={"authorization": "Bearer sk-client"}, files=files,
+                      timeout=30)  # fmt: skip
+
+
+def test_audio_named_by_url_is_not_a_silent_zero(tmp_path):
+    # The bound and the estimate read the uploaded file's size: 0 bytes for audio the upstream fetched from a
+    # url, so a json reply (no duration) was estimated at 0 seconds: a $0 row for 10 minutes ($0.06) billed
+    upstream = FetchingUpstream()
+    upstream.release.set()
+    with fetching_proxy(tmp_path, upstream, []) as url:
+        reply = transcribe_by_url(url, "json")
+    assert reply.status_code == 200 and reply.json() == {"text": "a talk"}
+    (row,) = read_rows(tmp_path / "media.duckdb")
+    assert (row["endpoint"], row["price_status"], row["cost_usd"]) == ("audio_transcriptions", "usage_unknown", None)
+
+
+def test_audio_named_by_url_is_unbounded_under_a_hard_limit(tmp_path):
+    # Room for one and a half requests ($0.09). Bounded by their 0 uploaded bytes ($0), four at once were all
+    # admitted: 4 x 600 s x $0.006/60 = $0.24, 2.7 times the limit. Unbounded, the first reserves what is
+    # left and runs alone; the others get 429 before anything is sent.
+    upstream = FetchingUpstream()
+    cap = BudgetSettings(name="cap", limit_usd=Decimal("0.09"), period="total", action="block")
+    replies: list[httpx.Response] = []
+    with fetching_proxy(tmp_path, upstream, [cap]) as url:
+        threads = [threading.Thread(target=lambda: replies.append(transcribe_by_url(url, "verbose_json")))
+                   for _ in range(4)]  # fmt: skip
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 30
+        while len(replies) < 3 and upstream.arrived < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)  # until the proxy refused three, or all four reached the upstream
+        upstream.release.set()
+        for thread in threads:
+            thread.join(30)
+    assert sorted(r.status_code for r in replies) == [200, 429, 429, 429]
+    assert upstream.arrived == 1
+    rows = read_rows(tmp_path / "media.duckdb")
+    assert sorted((r["http_status"], r["cost_usd"]) for r in rows) == [
+        (200, Decimal("0.06")),
+        (429, Decimal(0)),
+        (429, Decimal(0)),
+        (429, Decimal(0)),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("path", "request_", "price"),
+    [
+        ("images/generations", {"json": {"model": "dall-e-3", "prompt": "a cat", "size": "1024x1024",
+                                         "quality": "hd"}}, Decimal("0.08")),
+        ("audio/speech", {"json": {"model": "tts-1", "voice": "alloy", "input": "word " * 2000}}, Decimal("0.15")),
+        ("audio/transcriptions", {"data": {"model": "whisper-1"}, "files": {"file": ("a.mp3", AUDIO * 20)}},
+         Decimal("0.06")),
+    ],
+    ids=["dall-e-3", "tts-1", "whisper-1"],
+)  # fmt: skip
+def test_a_media_request_over_the_limit_is_refused_not_bounded_again_as_text(tmp_path, path, request_, price):
+    # A refused request was bounded a second time as if it were a chat request (for when a byte bound
+    # was too coarse): a multipart or media body counts no text, and models priced per image, per
+    # character or per minute cost $0 a token, so the second bound was $0 and the request went through
+    # (before: 200, and a row of the full price over a $0.05 cap). dall-e-3 1024x1024 hd: $0.08; tts-1:
+    # 10,000 characters x $15/1M = $0.15; whisper-1: 600,000 bytes -> 600 s bound x $0.006/60 = $0.06.
+    billed: list[str] = []
+
+    async def handle(request: web.Request, body: bytes) -> web.StreamResponse:
+        billed.append(request.path)
+        return web.json_response({"created": 1, "data": [{"url": "https://x/1.png"}]})
+
+    cap = BudgetSettings(name="cap", limit_usd=Decimal("0.05"), period="total", action="block")
+    with Servers(handle).running() as servers:
+        config = Config(
+            upstreams=[UpstreamConfig(name="openai", base_url=f"{servers.upstream_url}/v1", provider="openai")],
+            ledger=LedgerConfig(path=str(tmp_path / "media.duckdb"), flush_interval_s=0.05),
+            budgets=[cap],
+        )
+        with running_in_thread(create_app(config)) as url:
+            reply = httpx.post(f"{url}/v1/{path}", headers={"authorization": "Bearer sk-client"}, timeout=30,
+                               **request_)  # fmt: skip
+    assert reply.status_code == 429 and reply.json()["error"]["code"] == "budget_exceeded"
+    assert f"${price}" in reply.json()["error"]["message"] or str(price) in reply.json()["error"]["message"]
+    assert billed == []
+    (row,) = read_rows(tmp_path / "media.duckdb")
+    assert (row["http_status"], row["outcome"]) == (429, "rejected")

@@ -231,3 +231,78 @@ def test_token_counting_endpoints_answer_the_count_the_reply_would_report(proxy,
         ("passthrough", "not_metered"),
         ("passthrough", "not_metered"),
     ]
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}
+
+
+def test_a_forced_tool_call_is_answered_with_that_call_streamed_or_not(proxy, client):
+    # tool_choice required / a named tool got a text reply: a tool-calling client could not be tried
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
+    ask = [{"role": "user", "content": "Paris"}]
+    reply = client.chat.completions.create(model="gpt-4o-mini", messages=ask, tools=tools, tool_choice="required")
+    (call,) = reply.choices[0].message.tool_calls
+    assert (reply.choices[0].finish_reason, call.function.name) == ("tool_calls", "get_weather")
+    assert call.function.arguments == '{"city":"Paris","days":1}'
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    stream = client.chat.completions.create(
+        model="gpt-4o-mini",
+        messages=ask,
+        tools=tools,
+        tool_choice=named,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    streamed = "".join(
+        c.choices[0].delta.tool_calls[0].function.arguments or ""
+        for c in chunks
+        if c.choices and c.choices[0].delta.tool_calls
+    )
+    assert streamed == call.function.arguments and chunks[-1].usage.completion_tokens == reply.usage.completion_tokens
+    # output: "get_weather" (2 o200k_base tokens) + the arguments, as the meter counts a call
+    out = reply_tokens("get_weather") + reply_tokens(call.function.arguments)
+    assert reply.usage.completion_tokens == out
+    functions = [{"type": "function", "name": "get_weather", "parameters": WEATHER}]
+    response = client.responses.create(model="gpt-4o-mini", input="Paris", tools=functions, tool_choice="required")
+    (item,) = response.output
+    assert (item.type, item.name, item.arguments) == ("function_call", "get_weather", '{"city":"Paris","days":1}')
+    with client.responses.stream(
+        model="gpt-4o-mini", input="Paris", tools=functions, tool_choice={"type": "function", "name": "get_weather"}
+    ) as events:
+        final = events.get_final_response()
+    assert final.output[0].arguments == item.arguments
+    assert response.usage.output_tokens == final.usage.output_tokens == reply_tokens(item.arguments)
+    with anthropic.Anthropic(base_url=proxy.url, api_key="sk-ant-test", max_retries=0) as claude:
+        tool = [{"name": "get_weather", "input_schema": WEATHER}]
+        message = claude.messages.create(
+            model="claude-sonnet-4-5", max_tokens=100, messages=ask, tools=tool, tool_choice={"type": "any"}
+        )
+        with claude.messages.stream(
+            model="claude-sonnet-4-5",
+            max_tokens=100,
+            messages=ask,
+            tools=tool,
+            tool_choice={"type": "tool", "name": "get_weather"},
+        ) as events:
+            claude_final = events.get_final_message()
+        free = claude.messages.create(model="claude-sonnet-4-5", max_tokens=100, messages=ask, tools=tool)
+    assert (message.stop_reason, message.content[0].type, message.content[0].input) == (
+        "tool_use",
+        "tool_use",
+        {"city": "Paris", "days": 1},
+    )
+    assert claude_final.content[0].input == {"city": "Paris", "days": 1} and claude_final.stop_reason == "tool_use"
+    assert message.usage.output_tokens == claude_final.usage.output_tokens == reply_tokens('{"city":"Paris","days":1}')
+    assert free.content[0].type == "text"  # tool_choice auto: the model may answer in text, and does
+    rows = proxy.rows(7)
+    # each row holds what its client saw; streamed and not alike
+    assert [r["output_tokens"] for r in rows[:6]] == [
+        out,
+        out,
+        response.usage.output_tokens,
+        response.usage.output_tokens,
+        message.usage.output_tokens,
+        message.usage.output_tokens,
+    ]
+    assert {(r["usage_source"], r["price_status"]) for r in rows} == {("reported", "priced")}
