@@ -480,7 +480,8 @@ def test_a_compressed_body_naming_objects_is_checked_decoded_and_forwarded_as_se
         assert refused.json()["error"]["message"] == f"No such File object: {alice_file}"
         created = batch(isolation_tests.ALICE)
         assert created.status_code == 200 and created.json()["input_file_id"] == alice_file
-        assert store.requests[sent:] == [("POST", "/v1/batches")]
+        # the batch's input file is read first (its lines may name objects too), then the batch is made
+        assert store.requests[sent:] == [("GET", f"/v1/files/{alice_file}/content"), ("POST", "/v1/batches")]
 
 
 def test_background_responses_count_their_reservation_against_a_blocking_budget(provider, tmp_path):
