@@ -183,6 +183,14 @@ async def test_a_full_disk_delays_rows_but_loses_none(tmp_path, catalog, caplog,
     conn.close()
 
 
+async def _moved_after(recorder: Recorder, failed: list, count: int) -> None:
+    """Wait (at most 4 s) until ``count`` moves have failed into ``failed`` and a later one went through."""
+    for _ in range(200):
+        if len(failed) == count and recorder.flush_error is None:
+            return
+        await asyncio.sleep(0.02)
+
+
 async def test_a_ledger_that_fails_a_move_is_written_by_the_next_one_and_at_stop(tmp_path, catalog, monkeypatch):
     # DuckDB's own error from the INSERT (a full disk at its COMMIT) ended the writer's task: no move
     # after it, and stop() raised it before its final flush, leaving every row in the log
@@ -205,10 +213,7 @@ async def test_a_ledger_that_fails_a_move_is_written_by_the_next_one_and_at_stop
     monkeypatch.setattr(duck, "_insert", failing_disk)
     first = make_exchange(requested_model="gpt-4o", usage=Usage(input_tokens=1, output_tokens=1))
     await recorder.commit(first)
-    for _ in range(200):
-        if len(failures) == 2 and recorder.flush_error is None:
-            break
-        await asyncio.sleep(0.02)
+    await _moved_after(recorder, failures, 2)
     assert len(failures) == 2 and recorder.flush_error is None  # the periodic move went on after the failures
     second = make_exchange(requested_model="gpt-4o", usage=Usage(input_tokens=2, output_tokens=1))
     await recorder.commit(second)
@@ -243,10 +248,7 @@ async def test_a_reader_holding_the_ledger_logs_no_warning(tmp_path, catalog, ca
     caplog.set_level(logging.DEBUG, logger="tokenward.recorder")
     ex = make_exchange(requested_model="gpt-4o", usage=Usage(input_tokens=1, output_tokens=1))
     await recorder.commit(ex)
-    for _ in range(200):
-        if len(busy) == 2 and recorder.flush_error is None:
-            break
-        await asyncio.sleep(0.02)
+    await _moved_after(recorder, busy, 2)
     await recorder.stop()
     assert len(busy) == 2 and recorder.flush_error is None
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
