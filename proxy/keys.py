@@ -298,7 +298,7 @@ class Authenticator:
         (``role``: ``user``, the default, or ``admin``); it replaces the stored keys known before.
         ``revoked`` holds the sha256 of revoked keys: a configured key among them is refused too
         (``tokenward keys revoke`` works on config keys, no restart), as a virtual key and as an
-        admin credential (:meth:`admin_named`).
+        admin credential (:meth:`admin_with_digest`).
         """
         default = self._default
         by_hash: dict[str, Identity] = {}
@@ -319,15 +319,12 @@ class Authenticator:
         self._by_hash = by_hash
         self.admins_stored = any(i.admin for digest, i in by_hash.items() if digest not in self._configured)
 
-    def admin_named(self, key: str) -> str | None:
-        """The name of the live admin key ``key`` is (configured or stored ``role: admin``, not revoked), else ``None``.
-
-        Used for the dashboard in either auth mode; never raises.
-        """
-        return self.admin_with_digest(hashlib.sha256(key.encode()).hexdigest())
-
     def admin_with_digest(self, key_sha256: str) -> str | None:
-        """:meth:`admin_named` for the key whose sha256 (hex) is ``key_sha256``."""
+        """The name of the live admin key whose sha256 (hex) is ``key_sha256``, else ``None``.
+
+        A live admin key is configured or stored with ``role: admin`` and not revoked. Used for the
+        dashboard in either auth mode; never raises.
+        """
         identity = self._by_hash.get(key_sha256.lower())
         return identity.principal if identity is not None and identity.admin else None
 
