@@ -21,12 +21,30 @@ from prometheus_client.registry import Collector
 from tokenward.pricing.usage import TOKEN_FIELDS
 from tokenward.reports.alerts import Alert, Delivery
 
-__all__ = ["LATENCY_BUCKETS", "TTFT_BUCKETS", "DeliveryCounter", "Metrics"]
+__all__ = [
+    "LATENCY_BUCKETS",
+    "MAX_MODEL_LABELS",
+    "MAX_MODEL_LABEL_CHARS",
+    "OTHER_MODEL",
+    "TTFT_BUCKETS",
+    "DeliveryCounter",
+    "Metrics",
+]
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 """Request duration buckets, seconds: LLM replies take from tens of milliseconds to minutes."""
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0)
 """Time-to-first-token buckets, seconds."""
+
+MAX_MODEL_LABELS = 500
+"""Distinct ``model`` label values kept; later models are counted as :data:`OTHER_MODEL`.
+
+The model of a row the upstream never answered (a timeout, a client gone before the reply,
+an estimate) is the one the client sent: any string. Without a cap a key holder could add a
+series per request (one per token kind), growing memory and every scrape without end."""
+MAX_MODEL_LABEL_CHARS = 128
+"""A longer model name is cut to this many characters (and an ellipsis) in its label."""
+OTHER_MODEL = "(other)"
 
 _ANSWERED = frozenset({"ok", "upstream_error"})
 _UPSTREAM_FAILURES = frozenset({"upstream_error", "upstream_failed", "upstream_unreachable", "upstream_timeout"})
@@ -116,6 +134,7 @@ class Metrics:
         self._latency = _Children(self.latency)
         self._ttft = _Children(self.ttft)
         self._upstream_errors = _Children(self.upstream_errors)
+        self._models: dict[str, str] = {}  # a row's model -> its label value (bounded: _model_label)
         self._scraped = _ScrapeTime(self)
         self.registry.register(self._scraped)
         self._guard: _Guard | None = None
@@ -124,6 +143,7 @@ class Metrics:
     def observe(self, row: dict[str, Any]) -> None:
         """Count one ledger row (called once per row as it is queued)."""
         model = row["served_model"] or row["requested_model"] or "(none)"
+        model = self._models.get(model) or self._model_label(model)
         upstream = row["upstream"] or "(none)"
         outcome = row["outcome"]
         if row["row_kind"] == "request":
@@ -145,6 +165,14 @@ class Metrics:
             self.unpriced.labels(model).inc()
         if row["violations"]:
             self.violations.inc()
+
+    def _model_label(self, model: str) -> str:
+        """The label value for a model not seen before: itself, cut to length, or :data:`OTHER_MODEL` past the cap."""
+        if len(self._models) >= MAX_MODEL_LABELS:
+            return OTHER_MODEL
+        label = model if len(model) <= MAX_MODEL_LABEL_CHARS else model[:MAX_MODEL_LABEL_CHARS] + "…"
+        self._models[model] = label
+        return label
 
     def counting(self, notifier: _Notifier) -> DeliveryCounter:
         """``notifier`` wrapped so that every failed delivery it reports is counted."""

@@ -134,3 +134,54 @@ def test_budget_gauges_and_alert_delivery_failures(start_proxy, simulator):
     assert sample_value(text, 'tokenward_budget_limit_usd{budget="tiny"}') == 0.0002
     assert sample_value(text, 'tokenward_budget_reserved_usd{budget="tiny"}') == 0
     assert sample_value(text, 'tokenward_budget_remaining_usd{budget="tiny"}') == 0.00008
+
+
+def test_model_labels_are_capped_so_a_key_holder_cannot_grow_metrics_without_end(start_proxy, monkeypatch):
+    """An OpenAI-compatible upstream that serves whatever model it is asked for (vLLM, Ollama, a router
+    answering with the name it was sent) makes the client choose every row's model: each new name was a
+    new series per token kind, for as long as the proxy runs. Past the cap, models count as "(other)"."""
+    from aiohttp import web
+
+    from tokenward.proxy import metrics as metrics_module
+
+    from .servers import Servers
+
+    async def serves_any_model(request: web.Request, body: bytes) -> web.StreamResponse:
+        import json
+
+        model = json.loads(body)["model"]
+        return web.json_response(
+            {
+                "id": "chatcmpl-1",
+                "object": "chat.completion",
+                "created": 0,
+                "model": model,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
+            }
+        )
+
+    monkeypatch.setattr(metrics_module, "MAX_MODEL_LABELS", 5, raising=False)  # the cap, made small
+    long_name = "x" * 300
+    models = [long_name] + [f"m-{i}" for i in range(7)]
+    with Servers(serves_any_model).running() as servers:
+        upstream = UpstreamConfig(name="vllm", base_url=f"{servers.upstream_url}/v1", default=True, provider="openai")
+        proxy = start_proxy(upstreams=[upstream])
+        for model in models:
+            body = {"model": model, "messages": [{"role": "user", "content": "hi"}]}
+            assert httpx.post(f"{proxy.url}/v1/chat/completions", json=body).status_code == 200
+        rows = proxy.rows(len(models))
+        text = httpx.get(f"{proxy.url}/metrics").text
+    assert sorted(r["served_model"] for r in rows) == sorted(models)  # the ledger keeps every name, whole
+    labelled = re.findall(r'^tokenward_tokens_total\{kind="input_tokens",model="([^"]*)"\} (\S+)$', text, re.M)
+    # the first five names seen get a label each (the 300-character one cut to 128 and an ellipsis),
+    # the other three requests count under "(other)": 3 input tokens each
+    assert dict(labelled) == {
+        "x" * 128 + "…": "3.0",
+        "m-0": "3.0",
+        "m-1": "3.0",
+        "m-2": "3.0",
+        "m-3": "3.0",
+        "(other)": "9.0",
+    }
+    assert sample_value(text, 'tokenward_tokens_total{kind="output_tokens",model="(other)"}') == 6
