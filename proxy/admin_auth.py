@@ -125,7 +125,8 @@ class AdminAuth:
 
         Raises:
             ProxyError: 401 without a credential (``admin_required``) or with a wrong one
-                (``invalid_admin_credential``); 403 for a client that is not local when only
+                (``invalid_admin_credential``); 403 for a live virtual key without the admin role
+                (``admin_role_required``), for a client that is not local when only
                 loopback clients are served, or when no admin credential is configured
                 (``admin_not_configured``).
         """
@@ -162,12 +163,21 @@ class AdminAuth:
                 if secret:
                     break
         if secret is not None:
-            who = self.identify(secret)
-            if who is None:
+            who, _ = self._identified(secret)
+            if who is not None:
+                return who
+            key = self._keys.key_with_digest(_digest(secret).hex())
+            if key is not None:  # a real key, just not an admin one: authenticated, not allowed (403, not 401)
                 raise ProxyError(
-                    401, "That is not an admin credential.", "invalid_admin_credential", "authentication_error"
+                    403,
+                    f"The virtual key {key!r} is not an admin key: the dashboard and its API need "
+                    "the admin token or a key with role: admin.",
+                    "admin_role_required",
+                    "permission_error",
                 )
-            return who
+            raise ProxyError(
+                401, "That is not an admin credential.", "invalid_admin_credential", "authentication_error"
+            )
         session = request.cookies.get(SESSION_COOKIE)
         if session:
             who = self._session(session, time.monotonic())

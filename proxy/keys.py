@@ -328,6 +328,14 @@ class Authenticator:
         identity = self._by_hash.get(key_sha256.lower())
         return identity.principal if identity is not None and identity.admin else None
 
+    def key_with_digest(self, key_sha256: str) -> str | None:
+        """The name of the live virtual key (admin or not) whose sha256 (hex) is ``key_sha256``, else ``None``.
+
+        Configured and stored keys, revoked ones excluded; never raises.
+        """
+        identity = self._by_hash.get(key_sha256.lower())
+        return identity.principal if identity is not None else None
+
     @property
     def passthrough(self) -> bool:
         """Whether client keys go upstream unchanged."""

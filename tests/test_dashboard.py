@@ -149,8 +149,16 @@ def test_admin_role_keys_in_virtual_key_mode(tmp_path, simulator):
         VirtualKeyConfig(name="ops-admin", key=ADMIN_KEY, role="admin"),
     ]
     with dashboard_proxy(tmp_path, simulator, auth="virtual_keys", keys=keys) as proxy:
-        user = state(proxy, authorization="Bearer tw-agent-key-0001")
-        assert user.status_code == 401 and user.json()["error"]["code"] == "invalid_admin_credential"
+        user = state(proxy, authorization="Bearer tw-agent-key-0001")  # a real key, not an admin one: 403, not 401
+        assert user.status_code == 403 and user.json()["error"] == {
+            "message": "The virtual key 'agent' is not an admin key: the dashboard and its API need the admin token "
+            "or a key with role: admin.",
+            "type": "permission_error",
+            "param": None,
+            "code": "admin_role_required",
+        }
+        wrong = state(proxy, authorization="Bearer tw-agent-key-0002")  # no key at all: still 401
+        assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_admin_credential"
         assert state(proxy, authorization=f"Bearer {ADMIN_KEY}").status_code == 200
         assert state(proxy).status_code == 401
         bad_zone = state(proxy, authorization=f"Bearer {ADMIN_KEY}")
@@ -194,7 +202,10 @@ def test_revoking_an_admin_key_ends_its_dashboard_rights_and_stored_keys_can_be_
         assert "admin" in _keys_cli("list", "--db", db)
         _until(proxy, lambda: state(proxy, authorization=f"Bearer {oncall}").status_code == 200, "oncall is admin")
         refused = state(proxy, authorization=f"Bearer {bot}")  # loaded with oncall, a plain virtual key
-        assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_admin_credential"
+        assert refused.status_code == 403 and refused.json()["error"]["code"] == "admin_role_required"
+        _keys_cli("revoke", "bot", "--db", db)  # a revoked key is no key: 401, as for a wrong one
+        _until(proxy, lambda: state(proxy, authorization=f"Bearer {bot}").status_code == 401, "bot revoked")
+        assert state(proxy, authorization=f"Bearer {bot}").json()["error"]["code"] == "invalid_admin_credential"
         with httpx.Client(base_url=proxy.url) as browser, httpx.Client(base_url=proxy.url) as second:
             assert browser.post("/dashboard/login", data={"token": ADMIN_KEY}).status_code == 303
             assert second.post("/dashboard/login", data={"token": oncall}).status_code == 303
