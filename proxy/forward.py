@@ -63,7 +63,7 @@ from tokenward.proxy.media import estimate as media_estimate
 from tokenward.proxy.members import check_document, check_top_level, top_level_members
 from tokenward.proxy.metering import Meter, count_input, estimate, input_bytes
 from tokenward.proxy.recorder import Recorder
-from tokenward.proxy.relay import HOP_BY_HOP, DisconnectWatch, GiveUp, Relay, header
+from tokenward.proxy.relay import HOP_BY_HOP, DisconnectWatch, GiveUp, Relay, connection_options, header
 from tokenward.proxy.request_coding import decode_request_body, request_encodings
 from tokenward.proxy.routing import Route, Router
 from tokenward.proxy.run_budgets import DynamicBudgets
@@ -124,6 +124,11 @@ _ANTHROPIC_HEADERS = frozenset({b"anthropic-version", b"anthropic-beta"})
 # credential, so in virtual_keys mode (tokenward's credential) the client may not pick them.
 # https://platform.openai.com/docs/api-reference/authentication (checked 2026-12-01)
 _ACCOUNT_HEADERS = frozenset({b"openai-organization", b"openai-project"})
+# Headers a client's Connection header cannot remove from what is forwarded (RFC 9110 7.6.1 makes
+# the others it names hop-by-hop): the credential the upstream checks (the client's own in
+# passthrough mode: the one its row is attributed to), and what tokenward read the request by (the
+# body's length, type and coding; Anthropic's headers, which chose the dialect and upstream).
+_KEPT_ON_CONNECTION = AUTH_HEADERS | _ANTHROPIC_HEADERS | {b"content-length", b"content-type", b"content-encoding"}
 _ALLOWED_METHODS = b"GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS"  # the 405's Allow (front.API_METHODS)
 # Headers that make a server act on another method than the request line's (Google's API front
 # ends, Rails/Laravel/Express/iris method-override middleware): the unmetered policy and isolation
@@ -873,6 +878,7 @@ class Forwarder:
         claimed_names = self.auth.attribution_headers
         credential: tuple[bytes, bytes] | None = None
         credentials = 0
+        hop = connection_options(scope["headers"], _KEPT_ON_CONNECTION)
         for name, value in scope["headers"]:
             if name in dropped:
                 continue
@@ -909,7 +915,9 @@ class Forwarder:
             elif name == _USER_HEADER:
                 ex.end_user = value.decode("utf-8", "replace")
                 continue
-            elif name == b"accept-encoding":
+            if hop and name in hop:  # named in Connection: for tokenward's hop only (read above, not forwarded)
+                continue
+            if name == b"accept-encoding":
                 has_encoding = True
             inbound.headers.append((name, value))
         if not has_encoding:
