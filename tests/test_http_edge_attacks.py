@@ -675,3 +675,44 @@ def test_headers_named_in_connection_stop_at_tokenward_but_never_its_credential(
     assert chat_row["cost_usd"] == Decimal("0.00000315")
     (row,) = read_rows(tmp_path / "p.duckdb")
     assert row["principal"].startswith("fp-") and row["http_status"] == 200
+
+
+@pytest.mark.parametrize(
+    ("target", "header"),
+    [
+        ("/v1/models?userProject=other-project", ""),  # Google bills the project named, not the credential's
+        ("/v1/models?%24userProject=other-project", ""),
+        ("/v1/models?key=AIza-someone-elses", ""),  # a credential beside tokenward's
+        ("/v1/models?access_token=ya29.other", ""),
+        ("/v1/files?%24ct=application/x-www-form-urlencoded", ""),  # the body read by another media type
+        ("/v1/chat/completions?alt=proto", ""),  # a protobuf reply: no usage the meter reads
+        ("/v1/chat/completions?fields=choices", ""),  # a field mask: the usage left out
+        ("/v1/chat/completions", "X-Goog-FieldMask: choices\r\n"),
+    ],
+)
+def test_google_system_parameters_cannot_steer_billing_credentials_or_the_reply(tmp_path, target, header):
+    # Google's API front ends (Gemini's, Vertex AI's OpenAI-compatible endpoints) read "system parameters" from
+    # any request: before, each of these reached the upstream (200), billing another project, using another
+    # credential, or answering in a shape whose usage tokenward cannot read
+    chat = b'{"model":"gpt-4o-mini","max_tokens":5,"messages":[{"role":"user","content":"hi"}]}'
+    method = "POST" if "chat" in target or "files" in target else "GET"
+    body = chat if method == "POST" else b""
+    with Servers(api).running() as servers:
+        with proxy(servers.upstream_url, tmp_path / "l.duckdb", allow=("GET models", "files")) as url:
+            status, reply = raw(
+                url,
+                f"{method} {target} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n{header}"
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+                + body,
+            )
+            header_dropped, _ = raw(
+                url,
+                f"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nX-Goog-User-Project: other\r\n"
+                "Connection: close\r\n\r\n".encode(),
+            )
+    assert (status, json.loads(reply)["error"]["code"]) == (400, "parameter_refused")
+    assert header_dropped == 200
+    (sent,) = servers.requests
+    assert sent["target"] == "/v1/models" and "x-goog-user-project" not in sent["headers"]
+    rows = read_rows(tmp_path / "l.duckdb")
+    assert [r["http_status"] for r in rows] == [400, 200]
