@@ -32,6 +32,7 @@ from urllib.parse import unquote_to_bytes, urlsplit
 from yarl import URL
 
 __all__ = [
+    "ACCOUNT_PARAMETERS",
     "DIRECT_ENDPOINTS",
     "FREE_ENDPOINTS",
     "METERED_ENDPOINTS",
@@ -40,6 +41,8 @@ __all__ = [
     "Endpoint",
     "Target",
     "UnmeteredPolicy",
+    "account_parameter",
+    "parameter_names",
     "parse_base",
     "request_dialect",
     "target",
@@ -150,7 +153,9 @@ def target(raw_path: bytes, method: str, query: bytes = b"") -> Target | None:
         EdgeError: 400 ``invalid_path`` for a path that could mean different things to tokenward
             and to the upstream (see the module note), 400 ``invalid_query`` for a query string
             with bytes outside printable ASCII, 400 ``method_override_refused`` for a ``_method``
-            parameter.
+            parameter, 400 ``parameter_refused`` for a parameter that makes the upstream read the
+            body by another media type (``$ct``) or, on a metered endpoint, answer in another shape
+            (``alt``, ``fields``, ``callback``).
     """
     if not _plain(raw_path):
         if raw_path == b"/":
@@ -170,12 +175,57 @@ def target(raw_path: bytes, method: str, query: bytes = b"") -> Target | None:
     path = raw_path.decode("ascii")
     tail = path[4:]
     endpoint = METERED_ENDPOINTS.get(tail.lower()) if method == "POST" else None
+    if query and (refused := _steering_parameter(query, endpoint is not None)) is not None:
+        raise refused
     return Target(method, path, tail, query.decode("ascii"), endpoint)
 
 
 def _overrides_method(query: bytes) -> bool:
     """Whether a query string has a ``_method`` parameter (Rails, Laravel, Express), in any case or encoding."""
-    return any(unquote_to_bytes(part.partition(b"=")[0]).lower() == b"_method" for part in re.split(rb"[&;]", query))
+    return b"_method" in parameter_names(query)
+
+
+def parameter_names(query: bytes) -> frozenset[bytes]:
+    """The names of a raw query string's parameters, percent-decoded and in lower case (``&`` or ``;`` between them)."""
+    return frozenset(unquote_to_bytes(part.partition(b"=")[0]).lower() for part in re.split(rb"[&;]", query))
+
+
+# Google's API front ends (Gemini's OpenAI-compatible endpoint, Vertex AI's) read "system parameters"
+# from any request's query string: https://cloud.google.com/apis/docs/system-parameters (checked 2026-12-02).
+_CONTENT_TYPE_OVERRIDES = frozenset({b"$ct"})
+"""Parameters that make the upstream read the body by another media type than the ``Content-Type`` tokenward read."""
+_REPLY_FORMATS = frozenset({b"alt", b"$alt", b"fields", b"$fields", b"callback", b"$callback"})
+"""Parameters that make a reply protobuf, a field mask of itself (``usage`` left out) or JSONP: not what is metered."""
+ACCOUNT_PARAMETERS = frozenset({b"userproject", b"$userproject", b"key", b"$key", b"access_token", b"oauth_token"})
+"""Parameters naming the project billed (``$userProject``) or a credential (``key``, ``access_token``): with
+tokenward's credential (``virtual_keys`` mode) the client may choose neither (see :func:`account_parameter`)."""
+
+
+def _steering_parameter(query: bytes, metered: bool) -> EdgeError | None:
+    """The refusal for a parameter that changes how the upstream reads the body or, on a metered endpoint, the reply."""
+    names = parameter_names(query)
+    if names & _CONTENT_TYPE_OVERRIDES:
+        return EdgeError(
+            400,
+            f"tokenward does not forward the {min(names & _CONTENT_TYPE_OVERRIDES).decode()!r} parameter: the upstream "
+            "would read the body by another media type than its Content-Type, which tokenward read. Send the "
+            "Content-Type you mean.",
+            "parameter_refused",
+        )
+    if metered and names & _REPLY_FORMATS:
+        return EdgeError(
+            400,
+            f"tokenward does not forward the {min(names & _REPLY_FORMATS).decode()!r} parameter to a metered endpoint: "
+            "the reply would not be the JSON or event stream whose usage it records.",
+            "parameter_refused",
+        )
+    return None
+
+
+def account_parameter(query: bytes) -> str | None:
+    """The first (in sort order) parameter of a raw query string in :data:`ACCOUNT_PARAMETERS`, decoded; or ``None``."""
+    found = parameter_names(query) & ACCOUNT_PARAMETERS if query else None
+    return min(found).decode("latin-1") if found else None
 
 
 def _plain(raw_path: bytes) -> bool:

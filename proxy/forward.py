@@ -49,6 +49,7 @@ from tokenward.proxy.edge import (
     EdgeError,
     Endpoint,
     Target,
+    account_parameter,
     request_dialect,
     target,
 )
@@ -63,7 +64,7 @@ from tokenward.proxy.media import estimate as media_estimate
 from tokenward.proxy.members import check_document, check_top_level, top_level_members
 from tokenward.proxy.metering import Meter, count_input, estimate, input_bytes
 from tokenward.proxy.recorder import Recorder
-from tokenward.proxy.relay import HOP_BY_HOP, DisconnectWatch, GiveUp, Relay, header
+from tokenward.proxy.relay import HOP_BY_HOP, DisconnectWatch, GiveUp, Relay, connection_options, header
 from tokenward.proxy.request_coding import decode_request_body, request_encodings
 from tokenward.proxy.routing import Route, Router
 from tokenward.proxy.run_budgets import DynamicBudgets
@@ -123,7 +124,16 @@ _ANTHROPIC_HEADERS = frozenset({b"anthropic-version", b"anthropic-beta"})
 # Which organization and project of the provider account a request bills: they go with the
 # credential, so in virtual_keys mode (tokenward's credential) the client may not pick them.
 # https://platform.openai.com/docs/api-reference/authentication (checked 2026-12-01)
-_ACCOUNT_HEADERS = frozenset({b"openai-organization", b"openai-project"})
+# Google's front ends (Gemini's and Vertex AI's OpenAI-compatible endpoints) bill the project named by
+# X-Goog-User-Project instead of the credential's: https://cloud.google.com/apis/docs/system-parameters
+_ACCOUNT_HEADERS = frozenset({b"openai-organization", b"openai-project", b"x-goog-user-project"})
+# A field mask of the reply (Google's front ends): `choices` alone leaves out the usage tokenward records
+_FIELD_MASK = b"x-goog-fieldmask"
+# Headers a client's Connection header cannot remove from what is forwarded (RFC 9110 7.6.1 makes
+# the others it names hop-by-hop): the credential the upstream checks (the client's own in
+# passthrough mode: the one its row is attributed to), and what tokenward read the request by (the
+# body's length, type and coding; Anthropic's headers, which chose the dialect and upstream).
+_KEPT_ON_CONNECTION = AUTH_HEADERS | _ANTHROPIC_HEADERS | {b"content-length", b"content-type", b"content-encoding"}
 _ALLOWED_METHODS = b"GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS"  # the 405's Allow (front.API_METHODS)
 # Headers that make a server act on another method than the request line's (Google's API front
 # ends, Rails/Laravel/Express/iris method-override middleware): the unmetered policy and isolation
@@ -873,6 +883,7 @@ class Forwarder:
         claimed_names = self.auth.attribution_headers
         credential: tuple[bytes, bytes] | None = None
         credentials = 0
+        hop = connection_options(scope["headers"], _KEPT_ON_CONNECTION)
         for name, value in scope["headers"]:
             if name in dropped:
                 continue
@@ -885,6 +896,9 @@ class Forwarder:
                 continue
             elif name in _METHOD_OVERRIDES:
                 raise _method_override(name.decode("latin-1"))
+            elif name == _FIELD_MASK and ex.endpoint != "passthrough":
+                message = "tokenward does not forward X-Goog-FieldMask to a metered endpoint: the reply would omit "
+                raise ProxyError(400, message + "the usage it records.", "parameter_refused")
             elif name in _ANTHROPIC_HEADERS:
                 inbound.anthropic = True
             elif name == b"x-request-id":
@@ -909,7 +923,9 @@ class Forwarder:
             elif name == _USER_HEADER:
                 ex.end_user = value.decode("utf-8", "replace")
                 continue
-            elif name == b"accept-encoding":
+            if hop and name in hop:  # named in Connection: for tokenward's hop only (read above, not forwarded)
+                continue
+            if name == b"accept-encoding":
                 has_encoding = True
             inbound.headers.append((name, value))
         if not has_encoding:
@@ -928,6 +944,13 @@ class Forwarder:
         identity = inbound.identity = self.auth.identify(inbound.key)
         if not passthrough and inbound.key is not None and len(inbound.key) >= 8:
             _keep_key_here(inbound, scope, ex)
+        if not passthrough and (named := account_parameter(scope["query_string"])) is not None:
+            raise ProxyError(
+                400,
+                f"tokenward does not forward the {named!r} parameter: it names the project billed or a credential, "
+                "and tokenward's credential decides both. Send your key only as 'Authorization: Bearer <key>'.",
+                "parameter_refused",
+            )
         ex.principal, ex.key_id = identity.principal, identity.key_id
         ex.team, ex.project = identity.team, identity.project
         ex.org, ex.pool = identity.org, identity.pool

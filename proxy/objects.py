@@ -341,18 +341,30 @@ def may_reference(endpoint: str, body: bytes) -> bool:
 
 
 def references(document: Any) -> list[Reference]:
-    """Every object a decoded request body names (see :data:`REFERENCE_FIELDS`), in document order."""
+    """Every object a decoded request body names (see :data:`REFERENCE_FIELDS`), in document order.
+
+    Then the items of a top-level ``input`` (Responses) or ``items`` (conversations) list that
+    carry an ``id``: one with no ``role`` and no type is an item reference (the type is
+    optional); one that brings its content (an earlier output message, function call, tool call
+    passed back) is lenient (:attr:`Reference.lenient`): the provider pairs it with what it
+    stored under that id (a message with its reasoning item: "Item 'msg_...' was provided
+    without its required 'reasoning' item"), so another key's is refused, while items of
+    ``store: false`` responses, which tokenward never records, pass.
+    """
     found = list(_walk(document))
-    listed = document.get("input") if isinstance(document, dict) else None
-    if isinstance(listed, list):  # an item reference may leave out its type
-        found.extend(
-            Reference("id", item["id"], RESPONSE_ITEM)
-            for item in listed
-            if isinstance(item, dict)
-            and isinstance(item.get("id"), str)
-            and item.get("type") is None
-            and "role" not in item
-        )
+    if not isinstance(document, dict):
+        return found
+    for name in ("input", "items"):
+        listed = document.get(name)
+        if not isinstance(listed, list):
+            continue
+        for item in listed:
+            if not isinstance(item, dict) or not isinstance(item.get("id"), str) or not item["id"]:
+                continue
+            if item.get("type") is None and "role" not in item:  # an item reference may leave out its type
+                found.append(Reference("id", item["id"], RESPONSE_ITEM))
+            elif item.get("type") != "item_reference" and not _stored_by_id(item):  # those: _walk's, strict
+                found.append(Reference("id", item["id"], RESPONSE_ITEM, lenient=True))
     return found
 
 

@@ -33,7 +33,7 @@ from tokenward.proxy.splice import remove_member
 from tokenward.proxy.sse import parse_event
 from tokenward.proxy.upstream import UpstreamError, UpstreamReply
 
-__all__ = ["HOP_BY_HOP", "DisconnectWatch", "GiveUp", "Relay", "header", "strip_usage"]
+__all__ = ["HOP_BY_HOP", "DisconnectWatch", "GiveUp", "Relay", "connection_options", "header", "strip_usage"]
 
 log = logging.getLogger("tokenward.proxy")
 
@@ -52,6 +52,7 @@ HOP_BY_HOP = frozenset(
 )
 """Headers that describe one connection, never forwarded (RFC 9110 section 7.6.1)."""
 _REPLY_DROPPED = HOP_BY_HOP | {b"content-length"}
+_REPLY_KEPT = frozenset({b"content-type", b"content-encoding"})  # the relay and the meter read the body by them
 MAX_WHOLE_BODY_BYTES = 128 * 1024 * 1024
 """A whole (not streamed) reply larger than this is relayed as it arrives and not metered (its row:
 ``usage_unknown``), instead of being held whole: it held twice its size (a 300 MiB body: +600 MiB of
@@ -60,6 +61,23 @@ replies fit: 2,048 embeddings of 3,072 floats are about 90 MB of JSON, ten base6
 _BACKGROUND: set[asyncio.Future[None]] = set()  # recordings nobody waits for, kept alive until done
 _USAGE_NULL = (b',"usage":null', b'"usage":null,')
 _GAVE_UP = "client disconnected; the upstream sent nothing more within server.drain_after_disconnect_s"
+
+
+def connection_options(headers: list[tuple[bytes, bytes]], kept: frozenset[bytes] = frozenset()) -> frozenset[bytes]:
+    """The header names a message's ``Connection`` headers list (lower-case), but those in ``kept``.
+
+    They are hop-by-hop for that one connection: a proxy removes them with ``Connection``
+    itself before forwarding the message (RFC 9110 section 7.6.1). ``kept`` names headers
+    tokenward reads to decide what it does with the message (its credential, the body's type
+    and coding): they must mean the same to the next hop, so a ``Connection`` option cannot
+    remove them.
+    """
+    named: set[bytes] = set()
+    for key, value in headers:
+        if key == b"connection":
+            named.update(token.strip().lower() for token in value.split(b","))
+    named.discard(b"")
+    return frozenset(named - kept)
 
 
 def header(headers: list[tuple[bytes, bytes]], name: bytes) -> str | None:
@@ -284,7 +302,8 @@ class Relay:
             return
         ex, reply = self.ex, self.reply
         ex.http_status = reply.status
-        headers = [(name, value) for name, value in reply.headers if name not in _REPLY_DROPPED]
+        dropped = _REPLY_DROPPED | connection_options(reply.headers, _REPLY_KEPT)
+        headers = [(name, value) for name, value in reply.headers if name not in dropped]
         headers.append((b"x-tokenward-request-id", ex.request_id.encode()))
         headers.extend(self.extra_headers)
         content_type = (header(reply.headers, b"content-type") or "").strip().lower()  # media types ignore case

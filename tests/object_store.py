@@ -317,11 +317,15 @@ class ObjectStore:
         quoted: list[str] = []
         for part in given or []:
             by_id = part.get("type") == "reasoning" and not part.get("encrypted_content")  # read from the store
+            item_id = part.get("id")
+            found = self.items.get(item_id) if isinstance(item_id, str) else None  # the account's, whoever's
             if (part.get("type") in (None, "item_reference") and "role" not in part) or by_id:
-                found = self.items.get(part["id"])  # the account's items, whoever made them: as the provider does
                 if found is None:
                     raise _error(404, f"Item with id '{part['id']}' not found.")
                 quoted.append(found["content"][0]["text"])
+                continue
+            if found is not None:  # passed back with its content: paired with what the account stored under its id
+                quoted.append(found["content"][0]["text"])  # (as the provider pairs a message with its reasoning)
                 continue
             items.append({"id": self.new_id("msg_"), "type": "message", "status": "completed", **part})
         return items, quoted

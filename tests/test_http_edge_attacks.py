@@ -28,7 +28,7 @@ from tokenward.proxy.config import AuthConfig, Config, LedgerConfig, UpstreamCon
 from tokenward.proxy.server import running_in_thread
 
 from .conftest import read_rows
-from .servers import Servers
+from .servers import Servers, api
 
 KEY = "tw-edge-attacker-0001"
 PROVIDER_KEY = "sk-provider-secret-0001"
@@ -59,6 +59,12 @@ def proxy(upstream_url: str, ledger: Path, allow: tuple[str, ...] | None = None,
 
 def raw(url: str, request: bytes) -> tuple[int, bytes]:
     """Send ``request`` as is; the reply's status and body (the proxy closes: ``Connection: close``)."""
+    head, body = raw_reply(url, request)
+    return int(head.split(b" ", 2)[1]), body
+
+
+def raw_reply(url: str, request: bytes) -> tuple[bytes, bytes]:
+    """Send ``request`` as is; the reply's head and body, read until the proxy closes (``Connection: close``)."""
     host, port = url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=10) as sock:
         sock.sendall(request)
@@ -66,7 +72,7 @@ def raw(url: str, request: bytes) -> tuple[int, bytes]:
         while chunk := sock.recv(65536):
             data += chunk
     head, _, body = data.partition(b"\r\n\r\n")
-    return int(head.split(b" ", 2)[1]), body
+    return head, body
 
 
 class GoUpstream:
@@ -610,3 +616,103 @@ def test_an_entry_naming_a_realtime_secret_endpoint_exactly_lets_it_pass(tmp_pat
             )
     assert secret.value == "ek_live_secret" and status == 201 and body.startswith(b"v=0")
     assert [r["target"] for r in servers.requests] == ["/v1/realtime/client_secrets", "/v1/realtime/calls"]
+
+
+async def hop_replies(request: web.Request, body: bytes) -> web.StreamResponse:
+    """The :func:`tests.servers.api` upstream, its replies naming ``X-Up-Hop`` in ``Connection``."""
+    reply = await api(request, body)
+    reply.headers["Connection"] = "keep-alive, X-Up-Hop"
+    reply.headers["X-Up-Hop"] = "for tokenward only"
+    reply.headers["X-Up-Kept"] = "1"
+    return reply
+
+
+def test_headers_named_in_connection_stop_at_tokenward_but_never_its_credential(tmp_path, monkeypatch):
+    # RFC 9110 7.6.1: a header named in Connection is for that hop only, and a proxy removes it. tokenward
+    # forwarded them both ways (before: x-secret-hop and x-other-hop reached the upstream, x-up-hop the
+    # client). A client naming the credential, the body's length and type, or anthropic-version must not
+    # make tokenward send the upstream a request it did not check: those stay.
+    hops = "Connection: close, X-Secret-Hop, Authorization, Content-Type, Content-Length\r\nConnection: x-other-hop\r\n"
+    chat = b'{"model":"gpt-4o-mini","max_tokens":50,"messages":[{"role":"user","content":"primes"}]}'
+    with Servers(hop_replies).running() as servers:
+        with proxy(servers.upstream_url, tmp_path / "l.duckdb") as url:
+            listed = raw_reply(
+                url,
+                f"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n{hops}X-Secret-Hop: a\r\n"
+                "X-Other-Hop: b\r\nX-Kept: c\r\nAnthropic-Version: 2023-06-01\r\n\r\n".encode(),
+            )
+            metered = raw_reply(
+                url,
+                f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n{hops}"
+                f"Content-Type: application/json\r\nContent-Length: {len(chat)}\r\nX-Secret-Hop: a\r\n\r\n".encode()
+                + chat,
+            )
+        monkeypatch.setenv("EDGE_KEY", "")
+        config = Config(
+            upstreams=[UpstreamConfig(name="o", base_url=f"{servers.upstream_url}/v1", provider="openai")],
+            ledger=LedgerConfig(path=str(tmp_path / "p.duckdb"), flush_interval_s=0.05),
+        )  # passthrough: the client's own key is the credential, and its row's fingerprint
+        with running_in_thread(create_app(config)) as url:
+            own = raw_reply(
+                url,
+                f"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-own-0001\r\n{hops}"
+                "X-Other-Hop: b\r\n\r\n".encode(),
+            )
+    for head, _ in (listed, metered, own):
+        assert head.startswith(b"HTTP/1.1 200") and b"x-up-kept: 1" in head.lower()
+        assert b"x-up-hop" not in head.lower()
+    models, chat_sent, passthrough = servers.requests
+    assert models["headers"]["authorization"] == f"Bearer {PROVIDER_KEY}" and models["headers"]["x-kept"] == "c"
+    assert models["headers"]["anthropic-version"] == "2023-06-01"
+    assert chat_sent["headers"]["content-type"] == "application/json"
+    assert json.loads(chat_sent["body"]) == json.loads(chat)  # the whole body, its length kept
+    assert passthrough["headers"]["authorization"] == "Bearer sk-own-0001"
+    for sent in servers.requests:
+        assert "x-secret-hop" not in sent["headers"] and "x-other-hop" not in sent["headers"]
+    # 9 prompt tokens at $0.15/1M + 3 completion tokens at $0.60/1M = $0.00000135 + $0.0000018
+    (chat_row,) = [r for r in read_rows(tmp_path / "l.duckdb") if r["path"] == "/v1/chat/completions"]
+    assert (chat_row["input_tokens"], chat_row["output_tokens"]) == (9, 3)
+    assert chat_row["cost_usd"] == Decimal("0.00000315")
+    (row,) = read_rows(tmp_path / "p.duckdb")
+    assert row["principal"].startswith("fp-") and row["http_status"] == 200
+
+
+@pytest.mark.parametrize(
+    ("target", "header"),
+    [
+        ("/v1/models?userProject=other-project", ""),  # Google bills the project named, not the credential's
+        ("/v1/models?%24userProject=other-project", ""),
+        ("/v1/models?key=AIza-someone-elses", ""),  # a credential beside tokenward's
+        ("/v1/models?access_token=ya29.other", ""),
+        ("/v1/files?%24ct=application/x-www-form-urlencoded", ""),  # the body read by another media type
+        ("/v1/chat/completions?alt=proto", ""),  # a protobuf reply: no usage the meter reads
+        ("/v1/chat/completions?fields=choices", ""),  # a field mask: the usage left out
+        ("/v1/chat/completions", "X-Goog-FieldMask: choices\r\n"),
+    ],
+)
+def test_google_system_parameters_cannot_steer_billing_credentials_or_the_reply(tmp_path, target, header):
+    # Google's API front ends (Gemini's, Vertex AI's OpenAI-compatible endpoints) read "system parameters" from
+    # any request: before, each of these reached the upstream (200), billing another project, using another
+    # credential, or answering in a shape whose usage tokenward cannot read
+    chat = b'{"model":"gpt-4o-mini","max_tokens":5,"messages":[{"role":"user","content":"hi"}]}'
+    method = "POST" if "chat" in target or "files" in target else "GET"
+    body = chat if method == "POST" else b""
+    with Servers(api).running() as servers:
+        with proxy(servers.upstream_url, tmp_path / "l.duckdb", allow=("GET models", "files")) as url:
+            status, reply = raw(
+                url,
+                f"{method} {target} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n{header}"
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+                + body,
+            )
+            header_dropped, _ = raw(
+                url,
+                f"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nX-Goog-User-Project: other\r\n"
+                "Connection: close\r\n\r\n".encode(),
+            )
+    assert (status, json.loads(reply)["error"]["code"]) == (400, "parameter_refused")
+    assert header_dropped == 200
+    (sent,) = servers.requests
+    assert sent["target"] == "/v1/models" and "x-goog-user-project" not in sent["headers"]
+    rows = read_rows(tmp_path / "l.duckdb")
+    assert [r["http_status"] for r in rows] == [400, 200]

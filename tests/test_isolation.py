@@ -734,9 +734,57 @@ def test_a_reasoning_item_passed_back_without_its_encrypted_content_is_the_calle
                 call()
             assert info.value.body == not_found("Item", hers)
         assert store.requests[sent:] == []  # not one reached the account
-        # an item that brings its encrypted content is read from that, not from the store: it goes on
+        # one that brings its encrypted content, under her id, is paired with her stored item all the same
         carried = {**by_id, "encrypted_content": "gAAAAB-opaque"}
-        assert bob.responses.create(model=model, input=[carried]).output_text == "after None"
+        with pytest.raises(openai.NotFoundError):
+            bob.responses.create(model=model, input=[carried])
+        assert store.requests[sent:] == []
+        # under an id tokenward never recorded (a store: false response's) it is read from what it brings: it goes on
+        unstored = {**carried, "id": "rs_unstored"}
+        assert bob.responses.create(model=model, input=[unstored]).output_text == "after None"
+
+
+def test_an_item_passed_back_with_its_content_is_paired_only_with_the_callers_stored_item(store, tmp_path):
+    """An output item passed back whole (content and ``id``) is paired by the provider with the item it stored under
+    that id (a message with its reasoning item). Before, bob sent alice's message id with content of his own and
+    the model went on from her stored item (the stand-in quotes it: 'the vault code is 9876'); only id-only
+    items and item references were checked. A ``store: false`` response's items, which tokenward never records,
+    still pass whole."""
+    model = "gpt-4o-mini"
+    with proxy(store, tmp_path / "ledger.duckdb") as url, gpt(url, ALICE) as alice, gpt(url, BOB) as bob:
+        said = alice.responses.create(model=model, input="the launch code is 1234").output[0].id
+        (asked,) = [i.id for i in alice.responses.input_items.list(
+            alice.responses.create(model=model, input="the vault code is 9876").id
+        )]  # fmt: skip
+
+        def whole(item_id: str, kind: str = "message") -> dict[str, Any]:
+            if kind == "function_call":
+                return {"type": kind, "id": item_id, "call_id": "call_1", "name": "f", "arguments": "{}"}
+            text = {"type": "output_text", "text": "nothing to see", "annotations": []}
+            return {"type": kind, "id": item_id, "role": "assistant", "status": "completed", "content": [text]}
+
+        sent = len(store.requests)
+        for item_id in (said, asked):
+            for call in (
+                lambda item_id=item_id: bob.responses.create(model=model, input=[whole(item_id)]),
+                lambda item_id=item_id: bob.responses.create(model=model, input=[whole(item_id)], stream=True),
+                lambda item_id=item_id: bob.responses.create(model=model, input=[whole(item_id, "function_call")]),
+                lambda item_id=item_id: bob.responses.compact(model=model, input=[whole(item_id)]),
+                lambda item_id=item_id: bob.responses.input_tokens.count(model=model, input=[whole(item_id)]),
+            ):
+                with pytest.raises(openai.NotFoundError) as info:
+                    call()
+                assert info.value.body == not_found("Item", item_id)
+        assert store.requests[sent:] == []  # not one reached the account
+        # his own item passed back whole is his: paired with what he stored (the stand-in's reply, 'after None')
+        own = bob.responses.create(model=model, input="mine").output[0].id
+        assert bob.responses.create(model=model, input=[whole(own)]).output_text == "after None; quoting 'after None'"
+        # a store: false response's item is recorded nowhere: passed back whole, it goes on as given
+        unstored = alice.responses.create(model=model, input="x", store=False).output[0].id
+        assert alice.responses.create(model=model, input=[whole(unstored)], store=False).output_text == "after None"
+    rows = read_rows(tmp_path / "ledger.duckdb", "WHERE principal = 'bob' AND http_status = 404")
+    assert len(rows) == 2 * 5
+    assert rows[0]["error"] == f"refused by isolation: response_item {said} belongs to key {VK_ALICE}"
 
 
 def test_chatkit_threads_and_sessions_reach_admin_keys_only(store, tmp_path):

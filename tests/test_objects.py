@@ -140,10 +140,11 @@ def test_a_reasoning_item_without_its_encrypted_content_names_a_stored_item():
     assert refs({"input": [by_id, carried, empty]}) == [
         ("id", "rs_1", "response_item", False),
         ("id", "rs_3", "response_item", False),
+        ("id", "rs_2", "response_item", True),  # brought whole: only another key's is refused
     ]
     # items added to a conversation are read the same way; a client's own shapes name nothing
     assert refs({"items": [by_id]}) == [("id", "rs_1", "response_item", False)]
-    assert refs({"metadata": {"x": by_id}, "input": [carried]}) == []
+    assert refs({"metadata": {"x": by_id}, "inputs": [carried]}) == []
 
 
 def test_references_in_request_bodies():
@@ -237,15 +238,23 @@ def test_references_in_request_bodies():
             {"id": "fc_2"},  # an item reference's type is optional
             {"id": "rs_3", "type": None},
             {"type": "function_call_output", "call_id": "call_1", "output": "{}"},
+            {"type": "function_call", "id": "fc_4", "call_id": "call_1", "name": "f", "arguments": "{}"},
+            {"type": "reasoning", "id": "rs_5", "summary": [], "encrypted_content": "gAAAA"},
+            {"type": "web_search_call", "id": "", "status": "completed"},  # no id: nothing paired
         ],
         "conversation": {"id": "conv_1"},
     }
-    assert refs(items) == [  # a member before what is nested beside it, then the typeless references
+    assert refs(items) == [  # a member before what is nested beside it, then the items of `input` by their ids
         ("conversation", "conv_1", "conversation", False),
         ("id", "msg_1", "response_item", False),
+        ("id", "msg_own", "response_item", True),  # brought whole: another key's is refused, an unrecorded one passes
         ("id", "fc_2", "response_item", False),
         ("id", "rs_3", "response_item", False),
+        ("id", "fc_4", "response_item", True),
+        ("id", "rs_5", "response_item", True),
     ]
+    conversation_items = {"items": [{"type": "message", "role": "user", "content": "x", "id": "msg_6"}, {"id": "m7"}]}
+    assert refs(conversation_items) == [("id", "msg_6", "response_item", True), ("id", "m7", "response_item", False)]
 
 
 def test_may_reference_is_cheap_and_never_misses_a_spelling():
