@@ -61,7 +61,7 @@ from tokenward.proxy.limits import CONNECTION_SCOPE_KEY, BodyLimits, body_stream
 from tokenward.proxy.media import MediaRequest, MediaRequestError, read_request
 from tokenward.proxy.media import estimate as media_estimate
 from tokenward.proxy.members import check_document, check_top_level, top_level_members
-from tokenward.proxy.metering import Meter, count_input, estimate, input_bytes
+from tokenward.proxy.metering import Meter, count_input, count_texts, estimate, input_bytes
 from tokenward.proxy.recorder import Recorder
 from tokenward.proxy.relay import HOP_BY_HOP, DisconnectWatch, GiveUp, Relay, header
 from tokenward.proxy.request_coding import decode_request_body, request_encodings
@@ -783,6 +783,8 @@ class Forwarder:
         uncounted = settings.input_margin_tokens + extra.audio_tokens + extra.opaque_tokens  # added, not scaled
         input_tokens = math.ceil(counted * margin) + uncounted
         limit = max_output if max_output is not None else _output_limit(head, settings.default_max_output_tokens)
+        # a prediction's rejected tokens are billed as output beyond the limit (bounds module docstring)
+        predicted = math.ceil(extra.prediction_tokens * margin)
         choices = _choices(head)
         dearest: Decimal | None = None
         # the upstream may serve the request with any of its fallback models: the bound is the dearest
@@ -798,7 +800,7 @@ class Forwarder:
                 provider=ex.provider,
                 at=now,
                 input_tokens=tokens,
-                max_output_tokens=limit * choices,
+                max_output_tokens=(limit + predicted) * choices,
                 audio_input_tokens=extra.audio_tokens,
                 audio_output=extra.audio_output,
                 service_tier=head.service_tier if isinstance(head.service_tier, str) else None,
@@ -1393,7 +1395,9 @@ def _count_for_bound(dialect: str, body: bytes, model: str | None) -> tuple[int,
     except (msgspec.DecodeError, RecursionError):
         decoded = None
     check_document(decoded)  # what is counted must be what every upstream reads
-    return count_input(dialect, decoded, model), scan(decoded)
+    found = scan(decoded)
+    found.prediction_tokens = count_texts(found.prediction_texts, model)
+    return count_input(dialect, decoded, model), found
 
 
 async def _off_the_loop_if_large(body: bytes, work: Callable[..., T], *args: Any, small: bool = True) -> T:
@@ -1413,7 +1417,9 @@ def _bytes_for_bound(dialect: str, body: bytes) -> tuple[int, Unmetered]:
     except (msgspec.DecodeError, RecursionError):
         decoded = None
     check_document(decoded)
-    return input_bytes(dialect, decoded), scan(decoded)
+    found = scan(decoded)
+    found.prediction_tokens = sum(len(text.encode("utf-8", "surrogatepass")) for text in found.prediction_texts)
+    return input_bytes(dialect, decoded), found
 
 
 def _books_unavailable() -> ProxyError:

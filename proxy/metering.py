@@ -41,7 +41,7 @@ from tokenward.proxy.dialects import DIALECTS, Observation
 from tokenward.proxy.reply_coding import DecodedTooLarge, reply_decoder
 from tokenward.proxy.sse import Elider, Fragment, LastFragment, SSEDecoder, parse_event
 
-__all__ = ["Meter", "MeterResult", "count_input", "estimate"]
+__all__ = ["Meter", "MeterResult", "count_input", "count_texts", "estimate", "input_bytes"]
 
 _INTERESTING = re.compile(rb'"(?:usage|error)"\s*:\s*\{|^event:\s*error', re.MULTILINE)
 # the event after which a stream says nothing more: OpenAI's [DONE], Anthropic's message_stop,
@@ -401,12 +401,17 @@ def count_input(dialect: str, body: Any, model: str | None) -> int:
     """
     if not isinstance(body, dict):
         return 0
-    encoding = tokenizer.encoding_for_model(model)
     texts, messages = DIALECTS[dialect].request_texts(body)
-    tokens = sum(
+    tokens = count_texts(texts, model)
+    return tokens + 3 * messages + 3 if messages else tokens
+
+
+def count_texts(texts: list[str], model: str | None) -> int:
+    """Tokens of ``texts`` in ``model``'s encoding, each counted whole (long ones a piece at a time)."""
+    encoding = tokenizer.encoding_for_model(model)
+    return sum(
         tokenizer.count_tokens(text, encoding) if len(text) <= _PIECE else _count_long(text, encoding) for text in texts
     )
-    return tokens + 3 * messages + 3 if messages else tokens
 
 
 def input_bytes(dialect: str, body: Any) -> int:
