@@ -25,6 +25,8 @@ File format (the built-in catalog is ``pricing/catalog/default.yaml``)::
         service_tiers:                  # by the tier the response says was served
           priority: {input: 5.00, cached_input: 0.50, output: 30.00}
           flex: {multiplier: 0.5}
+        inference_geos:                 # by where the response says it ran (Anthropic inference_geo),
+          us: {multiplier: 1.1}         #   applied after the service tier
         windows:                        # time-of-day pricing at the request's start
           - {name: off_peak, start: "16:30", end: "00:30", weekdays: [mon, tue], timezone: UTC,
              multiplier: 0.5}
@@ -86,6 +88,7 @@ _TOP_FIELDS = frozenset(
         "per_request",
         "context_tiers",
         "service_tiers",
+        "inference_geos",
         "windows",
         "image_tokens_max",
         "image",
@@ -134,6 +137,7 @@ class PriceEntry:
     per_request: Decimal | None = None
     context_tiers: tuple[ContextTier, ...] = ()
     service_tiers: tuple[tuple[str, Adjustment], ...] = ()
+    inference_geos: tuple[tuple[str, Adjustment], ...] = ()
     windows: tuple[Window, ...] = ()
     note: str = ""
     image_tokens_max: int | None = None
@@ -154,6 +158,10 @@ class PriceEntry:
     def service_tier(self, name: str) -> Adjustment | None:
         """The adjustment for served tier ``name``, if the entry prices it."""
         return dict(self.service_tiers).get(name)
+
+    def inference_geo(self, name: str) -> Adjustment | None:
+        """The adjustment for inference geography ``name`` (``us``), if the entry prices it."""
+        return dict(self.inference_geos).get(name)
 
     def image_price(self, variant: str) -> Decimal | None:
         """USD per image made at ``variant`` (``"1024x1792/hd"``; ``""``: unknown), if the entry prices images.
@@ -382,6 +390,8 @@ def entry_to_dict(entry: PriceEntry) -> dict[str, Any]:
         ]
     if entry.service_tiers:
         raw["service_tiers"] = {name: adjustment(value) for name, value in entry.service_tiers}
+    if entry.inference_geos:
+        raw["inference_geos"] = {name: adjustment(value) for name, value in entry.inference_geos}
     if entry.windows:
         raw["windows"] = [
             {
@@ -657,6 +667,7 @@ def parse_entry(path: Path, index: int, raw: Any) -> PriceEntry:
         per_request=fees["per_request"],
         context_tiers=_context_tiers(fail, raw.get("context_tiers") or []),
         service_tiers=_service_tiers(fail, raw.get("service_tiers") or {}),
+        inference_geos=_service_tiers(fail, raw.get("inference_geos") or {}, "inference_geos"),
         windows=_windows(fail, raw.get("windows") or []),
         note=str(raw.get("note", "")),
         image_tokens_max=_count(fail, "image_tokens_max", raw.get("image_tokens_max")),
@@ -718,12 +729,11 @@ def _context_tiers(fail: _Fail, raw: Any) -> tuple[ContextTier, ...]:
     return tuple(sorted(tiers, key=lambda t: t.threshold, reverse=True))
 
 
-def _service_tiers(fail: _Fail, raw: Any) -> tuple[tuple[str, Adjustment], ...]:
+def _service_tiers(fail: _Fail, raw: Any, member: str = "service_tiers") -> tuple[tuple[str, Adjustment], ...]:
     if not isinstance(raw, Mapping):
-        raise fail("service_tiers", "must be a mapping of tier name to rates or a multiplier")
+        raise fail(member, "must be a mapping of tier name to rates or a multiplier")
     return tuple(
-        (str(name).lower(), _adjustment(fail, f"service_tiers.{name}.", value, frozenset()))
-        for name, value in raw.items()
+        (str(name).lower(), _adjustment(fail, f"{member}.{name}.", value, frozenset())) for name, value in raw.items()
     )
 
 

@@ -189,6 +189,7 @@ class _RequestHead(msgspec.Struct):
     max_output_tokens: Any = None
     service_tier: Any = None
     speed: Any = None
+    inference_geo: Any = None
     store: Any = None
     models: Any = None
     fallbacks: Any = None
@@ -805,6 +806,7 @@ class Forwarder:
                 audio_output=extra.audio_output,
                 service_tier=head.service_tier if isinstance(head.service_tier, str) else None,
                 speed=head.speed if isinstance(head.speed, str) else None,
+                inference_geo=head.inference_geo if isinstance(head.inference_geo, str) else None,
                 fallback=ex.price_fallback,
                 price_as=ex.price_as,
                 images=extra.images,
