@@ -65,6 +65,7 @@ __all__ = [
     "PriceEntry",
     "Resolution",
     "builtin_catalog_paths",
+    "cloud_model",
     "default_catalog_path",
     "entry_to_dict",
     "load_catalog",
@@ -101,6 +102,9 @@ _TOP_FIELDS = frozenset(
 _MAX_RATE_DECIMALS = 6
 _MAX_MULTIPLIER_DECIMALS = 4
 _SNAPSHOT_SUFFIX = re.compile(r"-(?:\d{4}-\d{2}-\d{2}|\d{8})$")
+_VERTEX_VERSION = re.compile(r"@(?:\d{8}|latest|default)$")
+_BEDROCK_VENDOR = re.compile(r"^(?:(?:us|us-gov|eu|apac|jp|au|ca|global)\.)?anthropic\.")
+_CLOUD_REVISION = re.compile(r"-v\d+(?::\d+)?(?::\d+k)?$")
 _WEEKDAYS = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
 _DAWN = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 
@@ -213,9 +217,11 @@ class Resolution:
     ``snapshot`` (a dated snapshot such as ``o1-2024-12-17`` priced as its base model ``o1``;
     field case B22's ``inferred_base_model``, also behind a routing prefix: ``azure/o1-2024-12-17``),
     ``routing_prefix`` (a name behind a prefix that is no catalog provider: ``azure/gpt-4o``,
-    ``openrouter/openai/gpt-4o``), ``price_as_upstream`` (the upstream's ``price_as``
-    pin), ``price_as_model`` (a ``pricing.price_as`` pin on the requested model) or ``fallback``
-    (the configured fallback price).
+    ``openrouter/openai/gpt-4o``), ``cloud_name`` (a cloud's name for the model: Vertex AI's
+    ``claude-sonnet-4-5@20250929``, Bedrock's ``anthropic.claude-sonnet-4-5-20250929-v1:0`` and its
+    cross-region profiles ``us.``/``eu.``/``apac.``/``global.anthropic...``), ``price_as_upstream``
+    (the upstream's ``price_as`` pin), ``price_as_model`` (a ``pricing.price_as`` pin on the
+    requested model) or ``fallback`` (the configured fallback price).
     """
 
     entry: PriceEntry
@@ -346,6 +352,17 @@ class PriceCatalog:
         return found
 
     def _named(self, name: str, provider: str | None) -> tuple[str, str] | None:
+        """:meth:`_dated`, then the same for the model a cloud's name for it names (:func:`cloud_model`)."""
+        found = self._dated(name, provider)
+        if found is None:
+            plain = cloud_model(name)
+            if plain != name:
+                found = self._dated(plain, provider)
+                if found is not None:
+                    found = found[0], "cloud_name"
+        return found
+
+    def _dated(self, name: str, provider: str | None) -> tuple[str, str] | None:
         """``name`` by provider + name, vendor prefix or any provider; then without its snapshot suffix."""
         found = self._lookup(name, provider)
         if found is not None:
@@ -682,6 +699,22 @@ def parse_entry(path: Path, index: int, raw: Any) -> PriceEntry:
         if raw.get("characters") is not None
         else None,
     )
+
+
+def cloud_model(name: str) -> str:
+    """The model a cloud's name for an Anthropic model names (lower-case), or ``name`` when it is no such name.
+
+    Vertex AI names a version after ``@`` (``claude-sonnet-4-5@20250929``,
+    ``claude-3-5-sonnet-v2@20241022``); Bedrock puts the vendor in front, a cross-region
+    inference profile its geography before that, and a revision after
+    (``us.anthropic.claude-sonnet-4-5-20250929-v1:0``, ``anthropic.claude-opus-4-6-v1``). The
+    result may still carry a ``-YYYYMMDD`` snapshot date, which the lookup strips as for any name.
+    """
+    vertex = _VERTEX_VERSION.sub("", name)
+    bedrock = _BEDROCK_VENDOR.sub("", vertex)
+    if vertex == name and bedrock == vertex:
+        return name
+    return _CLOUD_REVISION.sub("", bedrock)
 
 
 def _count(fail: _Fail, name: str, value: Any) -> int | None:

@@ -163,3 +163,38 @@ def test_the_openai_tier_a_reply_was_served_at_prices_its_row(proxy, upstream, s
             assert client.chat.completions.create(**request).service_tier == tier
     (row,) = proxy.rows(1)
     assert (row["cost_usd"], row["price_status"], row["service_tier"]) == (cost, status, tier)
+
+
+CLOUD_NAMES = [
+    "claude-sonnet-4-5@20250929",  # Vertex AI
+    "anthropic.claude-sonnet-4-5-20250929-v1:0",  # Bedrock
+    "us.anthropic.claude-sonnet-4-5-20250929-v1:0",  # a Bedrock cross-region inference profile
+    "global.anthropic.claude-sonnet-4-5-20250929-v1:0",
+]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("name", CLOUD_NAMES)
+def test_a_clouds_name_for_a_claude_model_is_priced_as_that_model(proxy, upstream, stream, name):
+    # before: unpriced (cost NULL), and refused with 400 model_not_priced under a blocking budget
+    upstream.script = lambda head, body: anthropic_reply(name, usage_at("not_available"), stream)
+    with anthropic.Anthropic(base_url=proxy.url, api_key="sk-ant", max_retries=0) as client:
+        request = {"model": name, "max_tokens": 100, "messages": [{"role": "user", "content": "hi"}]}
+        if stream:
+            with client.messages.stream(**request) as events:
+                events.get_final_message()
+        else:
+            client.messages.create(**request)
+    (row,) = proxy.rows(1)
+    # claude-sonnet-4-5: 1000 x 3 + 100 x 15 = 4500 -> $0.0045
+    assert (row["cost_usd"], row["price_status"], row["price_resolved_by"]) == (Decimal("0.0045"), "priced", "cloud_name")
+    assert row["price_entry_id"] == "anthropic/claude-sonnet-4-5"
+
+
+def test_a_clouds_name_is_bounded_as_its_model():
+    # 1000 in at the 1h cache write rate (6) + 100 x 15 = 7500 -> $0.0075, the same as claude-sonnet-4-5's bound
+    for name in [*CLOUD_NAMES, "claude-sonnet-4-5", "eu.anthropic.claude-sonnet-4-5-20250929-v1:0"]:
+        bound = worst_case(CATALOG, model=name, provider="anthropic", at=WHEN, input_tokens=1000, max_output_tokens=100)
+        assert bound == Decimal("0.0075"), name
+    # a dotted OpenRouter-style name is no Bedrock vendor prefix: claude-opus-4.5 stays Opus 4.5
+    assert CATALOG.resolve("claude-opus-4.5@20251101", "anthropic", WHEN).entry.id == "anthropic/claude-opus-4-5"
