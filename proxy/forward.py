@@ -754,14 +754,16 @@ class Forwarder:
         cached = counts.get(model) if counts is not None else None
         share = self.guard_settings.bytes_bound_share
         if cached is None and headroom is not None and headroom > 0 and share > 0:
-            by_bytes = await _off_the_loop_if_large(body, _bytes_for_bound, endpoint.dialect, body)
+            by_bytes = await _off_the_loop_if_large(body, _bytes_for_bound, endpoint.dialect, body, endpoint.name)
             bound = self._bound(ex, head, model, max_output, now, by_bytes)
             if bound is not None and bound <= headroom * Decimal(repr(share)):
                 return bound, by_bytes[1].unbounded
         if cached is None:
             # the first count of an encoding reads its rank file (~1 s): never on the event loop
             loaded = tokenizer.is_loaded(tokenizer.encoding_for_model(model))
-            cached = await _off_the_loop_if_large(body, _count_for_bound, endpoint.dialect, body, model, small=loaded)
+            cached = await _off_the_loop_if_large(
+                body, _count_for_bound, endpoint.dialect, body, model, endpoint.name, small=loaded
+            )
             if counts is not None:
                 counts[model] = cached
         return self._bound(ex, head, model, max_output, now, cached), cached[1].unbounded
@@ -1154,6 +1156,7 @@ class Forwarder:
                     model=ex.served_model or ex.requested_model,
                     source=UsageSource.PARTIAL,
                     only_if_output=True,
+                    endpoint=ex.endpoint,
                 )
                 await self.recorder.commit(ex, estimate=partial(_with_output_seen, result.usage, seen))
                 return
@@ -1189,6 +1192,7 @@ class Forwarder:
             source=source,
             web_search_requests=result.web_search_calls,
             only_if_output=result.error is not None,
+            endpoint=ex.endpoint,
         )
         await self.recorder.commit(ex, estimate=job)
 
@@ -1390,7 +1394,7 @@ def _limit_field(endpoint: Endpoint, route: Route | None) -> str:
     return "max_tokens"
 
 
-def _count_for_bound(dialect: str, body: bytes, model: str | None) -> tuple[int, Unmetered]:
+def _count_for_bound(dialect: str, body: bytes, model: str | None, endpoint: str) -> tuple[int, Unmetered]:
     """The request's text tokens and what text counting misses, from one decode (off the event loop)."""
     try:
         decoded = msgspec.json.decode(body)
@@ -1399,7 +1403,7 @@ def _count_for_bound(dialect: str, body: bytes, model: str | None) -> tuple[int,
     check_document(decoded)  # what is counted must be what every upstream reads
     found = scan(decoded)
     found.prediction_tokens = count_texts(found.prediction_texts, model)
-    return count_input(dialect, decoded, model), found
+    return count_input(dialect, decoded, model, endpoint), found
 
 
 async def _off_the_loop_if_large(body: bytes, work: Callable[..., T], *args: Any, small: bool = True) -> T:
@@ -1412,7 +1416,7 @@ async def _off_the_loop_if_large(body: bytes, work: Callable[..., T], *args: Any
     return await asyncio.to_thread(work, *args)
 
 
-def _bytes_for_bound(dialect: str, body: bytes) -> tuple[int, Unmetered]:
+def _bytes_for_bound(dialect: str, body: bytes, endpoint: str) -> tuple[int, Unmetered]:
     """:func:`_count_for_bound` without the tokenizer: the UTF-8 bytes of the texts it counts (never fewer)."""
     try:
         decoded = msgspec.json.decode(body)
@@ -1421,7 +1425,7 @@ def _bytes_for_bound(dialect: str, body: bytes) -> tuple[int, Unmetered]:
     check_document(decoded)
     found = scan(decoded)
     found.prediction_tokens = sum(len(text.encode("utf-8", "surrogatepass")) for text in found.prediction_texts)
-    return input_bytes(dialect, decoded), found
+    return input_bytes(dialect, decoded, endpoint), found
 
 
 def _books_unavailable() -> ProxyError:
