@@ -25,6 +25,8 @@ File format (the built-in catalog is ``pricing/catalog/default.yaml``)::
         service_tiers:                  # by the tier the response says was served
           priority: {input: 5.00, cached_input: 0.50, output: 30.00}
           flex: {multiplier: 0.5}
+        inference_geos:                 # by where the response says it ran (Anthropic inference_geo),
+          us: {multiplier: 1.1}         #   applied after the service tier
         windows:                        # time-of-day pricing at the request's start
           - {name: off_peak, start: "16:30", end: "00:30", weekdays: [mon, tue], timezone: UTC,
              multiplier: 0.5}
@@ -63,6 +65,7 @@ __all__ = [
     "PriceEntry",
     "Resolution",
     "builtin_catalog_paths",
+    "cloud_model",
     "default_catalog_path",
     "entry_to_dict",
     "load_catalog",
@@ -86,6 +89,7 @@ _TOP_FIELDS = frozenset(
         "per_request",
         "context_tiers",
         "service_tiers",
+        "inference_geos",
         "windows",
         "image_tokens_max",
         "image",
@@ -98,6 +102,9 @@ _TOP_FIELDS = frozenset(
 _MAX_RATE_DECIMALS = 6
 _MAX_MULTIPLIER_DECIMALS = 4
 _SNAPSHOT_SUFFIX = re.compile(r"-(?:\d{4}-\d{2}-\d{2}|\d{8})$")
+_VERTEX_VERSION = re.compile(r"@(?:\d{8}|latest|default)$")
+_BEDROCK_VENDOR = re.compile(r"^(?:(?:us|us-gov|eu|apac|jp|au|ca|global)\.)?anthropic\.")
+_CLOUD_REVISION = re.compile(r"-v\d+(?::\d+)?(?::\d+k)?$")
 _WEEKDAYS = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
 _DAWN = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 
@@ -134,6 +141,7 @@ class PriceEntry:
     per_request: Decimal | None = None
     context_tiers: tuple[ContextTier, ...] = ()
     service_tiers: tuple[tuple[str, Adjustment], ...] = ()
+    inference_geos: tuple[tuple[str, Adjustment], ...] = ()
     windows: tuple[Window, ...] = ()
     note: str = ""
     image_tokens_max: int | None = None
@@ -154,6 +162,10 @@ class PriceEntry:
     def service_tier(self, name: str) -> Adjustment | None:
         """The adjustment for served tier ``name``, if the entry prices it."""
         return dict(self.service_tiers).get(name)
+
+    def inference_geo(self, name: str) -> Adjustment | None:
+        """The adjustment for inference geography ``name`` (``us``), if the entry prices it."""
+        return dict(self.inference_geos).get(name)
 
     def image_price(self, variant: str) -> Decimal | None:
         """USD per image made at ``variant`` (``"1024x1792/hd"``; ``""``: unknown), if the entry prices images.
@@ -205,9 +217,11 @@ class Resolution:
     ``snapshot`` (a dated snapshot such as ``o1-2024-12-17`` priced as its base model ``o1``;
     field case B22's ``inferred_base_model``, also behind a routing prefix: ``azure/o1-2024-12-17``),
     ``routing_prefix`` (a name behind a prefix that is no catalog provider: ``azure/gpt-4o``,
-    ``openrouter/openai/gpt-4o``), ``price_as_upstream`` (the upstream's ``price_as``
-    pin), ``price_as_model`` (a ``pricing.price_as`` pin on the requested model) or ``fallback``
-    (the configured fallback price).
+    ``openrouter/openai/gpt-4o``), ``cloud_name`` (a cloud's name for the model: Vertex AI's
+    ``claude-sonnet-4-5@20250929``, Bedrock's ``anthropic.claude-sonnet-4-5-20250929-v1:0`` and its
+    cross-region profiles ``us.``/``eu.``/``apac.``/``global.anthropic...``), ``price_as_upstream``
+    (the upstream's ``price_as`` pin), ``price_as_model`` (a ``pricing.price_as`` pin on the
+    requested model) or ``fallback`` (the configured fallback price).
     """
 
     entry: PriceEntry
@@ -338,6 +352,17 @@ class PriceCatalog:
         return found
 
     def _named(self, name: str, provider: str | None) -> tuple[str, str] | None:
+        """:meth:`_dated`, then the same for the model a cloud's name for it names (:func:`cloud_model`)."""
+        found = self._dated(name, provider)
+        if found is None:
+            plain = cloud_model(name)
+            if plain != name:
+                found = self._dated(plain, provider)
+                if found is not None:
+                    found = found[0], "cloud_name"
+        return found
+
+    def _dated(self, name: str, provider: str | None) -> tuple[str, str] | None:
         """``name`` by provider + name, vendor prefix or any provider; then without its snapshot suffix."""
         found = self._lookup(name, provider)
         if found is not None:
@@ -382,6 +407,8 @@ def entry_to_dict(entry: PriceEntry) -> dict[str, Any]:
         ]
     if entry.service_tiers:
         raw["service_tiers"] = {name: adjustment(value) for name, value in entry.service_tiers}
+    if entry.inference_geos:
+        raw["inference_geos"] = {name: adjustment(value) for name, value in entry.inference_geos}
     if entry.windows:
         raw["windows"] = [
             {
@@ -657,6 +684,7 @@ def parse_entry(path: Path, index: int, raw: Any) -> PriceEntry:
         per_request=fees["per_request"],
         context_tiers=_context_tiers(fail, raw.get("context_tiers") or []),
         service_tiers=_service_tiers(fail, raw.get("service_tiers") or {}),
+        inference_geos=_service_tiers(fail, raw.get("inference_geos") or {}, "inference_geos"),
         windows=_windows(fail, raw.get("windows") or []),
         note=str(raw.get("note", "")),
         image_tokens_max=_count(fail, "image_tokens_max", raw.get("image_tokens_max")),
@@ -671,6 +699,22 @@ def parse_entry(path: Path, index: int, raw: Any) -> PriceEntry:
         if raw.get("characters") is not None
         else None,
     )
+
+
+def cloud_model(name: str) -> str:
+    """The model a cloud's name for an Anthropic model names (lower-case), or ``name`` when it is no such name.
+
+    Vertex AI names a version after ``@`` (``claude-sonnet-4-5@20250929``,
+    ``claude-3-5-sonnet-v2@20241022``); Bedrock puts the vendor in front, a cross-region
+    inference profile its geography before that, and a revision after
+    (``us.anthropic.claude-sonnet-4-5-20250929-v1:0``, ``anthropic.claude-opus-4-6-v1``). The
+    result may still carry a ``-YYYYMMDD`` snapshot date, which the lookup strips as for any name.
+    """
+    vertex = _VERTEX_VERSION.sub("", name)
+    bedrock = _BEDROCK_VENDOR.sub("", vertex)
+    if vertex == name and bedrock == vertex:
+        return name
+    return _CLOUD_REVISION.sub("", bedrock)
 
 
 def _count(fail: _Fail, name: str, value: Any) -> int | None:
@@ -718,12 +762,11 @@ def _context_tiers(fail: _Fail, raw: Any) -> tuple[ContextTier, ...]:
     return tuple(sorted(tiers, key=lambda t: t.threshold, reverse=True))
 
 
-def _service_tiers(fail: _Fail, raw: Any) -> tuple[tuple[str, Adjustment], ...]:
+def _service_tiers(fail: _Fail, raw: Any, member: str = "service_tiers") -> tuple[tuple[str, Adjustment], ...]:
     if not isinstance(raw, Mapping):
-        raise fail("service_tiers", "must be a mapping of tier name to rates or a multiplier")
+        raise fail(member, "must be a mapping of tier name to rates or a multiplier")
     return tuple(
-        (str(name).lower(), _adjustment(fail, f"service_tiers.{name}.", value, frozenset()))
-        for name, value in raw.items()
+        (str(name).lower(), _adjustment(fail, f"{member}.{name}.", value, frozenset())) for name, value in raw.items()
     )
 
 

@@ -8,7 +8,9 @@ the WHOLE request (never only to the tokens past a threshold, field case B20):
    writes, field case B19);
 3. the service tier the response says was served (``service_tier``, or ``fast`` for
    Anthropic's ``usage.speed``); the standard tiers (``default``, ``standard``, ``auto``,
-   ``on_demand``) use the base rates;
+   ``on_demand``) use the base rates; then where it ran, when the served tier names it as
+   ``<tier>@<geo>`` (Anthropic's ``usage.inference_geo``, ``standard@us``: the entry's
+   ``inference_geos``; ``global`` and ``not_available`` are the base rates);
 4. the first time window containing the request's start (DeepSeek's off-peak hours).
 
 Each token class is then priced exactly once (field cases B09, B10): uncached input, cache hits,
@@ -32,7 +34,7 @@ from tokenward.pricing.catalog import Resolution
 from tokenward.pricing.rates import Rates
 from tokenward.pricing.usage import Usage
 
-__all__ = ["OUTPUT_COMPONENTS", "STANDARD_TIERS", "Cost", "CostLine", "dearest_total", "price"]
+__all__ = ["OUTPUT_COMPONENTS", "STANDARD_GEOS", "STANDARD_TIERS", "Cost", "CostLine", "dearest_total", "price"]
 
 _PER_MILLION = Decimal(1_000_000)
 _PICO = Decimal("1e-12")
@@ -44,6 +46,10 @@ OUTPUT_COMPONENTS = frozenset({"output", "reasoning", "audio_output"})
 STANDARD_TIERS = frozenset({"", "default", "standard", "auto", "on_demand", "provisioned"})
 """Served tier names that mean the standard (base) rates (``provisioned``: Google capacity that
 OpenRouter reports and bills at list price)."""
+
+STANDARD_GEOS = frozenset({"", "global", "not_available"})
+"""Served ``inference_geo`` values that mean the base rates (Anthropic reports ``not_available``
+for models without data residency and ``global`` for the default routing)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,14 +173,17 @@ def _applied_rates(
             rates = tier.adjustment.apply(rates)
             rules.append(tier.name)
             break
-    tier_name = (service_tier or "").lower()
-    if tier_name not in STANDARD_TIERS:
-        adjustment = entry.service_tier(tier_name)
+    tier_name, _, geo = (service_tier or "").lower().partition("@")
+    served = (("tier", "served tier", tier_name, STANDARD_TIERS), ("geo", "served inference_geo", geo, STANDARD_GEOS))
+    for rule, what, name, standard in served:
+        if name in standard:
+            continue
+        adjustment = entry.service_tier(name) if rule == "tier" else entry.inference_geo(name)
         if adjustment is None:
-            notes.append(f"served tier {tier_name!r} has no price in {entry.version_id}: standard rates used")
+            notes.append(f"{what} {name!r} has no price in {entry.version_id}: standard rates used")
         else:
             rates = adjustment.apply(rates)
-            rules.append(f"tier:{tier_name}")
+            rules.append(f"{rule}:{name}")
     if at is not None:
         for window in entry.windows:
             if window.contains(at):

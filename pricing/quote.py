@@ -178,6 +178,7 @@ def worst_case(
     audio_output: bool = False,
     service_tier: str | None = None,
     speed: str | None = None,
+    inference_geo: str | None = None,
     fallback: bool = False,
     price_as: str | None = None,
     images: int = 0,
@@ -204,6 +205,8 @@ def worst_case(
         audio_output: whether the reply may be audio.
         service_tier: the tier the request asks for (:data:`PINNED_TIERS`).
         speed: the speed the request asks for (Anthropic ``fast`` pins the ``fast`` tier).
+        inference_geo: where the request asks to run (Anthropic ``inference_geo``); unless given,
+            every geography the entry prices is assumed possible (a workspace may default to one).
         fallback: whether the catalog's fallback rates may price an otherwise unpriced model.
         price_as: the model the upstream pins its prices to (as :func:`quote`); a pin in
             ``catalog.price_as`` for ``model`` applies as well.
@@ -265,7 +268,12 @@ def worst_case(
     # the same counts priced once: a text-only request makes 6 distinct usages of these 8
     usages = dict.fromkeys(Usage(**i, **o, **units) for i in inputs for o in outputs)
     tiers = _servable_tiers(entry.service_tiers, service_tier, speed)
-    return dearest_total(usages, resolution, at=at, service_tiers=tiers)
+    if isinstance(inference_geo, str):
+        geos: list[str | None] = [inference_geo.lower()]
+    else:
+        geos = [None, *(name for name, _ in entry.inference_geos)]
+    served = [f"{tier or ''}@{geo}" if geo else tier for tier in tiers for geo in geos]
+    return dearest_total(usages, resolution, at=at, service_tiers=served)
 
 
 def _servable_tiers(

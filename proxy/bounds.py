@@ -16,6 +16,11 @@ A blocking budget reserves an upper bound of a request's cost before sending it 
   ``web_search_options``; OpenRouter's ``web`` plugin): each call adds a fee and the tokens of
   what it found, as many times as the model chooses, so such a request is *unbounded* as well;
 - a request for audio output (``modalities`` with ``audio``), priced at the audio output rate;
+- a Predicted Outputs ``prediction`` (OpenAI chat): the tokens of the prediction that the reply
+  does not use are billed as output ("rejected_prediction_tokens ... still counted in the total
+  completion tokens for purposes of billing", reference [R9]) on top of what ``max_tokens``
+  allows, so the prediction's texts (:attr:`Unmetered.prediction_texts`) are counted as output
+  the request may add beyond its limit;
 - content the client replays encrypted (OpenAI reasoning and compaction items'
   ``encrypted_content``, Anthropic ``redacted_thinking`` blocks' ``data`` and web search results'
   ``encrypted_content``): the provider decrypts and bills it as input, but no tokenizer can read
@@ -40,7 +45,7 @@ stateless multi-turn) and https://docs.anthropic.com/en/docs/build-with-claude/e
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["AUDIO_BYTES_PER_TOKEN", "OPAQUE_BYTES_PER_TOKEN", "Unmetered", "scan"]
@@ -85,6 +90,8 @@ class Unmetered:
     stateful: bool = False
     audio_output: bool = False
     server_tools: int = 0
+    prediction_texts: list[str] = field(default_factory=list)
+    prediction_tokens: int = 0
 
     @property
     def unbounded(self) -> bool:
@@ -103,6 +110,7 @@ def scan(body: Any) -> Unmetered:
         modalities = body.get("modalities")
         found.audio_output = isinstance(modalities, list) and "audio" in modalities
         found.server_tools = _server_tools(body)
+        _strings(body.get("prediction"), found.prediction_texts, 0)
     _walk(body, found, 0)
     return found
 
@@ -128,6 +136,21 @@ def _server_tools(body: dict[str, Any]) -> int:
     if isinstance(model, str) and model.endswith(":online"):
         count += 1
     return count
+
+
+def _strings(node: Any, into: list[str], depth: int) -> None:
+    """Every string in ``node`` (a ``prediction``) but ``type`` values, as a lenient upstream may read it."""
+    if depth > _MAX_DEPTH:
+        return
+    if isinstance(node, str):
+        into.append(node)
+    elif isinstance(node, list):
+        for item in node:
+            _strings(item, into, depth + 1)
+    elif isinstance(node, dict):
+        for key, value in node.items():
+            if key != "type":
+                _strings(value, into, depth + 1)
 
 
 def _walk(node: Any, found: Unmetered, depth: int) -> None:

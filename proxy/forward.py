@@ -62,7 +62,7 @@ from tokenward.proxy.limits import CONNECTION_SCOPE_KEY, BodyLimits, body_stream
 from tokenward.proxy.media import MediaRequest, MediaRequestError, read_request
 from tokenward.proxy.media import estimate as media_estimate
 from tokenward.proxy.members import check_document, check_top_level, top_level_members
-from tokenward.proxy.metering import Meter, count_input, estimate, input_bytes
+from tokenward.proxy.metering import Meter, count_input, count_texts, estimate, input_bytes
 from tokenward.proxy.recorder import Recorder
 from tokenward.proxy.relay import HOP_BY_HOP, DisconnectWatch, GiveUp, Relay, connection_options, header
 from tokenward.proxy.request_coding import decode_request_body, request_encodings
@@ -199,6 +199,7 @@ class _RequestHead(msgspec.Struct):
     max_output_tokens: Any = None
     service_tier: Any = None
     speed: Any = None
+    inference_geo: Any = None
     store: Any = None
     models: Any = None
     fallbacks: Any = None
@@ -763,14 +764,16 @@ class Forwarder:
         cached = counts.get(model) if counts is not None else None
         share = self.guard_settings.bytes_bound_share
         if cached is None and headroom is not None and headroom > 0 and share > 0:
-            by_bytes = await _off_the_loop_if_large(body, _bytes_for_bound, endpoint.dialect, body)
+            by_bytes = await _off_the_loop_if_large(body, _bytes_for_bound, endpoint.dialect, body, endpoint.name)
             bound = self._bound(ex, head, model, max_output, now, by_bytes)
             if bound is not None and bound <= headroom * Decimal(repr(share)):
                 return bound, by_bytes[1].unbounded
         if cached is None:
             # the first count of an encoding reads its rank file (~1 s): never on the event loop
             loaded = tokenizer.is_loaded(tokenizer.encoding_for_model(model))
-            cached = await _off_the_loop_if_large(body, _count_for_bound, endpoint.dialect, body, model, small=loaded)
+            cached = await _off_the_loop_if_large(
+                body, _count_for_bound, endpoint.dialect, body, model, endpoint.name, small=loaded
+            )
             if counts is not None:
                 counts[model] = cached
         return self._bound(ex, head, model, max_output, now, cached), cached[1].unbounded
@@ -793,6 +796,8 @@ class Forwarder:
         uncounted = settings.input_margin_tokens + extra.audio_tokens + extra.opaque_tokens  # added, not scaled
         input_tokens = math.ceil(counted * margin) + uncounted
         limit = max_output if max_output is not None else _output_limit(head, settings.default_max_output_tokens)
+        # a prediction's rejected tokens are billed as output beyond the limit (bounds module docstring)
+        predicted = math.ceil(extra.prediction_tokens * margin)
         choices = _choices(head)
         dearest: Decimal | None = None
         # the upstream may serve the request with any of its fallback models: the bound is the dearest
@@ -808,11 +813,12 @@ class Forwarder:
                 provider=ex.provider,
                 at=now,
                 input_tokens=tokens,
-                max_output_tokens=limit * choices,
+                max_output_tokens=(limit + predicted) * choices,
                 audio_input_tokens=extra.audio_tokens,
                 audio_output=extra.audio_output,
                 service_tier=head.service_tier if isinstance(head.service_tier, str) else None,
                 speed=head.speed if isinstance(head.speed, str) else None,
+                inference_geo=head.inference_geo if isinstance(head.inference_geo, str) else None,
                 fallback=ex.price_fallback,
                 price_as=ex.price_as,
                 images=extra.images,
@@ -1173,6 +1179,7 @@ class Forwarder:
                     model=ex.served_model or ex.requested_model,
                     source=UsageSource.PARTIAL,
                     only_if_output=True,
+                    endpoint=ex.endpoint,
                 )
                 await self.recorder.commit(ex, estimate=partial(_with_output_seen, result.usage, seen))
                 return
@@ -1208,6 +1215,7 @@ class Forwarder:
             source=source,
             web_search_requests=result.web_search_calls,
             only_if_output=result.error is not None,
+            endpoint=ex.endpoint,
         )
         await self.recorder.commit(ex, estimate=job)
 
@@ -1409,14 +1417,16 @@ def _limit_field(endpoint: Endpoint, route: Route | None) -> str:
     return "max_tokens"
 
 
-def _count_for_bound(dialect: str, body: bytes, model: str | None) -> tuple[int, Unmetered]:
+def _count_for_bound(dialect: str, body: bytes, model: str | None, endpoint: str) -> tuple[int, Unmetered]:
     """The request's text tokens and what text counting misses, from one decode (off the event loop)."""
     try:
         decoded = msgspec.json.decode(body)
     except (msgspec.DecodeError, RecursionError):
         decoded = None
     check_document(decoded)  # what is counted must be what every upstream reads
-    return count_input(dialect, decoded, model), scan(decoded)
+    found = scan(decoded)
+    found.prediction_tokens = count_texts(found.prediction_texts, model)
+    return count_input(dialect, decoded, model, endpoint), found
 
 
 async def _off_the_loop_if_large(body: bytes, work: Callable[..., T], *args: Any, small: bool = True) -> T:
@@ -1429,14 +1439,16 @@ async def _off_the_loop_if_large(body: bytes, work: Callable[..., T], *args: Any
     return await asyncio.to_thread(work, *args)
 
 
-def _bytes_for_bound(dialect: str, body: bytes) -> tuple[int, Unmetered]:
+def _bytes_for_bound(dialect: str, body: bytes, endpoint: str) -> tuple[int, Unmetered]:
     """:func:`_count_for_bound` without the tokenizer: the UTF-8 bytes of the texts it counts (never fewer)."""
     try:
         decoded = msgspec.json.decode(body)
     except (msgspec.DecodeError, RecursionError):
         decoded = None
     check_document(decoded)
-    return input_bytes(dialect, decoded), scan(decoded)
+    found = scan(decoded)
+    found.prediction_tokens = sum(len(text.encode("utf-8", "surrogatepass")) for text in found.prediction_texts)
+    return input_bytes(dialect, decoded, endpoint), found
 
 
 def _books_unavailable() -> ProxyError:

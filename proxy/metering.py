@@ -38,10 +38,11 @@ import msgspec
 from tokenward.pricing.usage import Usage, UsageSource
 from tokenward.proxy import tokenizer
 from tokenward.proxy.dialects import DIALECTS, Observation
+from tokenward.proxy.dialects import openai as openai_dialect
 from tokenward.proxy.reply_coding import DecodedTooLarge, reply_decoder
 from tokenward.proxy.sse import Elider, Fragment, LastFragment, SSEDecoder, parse_event
 
-__all__ = ["Meter", "MeterResult", "count_input", "estimate"]
+__all__ = ["Meter", "MeterResult", "count_input", "count_texts", "estimate", "input_bytes"]
 
 _INTERESTING = re.compile(rb'"(?:usage|error)"\s*:\s*\{|^event:\s*error', re.MULTILINE)
 # the event after which a stream says nothing more: OpenAI's [DONE], Anthropic's message_stop,
@@ -392,24 +393,44 @@ class _Kind(msgspec.Struct):
     type: str | None = None
 
 
-def count_input(dialect: str, body: Any, model: str | None) -> int:
+def count_input(dialect: str, body: Any, model: str | None, endpoint: str | None = None) -> int:
     """Input tokens of a decoded request ``body`` by the offline tokenizer (0 if not a JSON object).
 
-    Chat requests add OpenAI's per-message overhead (3 tokens a message, 3 for the reply's priming).
+    Chat requests add OpenAI's per-message overhead (3 tokens a message, 3 for the reply's priming);
+    so do Responses requests (``endpoint`` ``responses`` or ``responses_compact``), whose
+    instructions, bare string input and input messages are messages too
+    (:func:`~tokenward.proxy.dialects.openai.responses_messages`).
     Texts longer than a million characters are counted a piece at a time (:func:`_count_long`),
     so memory stays near the size of the text itself.
     """
     if not isinstance(body, dict):
         return 0
-    encoding = tokenizer.encoding_for_model(model)
-    texts, messages = DIALECTS[dialect].request_texts(body)
-    tokens = sum(
-        tokenizer.count_tokens(text, encoding) if len(text) <= _PIECE else _count_long(text, encoding) for text in texts
-    )
+    texts, messages = _request_texts(dialect, body, endpoint)
+    tokens = count_texts(texts, model)
     return tokens + 3 * messages + 3 if messages else tokens
 
 
-def input_bytes(dialect: str, body: Any) -> int:
+def count_texts(texts: list[str], model: str | None) -> int:
+    """Tokens of ``texts`` in ``model``'s encoding, each counted whole (long ones a piece at a time)."""
+    encoding = tokenizer.encoding_for_model(model)
+    return sum(
+        tokenizer.count_tokens(text, encoding) if len(text) <= _PIECE else _count_long(text, encoding) for text in texts
+    )
+
+
+def _request_texts(dialect: str, body: dict[str, Any], endpoint: str | None) -> tuple[list[str], int]:
+    """The dialect's request texts and message count, with a Responses request's messages added."""
+    texts, messages = DIALECTS[dialect].request_texts(body)
+    if dialect == "openai" and endpoint in _RESPONSES:
+        roles, more = openai_dialect.responses_messages(body)
+        texts, messages = [*texts, *roles], messages + more
+    return texts, messages
+
+
+_RESPONSES = frozenset({"responses", "responses_compact"})
+
+
+def input_bytes(dialect: str, body: Any, endpoint: str | None = None) -> int:
     """An upper bound of :func:`count_input` for every encoding, without the tokenizer (0 if not a JSON object).
 
     The UTF-8 bytes of the same texts plus the same per-message overhead: every token of a
@@ -419,7 +440,7 @@ def input_bytes(dialect: str, body: Any) -> int:
     """
     if not isinstance(body, dict):
         return 0
-    texts, messages = DIALECTS[dialect].request_texts(body)
+    texts, messages = _request_texts(dialect, body, endpoint)
     size = sum(len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass")) for text in texts)
     return size + 3 * messages + 3 if messages else size
 
@@ -469,6 +490,7 @@ def estimate(
     source: UsageSource,
     web_search_requests: int = 0,
     only_if_output: bool = False,
+    endpoint: str | None = None,
 ) -> Usage | None:
     """Count a request's input and its reply's output with the offline tokenizer.
 
@@ -482,6 +504,7 @@ def estimate(
         web_search_requests: hosted web searches counted in the reply, carried into the usage.
         only_if_output: return ``None`` when the reply holds no generated text (an error event
             before any content: nothing was generated, nothing is billed).
+        endpoint: the endpoint's name (a Responses request's messages add their overhead).
 
     Returns:
         Usage with input and output tokens counted; chat requests add OpenAI's per-message
@@ -495,7 +518,7 @@ def estimate(
         body = msgspec.json.decode(request_body)
     except (msgspec.DecodeError, RecursionError):
         body = {}
-    input_tokens = count_input(dialect, body, model)
+    input_tokens = count_input(dialect, body, model, endpoint)
     documents: list[bytes] = []
     if stream:
         decoder = SSEDecoder(max_event_bytes=None)  # the kept reply is bounded already

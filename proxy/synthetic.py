@@ -96,7 +96,7 @@ def synthesise(endpoint: str, body: Any, *, now: float | None = None) -> Synthet
     if endpoint == "embeddings":
         return Synthetic(200, _embeddings(body, model))
     dialect = "anthropic" if anthropic else "openai"
-    input_tokens = count_input(dialect, body, model)
+    input_tokens = count_input(dialect, body, model, endpoint)
     limit = _limit(endpoint, body)
     text, output_tokens, cut = _reply_text(body, model, limit)
     call = _forced_call(endpoint, body)
@@ -138,7 +138,7 @@ def count_reply(path: str, body: Any) -> Synthetic | None:
         return Synthetic(
             400, {"error": {"message": problem, "type": "invalid_request_error", "param": None, "code": None}}
         )
-    count = count_input("anthropic" if anthropic else "openai", body, body["model"])
+    count = count_input("anthropic" if anthropic else "openai", body, body["model"], endpoint)
     if anthropic:
         return Synthetic(200, {"input_tokens": count})
     return Synthetic(200, {"object": "response.input_tokens", "input_tokens": count})

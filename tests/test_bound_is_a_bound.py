@@ -122,6 +122,8 @@ class BillingUpstream:
             usage = Usage(input_tokens=1007, output_tokens=1000)
         elif variant == "two_limits":  # an upstream that reads max_tokens and ignores max_completion_tokens
             usage = Usage(input_tokens=1007, output_tokens=document["max_tokens"])
+        elif variant == "prediction":  # every token of the 1,000-token prediction rejected: billed as output
+            usage = Usage(input_tokens=17, output_tokens=document["max_tokens"] + 1000)
         elif variant == "no_limit":  # a model that writes until its own window (100K) unless the request says less
             usage = Usage(input_tokens=1007, output_tokens=document.get("max_completion_tokens", 100_000))
         else:  # unpriced: the provider has its own price for its own model: $0.001 a request
@@ -233,6 +235,18 @@ VARIANTS = [
     # -> $0.00998145. Bound: 1408 x 0.15 + 16,384 x 0.60 = $0.0100416 -> 9 admitted. (Before, the body went
     # unchanged: 9 admitted, each billed 1007 x 0.15 + 100,000 x 0.60 = $0.06015105, +442 %.)
     ("no_limit", "chat/completions", no_limit_chat(), Decimal("0.00998145"), 9),
+    # Predicted Outputs: 10 tokens of output at most, and a 1,000-token prediction the reply does not use;
+    # OpenAI bills the rejected prediction tokens as completion tokens: 17 x 0.15 + 1010 x 0.60 = 608.55
+    # -> $0.00060855. Bound: ceil(17 x 1.1) + 300 = 319 in, 10 + ceil(1000 x 1.1) = 1110 out: 47.85 + 666
+    # = $0.00071385 -> 0.0060855 / 0.00071385 -> 8 admitted. (Before, the prediction was not bounded:
+    # 47.85 + 6 = $0.00005385: all 100 admitted, billed $0.060855, +900 %.)
+    (
+        "prediction",
+        "chat/completions",
+        long_chat(10, 10, service_tier="default", prediction={"type": "content", "content": "hello" + " hello" * 999}),
+        Decimal("0.00060855"),
+        8,
+    ),
     # no price: refused (400 model_not_priced) before it reaches the provider. (Before: all 100 admitted.)
     ("unpriced", "chat/completions", long_chat(1000, 1000, model="house-model-x"), Decimal("0.001"), 0),
 ]

@@ -371,12 +371,13 @@ def test_tool_call_outputs_and_arguments_count_toward_the_bound(tmp_path):
     # A function call's output is input the provider bills. Counted as the message alone (6 tokens:
     # ceil(6 x 1.1) + 300 = 307 in, 307 x 0.15 + 10 x 0.60 = $0.00005205), four concurrent requests were all
     # admitted against room for one and a half ($0.0225) and billed 4 x $0.01500765 = $0.0600306 (+167 %).
-    # Counted with the arguments and the output, 6 + 5 + 100,000 = 100,011 tokens: ceil(100,011 x 1.1) + 300 =
-    # 110,313 in, 110,313 x 0.15 + 10 x 0.60 = $0.01655295 each: one fits, the others get 429.
+    # Counted with the arguments and the output, 6 + 5 + 100,000 = 100,011 tokens, + 7 for the one message (its
+    # role, 3, and 3 for the reply): ceil(100,018 x 1.1) + 300 = 110,320 in, 110,320 x 0.15 + 10 x 0.60 =
+    # $0.016554 each: one fits, the others get 429.
     upstream = ResponsesUpstream("0.01500765", 100_011)  # gpt-4o-mini, default tier: 100,011 x 0.15 + 10 x 0.60
     admitted, refused = four_at_once(tmp_path, upstream, "0.0225", TOOL_TURN)
     assert (len(admitted), len(refused)) == (1, 3)
-    assert "may cost up to $0.01655295" in refused[0].body["message"]  # type: ignore[index]
+    assert "may cost up to $0.016554" in refused[0].body["message"]  # type: ignore[index]
     assert admitted[0].headers["x-tokenward-cost-usd"] == "0.01500765"
     assert upstream.billed == [Decimal("0.01500765")]
 
@@ -393,14 +394,15 @@ def test_encrypted_content_a_client_replays_counts_toward_the_bound(tmp_path):
     # turn's reasoning back encrypted; the provider decrypts it and bills it as input (80,000 tokens
     # here). Counted as the message alone (ceil(6 x 1.1) + 300 = 307 in, $0.00005205), four
     # concurrent requests were all admitted against a $0.02 limit and billed 4 x $0.0120069 =
-    # $0.0480276 (2.4x). Bounded by its decoded size, one token per byte: 307 + 90,001 = 90,308 in,
-    # 90,308 x 0.15 + 10 x 0.60 = $0.0135522 each: one fits, the others get 429.
+    # $0.0480276 (2.4x). Bounded by its decoded size, one token per byte: the message 6 + 7 of overhead,
+    # ceil(13 x 1.1) + 300 = 315, + 90,001 = 90,316 in, 90,316 x 0.15 + 10 x 0.60 = $0.0135534 each: one fits,
+    # the others get 429.
     upstream = ResponsesUpstream("0.0120069", 80_006)  # 80,006 x 0.15 + 10 x 0.60
     admitted, refused = four_at_once(
         tmp_path, upstream, "0.02", SEALED_TURN, store=False, include=["reasoning.encrypted_content"]
     )
     assert (len(admitted), len(refused)) == (1, 3)
-    assert "may cost up to $0.0135522" in refused[0].body["message"]  # type: ignore[index]
+    assert "may cost up to $0.0135534" in refused[0].body["message"]  # type: ignore[index]
     assert upstream.billed == [Decimal("0.0120069")]
 
 

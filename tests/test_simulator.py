@@ -89,7 +89,8 @@ def test_responses_call_and_stream(proxy, client):
     reply = client.responses.create(model="gpt-4o", input="What does tokenward do?")
     out = reply_tokens(reply.output_text)
     assert 'You said: "What does tokenward do?"' in reply.output_text
-    assert (reply.status, reply.usage.input_tokens, reply.usage.output_tokens) == ("completed", 6, out)
+    # 6 text tokens + 7 for the one user message (its role, 3, and 3 for the reply), as OpenAI counts it
+    assert (reply.status, reply.usage.input_tokens, reply.usage.output_tokens) == ("completed", 13, out)
     with client.responses.create(model="gpt-4o", input="What does tokenward do?", stream=True) as stream:
         events = list(stream)
     assert [e.type for e in events[:4]] == [
@@ -107,7 +108,7 @@ def test_responses_call_and_stream(proxy, client):
         16,
     )
     rows = proxy.rows(3)
-    assert [(r["input_tokens"], r["output_tokens"]) for r in rows] == [(6, out), (6, out), (1, 16)]
+    assert [(r["input_tokens"], r["output_tokens"]) for r in rows] == [(13, out), (13, out), (8, 16)]
 
 
 def test_embeddings_as_floats_and_base64(proxy, client):
@@ -214,8 +215,8 @@ def test_token_counting_endpoints_answer_the_count_the_reply_would_report(proxy,
     raw = client.post(
         "/responses/input_tokens", body={"model": "gpt-4o-mini", "input": "hello world"}, cast_to=httpx.Response
     )
-    # "hello world" is 2 o200k_base tokens (a bare string input: no message overhead)
-    assert (raw.status_code, raw.json()) == (200, {"object": "response.input_tokens", "input_tokens": 2})
+    # "hello world" is 2 o200k_base tokens; a bare string input is one user message: + 1 + 3 + 3 = 9
+    assert (raw.status_code, raw.json()) == (200, {"object": "response.input_tokens", "input_tokens": 9})
     bad = httpx.post(
         f"{proxy.url}/v1/messages/count_tokens",
         json={"model": "claude-sonnet-4-5"},

@@ -7,6 +7,8 @@ Semantics (``shared/reference/usage-and-pricing.md`` 1.7, ``shared/NOTES.md`` se
   ``cache_creation.ephemeral_5m_input_tokens`` / ``ephemeral_1h_input_tokens``.
 * ``output_tokens`` includes thinking; ``output_tokens_details.thinking_tokens`` is a subset.
 * ``server_tool_use.web_search_requests`` counts searches billed per call.
+* ``usage.service_tier`` and ``usage.speed`` (``fast``) name the tier served, ``usage.inference_geo``
+  where it ran: recorded as one served tier, ``standard@us`` (:func:`served_tier`).
 * Streams: ``message_start`` carries ``message.usage`` (``output_tokens: 1`` is a placeholder);
   each ``message_delta`` carries running totals that REPLACE earlier values field by field (never
   added; a ``null`` replaces nothing, as the SDK's accumulator reads it), and may raise
@@ -27,7 +29,7 @@ import msgspec
 from tokenward.pricing.usage import Usage, read_count
 from tokenward.proxy.dialects.observation import Observation, Reading
 
-__all__ = ["finish", "observe_body", "parts", "reply_texts", "request_texts", "to_usage"]
+__all__ = ["finish", "observe_body", "parts", "reply_texts", "request_texts", "served_tier", "to_usage"]
 
 _OWN_MODEL_ITERATIONS = ("message", "compaction")
 _COUNTS = ("input_tokens", "output_tokens", "cache_creation_input_tokens", "cache_read_input_tokens", "iterations")
@@ -66,13 +68,29 @@ def observe_body(body: bytes, seen: Observation) -> None:
             seen.usage = dict(usage)
         tier = usage.get("service_tier")
         if isinstance(tier, str):
-            seen.service_tier = tier
+            seen.extra["tier"] = tier
         if usage.get("speed") == "fast":  # fast mode is billed as its own tier
-            seen.service_tier = "fast"
+            seen.extra["tier"] = "fast"
+        geo = usage.get("inference_geo")
+        if isinstance(geo, str):
+            seen.extra["geo"] = geo
+        seen.service_tier = served_tier(seen.extra.get("tier"), seen.extra.get("geo"))
     if isinstance(view.error, dict):
         seen.error = str(view.error.get("message") or view.error.get("type") or "error")
     elif view.type == "error" and seen.error is None:
         seen.error = "error"
+
+
+def served_tier(tier: str | None, geo: str | None) -> str | None:
+    """The served tier as priced (``pricing.cost``): ``tier``, or ``<tier>@<geo>`` when it ran in a named geography.
+
+    ``usage.inference_geo`` (data residency: ``us``-only inference is priced 1.1x on Opus 4.6 and
+    later, reference [R30]) is kept with the tier; ``global`` and ``not_available`` (the default
+    routing, or a model without the option) add nothing.
+    """
+    if not geo or geo.lower() in ("global", "not_available"):
+        return tier
+    return f"{tier or 'standard'}@{geo}"
 
 
 def _one(raw: dict[str, Any], problems: list[str], where: str = "") -> Usage:

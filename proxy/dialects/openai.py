@@ -70,7 +70,16 @@ import msgspec
 from tokenward.pricing.usage import Usage, read_count
 from tokenward.proxy.dialects.observation import Observation, Reading
 
-__all__ = ["finish", "observe", "observe_body", "provider_cost", "reply_texts", "request_texts", "to_usage"]
+__all__ = [
+    "finish",
+    "observe",
+    "observe_body",
+    "provider_cost",
+    "reply_texts",
+    "request_texts",
+    "responses_messages",
+    "to_usage",
+]
 
 _MAX_PROVIDER_COST = Decimal(1_000_000)  # USD; a provider's cost figure above this is not believed
 _SEARCH_TOOLS = frozenset({"search", "web_search", "browser_search"})
@@ -415,6 +424,31 @@ def request_texts(body: dict[str, Any]) -> tuple[list[str], int]:
     if body.get("tools"):
         texts.append(msgspec.json.encode(body["tools"]).decode())
     return texts, count
+
+
+def responses_messages(body: dict[str, Any]) -> tuple[list[str], int]:
+    """The messages of a Responses request, for the per-message overhead: their roles, and how many.
+
+    A Responses ``input`` is read as Chat Completions messages are: ``instructions`` is a system
+    message, a bare string ``input`` one user message, and each input item with a ``role`` a
+    message. The roles are returned as texts to count (OpenAI's recipe counts a message's role);
+    :func:`~tokenward.proxy.metering.count_input` adds 3 tokens a message and 3 for the reply.
+    Recorded OpenAI Responses usage matches this to the token (gpt-4o, gpt-4o-mini, gpt-4.1: one
+    user message of 7 tokens is billed 14; with instructions of 3 tokens, 10 + 11 = 21).
+    """
+    roles: list[str] = []
+    instructions = body.get("instructions")
+    if isinstance(instructions, str) and instructions:
+        roles.append("system")
+    items = body.get("input")
+    if isinstance(items, str):
+        roles.append("user")
+    elif isinstance(items, list):
+        for item in items:
+            role = item.get("role") if isinstance(item, dict) else None
+            if isinstance(role, str) and item.get("type", "message") == "message":
+                roles.append(role)
+    return roles, len(roles)
 
 
 def reply_texts(obj: dict[str, Any]) -> list[tuple[Any, str, bool]]:
