@@ -25,7 +25,7 @@ from typing import Any
 import msgspec
 from litestar.types import Receive, Scope, Send
 
-from tokenward.proxy.errors import ProxyError, error_body
+from tokenward.proxy.errors import ProxyError, reply_error_body
 from tokenward.proxy.exchange import Exchange, Outcome
 from tokenward.proxy.limits import ClientConnection
 from tokenward.proxy.metering import Meter
@@ -280,7 +280,7 @@ class Relay:
         """Send the reply; runs once per request."""
         if self.reply is None:
             await self._complete()
-            await self._send_error(send)
+            await self._send_error(scope, send)
             return
         ex, reply = self.ex, self.reply
         ex.http_status = reply.status
@@ -310,17 +310,18 @@ class Relay:
                 pass
             self._complete_later()
 
-    async def _send_error(self, send: Send) -> None:
+    async def _send_error(self, scope: Scope, send: Send) -> None:
         error = self.error
         assert error is not None
-        body = error_body(error.message, error.type, error.code)
+        status = 400 if error.status == 499 else error.status
+        raw_path: bytes = scope.get("raw_path") or scope["path"].encode()
+        body = reply_error_body(raw_path, scope["headers"], status, error.message, error.type, error.code)
         headers = [
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),
             (b"x-tokenward-request-id", self.ex.request_id.encode()),
             *error.headers,
         ]
-        status = 400 if error.status == 499 else error.status
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body, "more_body": False})
 
