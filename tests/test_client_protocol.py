@@ -9,9 +9,12 @@ Anthropic's dialect with both at once, and every refusal still gets its one ledg
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +23,9 @@ import httpx
 import openai
 import pytest
 
+from tests import test_isolation as isolation_tests
 from tests.conftest import Proxy
+from tests.object_store import ObjectStore
 from tests.servers import Servers, api
 from tokenward.pricing.settings import BudgetSettings
 from tokenward.proxy.app import create_app
@@ -160,3 +165,79 @@ def test_the_openai_sdk_still_reads_code_and_message_from_an_anthropic_shaped_re
     error = refused.value
     assert error.code == "budget_exceeded" and error.type == "rate_limit_error" and len(rows) == 1
     assert json.loads(error.response.content)["type"] == "error"
+
+
+def two_gzip_members(first: bytes, second: bytes) -> bytes:
+    """One gzip body of two members (RFC 1952 2.2): ``gzip -c a b``, or two writes of a member-per-flush writer."""
+    return gzip.compress(first) + gzip.compress(second)
+
+
+@pytest.mark.parametrize("first", [b"", b"  \n"])
+def test_a_gzip_body_whose_second_member_names_another_keys_file_is_refused(tmp_path, monkeypatch, first):
+    """Before: only the first member was decoded and checked (empty: nothing to check); the body went on as sent.
+
+    The upstream (aiohttp here; Go's and Python's gzip readers alike) joins every member, so it made Bob
+    a vector store holding Alice's file: Bob's ``file_search`` then read Alice's document.
+    """
+    monkeypatch.setenv("OBJECTS_SECRET", isolation_tests.SECRET)
+    with ObjectStore().running() as store, isolation_tests.proxy(store, tmp_path / "l.duckdb") as url:
+        with isolation_tests.gpt(url, isolation_tests.ALICE) as alice:
+            alice_file = isolation_tests.upload(alice, "alice.jsonl")
+        document = {"name": "notes", "file_ids": [alice_file]}
+        body = two_gzip_members(first, json.dumps(document).encode())
+        assert json.loads(gzip.decompress(body)) == document  # what any gzip reader makes of it
+
+        def create(key: str) -> httpx.Response:
+            headers = {"content-type": "application/json", "content-encoding": "gzip", "authorization": f"Bearer {key}"}
+            return httpx.post(f"{url}/v1/vector_stores", content=body, headers=headers)
+
+        sent = len(store.requests)
+        refused = create(isolation_tests.BOB)
+        assert refused.status_code == 404 and store.requests[sent:] == []  # bob's never left
+        assert refused.json()["error"]["message"] == f"No such File object: {alice_file}"
+        created = create(isolation_tests.ALICE)
+        assert created.status_code == 200 and store.vector_store_files[created.json()["id"]] == [alice_file]
+
+
+@pytest.mark.parametrize("coding", ["deflate", "gzip"])
+def test_bytes_after_a_compressed_body_are_refused_not_left_unread(servers, tmp_path, coding):
+    """A metered body is forwarded decoded: before, what followed the first stream was dropped unread and unsaid."""
+    document = json.dumps({"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}).encode()
+    body = (gzip.compress if coding == "gzip" else zlib.compress)(document) + b"trailing bytes"
+    with start(servers, tmp_path / "l.duckdb") as proxy:
+        sent = len(servers.requests)
+        reply = httpx.post(
+            f"{proxy.url}/v1/chat/completions",
+            content=body,
+            headers={
+                "authorization": "Bearer sk-client",
+                "content-type": "application/json",
+                "content-encoding": coding,
+            },
+        )
+        (row,) = proxy.rows(1)
+    assert reply.status_code == 400 and reply.json()["error"]["code"] == "invalid_content_encoding"
+    assert servers.requests[sent:] == [] and (row["http_status"], row["outcome"]) == (400, "client_error")
+
+
+def test_a_metered_body_in_two_gzip_members_is_read_and_sent_whole(servers, tmp_path):
+    """Before: the first member alone was read (here half a JSON document): 400 ``invalid_json`` for a valid body."""
+    document = json.dumps({"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "three primes"}]}).encode()
+    with start(servers, tmp_path / "l.duckdb") as proxy:
+        sent = len(servers.requests)
+        reply = httpx.post(
+            f"{proxy.url}/v1/chat/completions",
+            content=two_gzip_members(document[:20], document[20:]),
+            headers={
+                "authorization": "Bearer sk-client",
+                "content-type": "application/json",
+                "content-encoding": "gzip",
+            },
+        )
+        (row,) = proxy.rows(1)
+    assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"] == "2, 3, 5"
+    (forwarded,) = servers.requests[sent:]
+    assert forwarded["body"] == document and "content-encoding" not in forwarded["headers"]
+    # the upstream's usage (tests/servers.py CHAT_USAGE): gpt-4o-mini 9 x 0.15 + 3 x 0.60 = 3.15 / 1M
+    assert (row["outcome"], row["input_tokens"], row["output_tokens"]) == ("ok", 9, 3)
+    assert row["cost_usd"] == Decimal("0.00000315")
