@@ -57,7 +57,7 @@ def decode_request_body(body: bytes, codings: list[str], limit: int) -> bytes:
 def _decode(body: bytes, coding: str, limit: int) -> bytes:
     if coding in ("gzip", "x-gzip", "deflate"):
         gzip = coding != "deflate"
-        wbits = 31 if gzip else (zlib.MAX_WBITS if body[:1] == b"\x78" else -zlib.MAX_WBITS)
+        wbits = 31 if gzip else (zlib.MAX_WBITS if _zlib_header(body) else -zlib.MAX_WBITS)
         out = bytearray()
         pending = body
         while True:  # gzip: one member after another (RFC 1952 2.2), as every upstream's decoder reads them
@@ -89,6 +89,15 @@ def _decode(body: bytes, coding: str, limit: int) -> bytes:
         _check(out, limit)
         return bytes(out)
     raise _invalid(f"Content-Encoding {coding!r} is not supported for request bodies (gzip, deflate, br, zstd are).")
+
+
+def _zlib_header(body: bytes) -> bool:
+    """Whether a ``deflate`` body starts with a zlib header, as zlib and aiohttp read it.
+
+    RFC 1950 2.2: method 8, a window up to 32 KiB, the two header bytes a multiple of 31. Any other
+    start is a raw deflate stream (as some clients send ``deflate``).
+    """
+    return len(body) >= 2 and body[0] & 0x0F == 8 and body[0] >> 4 <= 7 and ((body[0] << 8) | body[1]) % 31 == 0
 
 
 def _inflate(inflate: Any, pending: bytes, out: bytearray, coding: str, limit: int) -> bytes:

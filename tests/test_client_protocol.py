@@ -241,3 +241,28 @@ def test_a_metered_body_in_two_gzip_members_is_read_and_sent_whole(servers, tmp_
     # the upstream's usage (tests/servers.py CHAT_USAGE): gpt-4o-mini 9 x 0.15 + 3 x 0.60 = 3.15 / 1M
     assert (row["outcome"], row["input_tokens"], row["output_tokens"]) == ("ok", 9, 3)
     assert row["cost_usd"] == Decimal("0.00000315")
+
+
+@pytest.mark.parametrize("window_bits", [9, 12, 15])
+def test_a_deflate_body_with_a_small_window_is_read_as_the_zlib_stream_it_is(servers, tmp_path, window_bits):
+    """Before: only a first byte of 0x78 (a 32 KiB window) was read as zlib; 0x18 or 0x48 were tried as raw deflate.
+
+    A zlib stream's first byte names its window (RFC 1950 2.2): embedded encoders use 512 B to 4 KiB.
+    """
+    document = json.dumps({"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "three primes"}]}).encode()
+    encoder = zlib.compressobj(wbits=window_bits)
+    with start(servers, tmp_path / "l.duckdb") as proxy:
+        sent = len(servers.requests)
+        reply = httpx.post(
+            f"{proxy.url}/v1/chat/completions",
+            content=encoder.compress(document) + encoder.flush(),
+            headers={
+                "authorization": "Bearer sk-client",
+                "content-type": "application/json",
+                "content-encoding": "deflate",
+            },
+        )
+        (row,) = proxy.rows(1)
+    assert reply.status_code == 200 and [r["body"] for r in servers.requests[sent:]] == [document]
+    # gpt-4o-mini 9 x 0.15 + 3 x 0.60 = 3.15 / 1M
+    assert (row["outcome"], row["cost_usd"]) == ("ok", Decimal("0.00000315"))
