@@ -256,6 +256,7 @@ class Relay:
         self.streaming = False
         self.got_reply = False
         self._completed = False
+        self._scope: Scope = {}
 
     @classmethod
     def refusal(cls, ex: Exchange, error: ProxyError, complete: Callable[[Relay], Awaitable[None]]) -> Relay:
@@ -278,9 +279,10 @@ class Relay:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Send the reply; runs once per request."""
+        self._scope = scope  # an error reply is worded in the request's dialect
         if self.reply is None:
             await self._complete()
-            await self._send_error(scope, send)
+            await self._send_error(send)
             return
         ex, reply = self.ex, self.reply
         ex.http_status = reply.status
@@ -310,10 +312,11 @@ class Relay:
                 pass
             self._complete_later()
 
-    async def _send_error(self, scope: Scope, send: Send) -> None:
+    async def _send_error(self, send: Send) -> None:
         error = self.error
         assert error is not None
         status = 400 if error.status == 499 else error.status
+        scope = self._scope
         raw_path: bytes = scope.get("raw_path") or scope["path"].encode()
         body = reply_error_body(raw_path, scope["headers"], status, error.message, error.type, error.code)
         headers = [
@@ -472,6 +475,15 @@ class Relay:
                     break
                 finally:
                     give_up.waiting = False
+                if listener.gone():  # left while this chunk was on its way (it may end the reply): never got it
+                    meter.feed_stream(chunk)
+                    give_up.stop()
+                    ex.end(Outcome.CLIENT_DISCONNECTED, error="client disconnected during the stream")
+                    if meter.terminal:  # nothing after it to wait for
+                        meter.end_stream()
+                    else:
+                        await self._drain(chunks)
+                    return
                 blocks = meter.feed_stream(chunk)
                 if meter.terminal and not self._completed:  # this chunk ends the reply: record first
                     ex.mark_first_byte()

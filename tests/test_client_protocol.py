@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import threading
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,11 +23,13 @@ import anthropic
 import httpx
 import openai
 import pytest
+from aiohttp import web
 
 from tests import test_isolation as isolation_tests
 from tests.conftest import Proxy
 from tests.object_store import ObjectStore
-from tests.servers import Servers, api
+from tests.raw_upstream import RawUpstream
+from tests.servers import Servers, api, chat_stream
 from tokenward.pricing.settings import BudgetSettings
 from tokenward.proxy.app import create_app
 from tokenward.proxy.config import AuthConfig, Config, LedgerConfig, UpstreamConfig, VirtualKeyConfig
@@ -266,3 +269,76 @@ def test_a_deflate_body_with_a_small_window_is_read_as_the_zlib_stream_it_is(ser
     assert reply.status_code == 200 and [r["body"] for r in servers.requests[sent:]] == [document]
     # gpt-4o-mini 9 x 0.15 + 3 x 0.60 = 3.15 / 1M
     assert (row["outcome"], row["cost_usd"]) == ("ok", Decimal("0.00000315"))
+
+
+def test_a_client_that_leaves_before_the_last_chunk_arrives_is_recorded_as_gone_not_ok(tmp_path, monkeypatch):
+    """The openai SDK closes a stream after its first chunk; the rest (finish, usage, ``[DONE]``) arrives in one read.
+
+    Before: that read held the terminal event, so the row was recorded ``ok`` before tokenward looked
+    at the connection: a reply the client never got counted as delivered. Now the row says
+    ``client_disconnected``, with the usage the upstream reported (the provider bills it all the same).
+    """
+    from tokenward.proxy import limits
+
+    left = threading.Event()
+    lost = limits.ClientConnection.connection_lost
+
+    def noticed(self: limits.ClientConnection) -> None:
+        lost(self)
+        left.set()  # tokenward has seen the client go
+
+    monkeypatch.setattr(limits.ClientConnection, "connection_lost", noticed)
+    first, *rest = chat_stream(asked=True)
+
+    async def chat(request: web.Request, body: bytes) -> web.StreamResponse:
+        reply = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await reply.prepare(request)
+        await reply.write(first)
+        while not left.is_set():  # the rest comes once the client has gone
+            await asyncio.sleep(0.01)
+        await reply.write(b"".join(rest))  # one read: the finishing chunk, the usage, [DONE]
+        await reply.write_eof()
+        return reply
+
+    with Servers(chat).running() as upstream, start(upstream, tmp_path / "l.duckdb") as proxy:
+        with openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="sk-client", max_retries=0) as client:
+            stream = client.chat.completions.create(
+                model="gpt-4o-mini", messages=[{"role": "user", "content": "three primes"}], stream=True
+            )
+            assert next(iter(stream)).choices[0].delta.role == "assistant"
+            stream.close()
+            assert left.wait(30)
+        (row,) = proxy.rows(1)
+    assert (row["outcome"], row["error"]) == ("client_disconnected", "client disconnected during the stream")
+    # as reported (tests/servers.py CHAT_USAGE): gpt-4o-mini 9 x 0.15 + 3 x 0.60 = 3.15 / 1M
+    assert (row["usage_source"], row["input_tokens"], row["output_tokens"]) == ("reported", 9, 3)
+    assert row["cost_usd"] == Decimal("0.00000315")
+
+
+def test_an_anthropic_reply_that_breaks_before_it_starts_is_a_502_api_error_with_its_row(servers, tmp_path):
+    """The upstream's JSON body breaks off (a middlebox writes its own page into the chunked body)."""
+    upstream = RawUpstream()
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n"
+    part = b'{"id":"msg_1","type":"message","role":"assistant","content":['
+    upstream.script = lambda h, b: [
+        head,
+        b"%x\r\n%s\r\n" % (len(part), part),
+        0.3,
+        b"<html>bad gateway</html>\r\n",
+        5.0,
+    ]
+    with upstream.running():
+        claude_upstream = UpstreamConfig(
+            name="claude", base_url=f"{upstream.url}/v1", provider="anthropic", default=True
+        )
+        with start(servers, tmp_path / "l.duckdb", upstreams=[claude_upstream]) as proxy:
+            with anthropic.Anthropic(base_url=proxy.url, api_key="sk-ant-client", max_retries=0) as claude:
+                with pytest.raises(anthropic.InternalServerError) as failed:
+                    claude.messages.create(**CLAUDE)
+            (row,) = proxy.rows(1)
+    error = failed.value
+    assert error.status_code == 502 and error.type == "api_error" and error.body["type"] == "error"
+    # before its body started (upstream_failed) or while tokenward read its head (upstream_unreachable): the
+    # upstream answered and may bill it, so the cost is unknown, never $0
+    assert error.body["error"]["code"] in ("upstream_failed", "upstream_unreachable")
+    assert (row["http_status"], row["price_status"], row["cost_usd"]) == (502, "usage_unknown", None)
