@@ -2,9 +2,14 @@
 
 Every refusal or failure that tokenward (not the upstream) reports is a
 :class:`ProxyError`, rendered as ``{"error": {"message", "type", "code", "param"}}`` with the
-matching HTTP status, both by :func:`error_reply` (inside the relay) and by the Litestar
-exception handlers in :data:`EXCEPTION_HANDLERS` (anything raised in a route). Upstream error
-replies are never rewritten: they reach the client exactly as the upstream sent them.
+matching HTTP status, both by the relay and by the Litestar exception handlers in
+:data:`EXCEPTION_HANDLERS` (anything raised in a route). A request in Anthropic's dialect (its
+path, its ``anthropic-version``/``anthropic-beta`` header or its ``x-api-key``) gets the same
+document in Anthropic's error shape as well, :func:`reply_error_body`: ``{"type": "error",
+"error": {"type", "message", "code", "param"}}`` with ``error.type`` from Anthropic's vocabulary
+for the status, which the Anthropic SDK (``APIStatusError.type``) and Claude Code read, while
+OpenAI-shaped readers still find ``error.message`` and ``error.code``. Upstream error replies are
+never rewritten: they reach the client exactly as the upstream sent them.
 """
 
 from __future__ import annotations
@@ -15,7 +20,14 @@ import msgspec
 from litestar import Request, Response
 from litestar.exceptions import HTTPException
 
-__all__ = ["EXCEPTION_HANDLERS", "ProxyError", "error_body"]
+__all__ = [
+    "EXCEPTION_HANDLERS",
+    "ProxyError",
+    "anthropic_error_type",
+    "error_body",
+    "reply_error_body",
+    "speaks_anthropic",
+]
 
 log = logging.getLogger("tokenward.proxy")
 
@@ -55,6 +67,63 @@ class ProxyError(Exception):
 def error_body(message: str, type: str, code: str | None, param: str | None = None) -> bytes:
     """Encode an OpenAI-shaped error document."""
     return msgspec.json.encode({"error": {"message": message, "type": type, "param": param, "code": code}})
+
+
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    402: "billing_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    504: "timeout_error",
+    529: "overloaded_error",
+}
+_ANTHROPIC_HEADERS = frozenset({b"anthropic-version", b"anthropic-beta"})
+_CREDENTIALS = frozenset({b"authorization", b"x-api-key", b"api-key"})
+
+
+def anthropic_error_type(status: int) -> str:
+    """Anthropic's ``error.type`` for an HTTP status (its API's errors page): 429 ``rate_limit_error``, ..."""
+    return _ANTHROPIC_TYPES.get(status) or ("api_error" if status >= 500 else "invalid_request_error")
+
+
+def speaks_anthropic(path: bytes, headers: list[tuple[bytes, bytes]]) -> bool:
+    """Whether a request (raw ``path``, ASGI ``headers`` with lower-case names) is in Anthropic's dialect.
+
+    As routing reads it (:func:`~tokenward.proxy.edge.request_dialect`): ``/v1/messages...`` or
+    ``/v1/complete``, an ``anthropic-version``/``anthropic-beta`` header (the Anthropic SDK and
+    Claude Code always send one), or ``x-api-key`` as the only credential.
+    """
+    tail = path.split(b"?", 1)[0].lower()
+    if tail in (b"/v1/messages", b"/v1/complete") or tail.startswith(b"/v1/messages/"):
+        return True
+    credentials = [name for name, _ in headers if name in _CREDENTIALS]
+    return any(name in _ANTHROPIC_HEADERS for name, _ in headers) or credentials == [b"x-api-key"]
+
+
+def reply_error_body(
+    path: bytes, headers: list[tuple[bytes, bytes]], status: int, message: str, type: str, code: str | None
+) -> bytes:
+    """The error document tokenward sends for one request: OpenAI's shape, and Anthropic's too for its dialect.
+
+    Args:
+        path: the request's raw path.
+        headers: the request's ASGI headers.
+        status: the reply's HTTP status (decides Anthropic's ``error.type``).
+        message: what the client is told.
+        type: OpenAI's error type, used outside Anthropic's dialect.
+        code: tokenward's machine-readable code (``budget_exceeded``, ...), in both shapes.
+
+    Returns:
+        JSON bytes: ``{"error": {"message", "type", "param", "code"}}``, or for an Anthropic request
+        ``{"type": "error", "error": {"type", "message", "param", "code"}}``.
+    """
+    if not speaks_anthropic(path, headers):
+        return error_body(message, type, code)
+    error = {"type": anthropic_error_type(status), "message": message, "param": None, "code": code}
+    return msgspec.json.encode({"type": "error", "error": error})
 
 
 def _proxy_error(_: Request, exc: ProxyError) -> Response[bytes]:

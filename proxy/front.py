@@ -22,7 +22,7 @@ from typing import Any
 
 from litestar.types import ASGIApp, Receive, Scope, Send
 
-from tokenward.proxy.errors import error_body
+from tokenward.proxy.errors import reply_error_body
 from tokenward.proxy.forward import Forwarder
 
 __all__ = ["API_METHODS", "Front", "front"]
@@ -76,7 +76,7 @@ class Front:
                 relay = self.forwarder.method_not_allowed(_Request(scope, receive))  # type: ignore[arg-type]
             await relay(scope, receive, send)
         except Exception as exc:
-            await _fail(send, exc)
+            await _fail(scope, send, exc)
 
     @property
     def state(self) -> Any:
@@ -84,16 +84,19 @@ class Front:
         return self.app.state  # type: ignore[attr-defined]
 
 
-async def _fail(send: Send, exc: Exception) -> None:
+async def _fail(scope: Scope, send: Send, exc: Exception) -> None:
     """Answer a failure inside tokenward (a bug: the forwarder and relay catch what they expect) with a 500.
 
-    As Litestar's exception handler would: in OpenAI's error shape when the reply has not
-    started. When it has, the server refuses a second ``http.response.start`` (the ASGI spec's
-    message order, which uvicorn enforces) and the original error goes on to the server, which
-    closes the connection: a cut reply, as the client would see from a failing upstream.
+    As Litestar's exception handler would: in OpenAI's error shape (and Anthropic's, for a request in
+    its dialect) when the reply has not started. When it has, the server refuses a second
+    ``http.response.start`` (the ASGI spec's message order, which uvicorn enforces) and the original
+    error goes on to the server, which closes the connection: a cut reply, as the client would see
+    from a failing upstream.
     """
     log.error("unexpected error", exc_info=exc)
-    body = error_body("tokenward failed to handle the request", "server_error", "proxy_error")
+    raw_path: bytes = scope.get("raw_path") or scope["path"].encode()
+    message = "tokenward failed to handle the request"
+    body = reply_error_body(raw_path, scope["headers"], 500, message, "server_error", "proxy_error")
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     try:
         await send({"type": "http.response.start", "status": 500, "headers": headers})

@@ -25,7 +25,7 @@ from typing import Any
 import msgspec
 from litestar.types import Receive, Scope, Send
 
-from tokenward.proxy.errors import ProxyError, error_body
+from tokenward.proxy.errors import ProxyError, reply_error_body
 from tokenward.proxy.exchange import Exchange, Outcome
 from tokenward.proxy.limits import ClientConnection
 from tokenward.proxy.metering import Meter
@@ -274,6 +274,7 @@ class Relay:
         self.streaming = False
         self.got_reply = False
         self._completed = False
+        self._scope: Scope = {}
 
     @classmethod
     def refusal(cls, ex: Exchange, error: ProxyError, complete: Callable[[Relay], Awaitable[None]]) -> Relay:
@@ -296,6 +297,7 @@ class Relay:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Send the reply; runs once per request."""
+        self._scope = scope  # an error reply is worded in the request's dialect
         if self.reply is None:
             await self._complete()
             await self._send_error(send)
@@ -332,14 +334,16 @@ class Relay:
     async def _send_error(self, send: Send) -> None:
         error = self.error
         assert error is not None
-        body = error_body(error.message, error.type, error.code)
+        status = 400 if error.status == 499 else error.status
+        scope = self._scope
+        raw_path: bytes = scope.get("raw_path") or scope["path"].encode()
+        body = reply_error_body(raw_path, scope["headers"], status, error.message, error.type, error.code)
         headers = [
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),
             (b"x-tokenward-request-id", self.ex.request_id.encode()),
             *error.headers,
         ]
-        status = 400 if error.status == 499 else error.status
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body, "more_body": False})
 
@@ -490,6 +494,15 @@ class Relay:
                     break
                 finally:
                     give_up.waiting = False
+                if listener.gone():  # left while this chunk was on its way (it may end the reply): never got it
+                    meter.feed_stream(chunk)
+                    give_up.stop()
+                    ex.end(Outcome.CLIENT_DISCONNECTED, error="client disconnected during the stream")
+                    if meter.terminal:  # nothing after it to wait for
+                        meter.end_stream()
+                    else:
+                        await self._drain(chunks)
+                    return
                 blocks = meter.feed_stream(chunk)
                 if meter.terminal and not self._completed:  # this chunk ends the reply: record first
                     ex.mark_first_byte()

@@ -5,13 +5,18 @@ Clients compress large request bodies: the Codex CLI sends ``/v1/responses`` bod
 bodies. tokenward reads a metered request's JSON (model, limits, the ids it names, the text a
 budget's bound counts), so it decodes such a body first and forwards the decoded bytes without the
 header: the upstream reads the same JSON. Decoding is bounded: a body that would decode past the
-limit is refused (413) as soon as the limit is passed, whatever its compression ratio.
+limit is refused (413) as soon as the limit is passed, whatever its compression ratio. The whole
+body is decoded as the upstream's decoder reads it: every member of a gzip body (RFC 1952; Python's,
+Go's and aiohttp's readers join them) and every zstd frame; bytes after the end of a deflate or
+brotli stream are refused (400), never left unread: a check that read only the first member of a
+body forwarded as sent would pass whatever the members after it name.
 """
 
 from __future__ import annotations
 
 import io
 import zlib
+from typing import Any
 
 from tokenward.proxy.errors import ProxyError
 
@@ -51,18 +56,16 @@ def decode_request_body(body: bytes, codings: list[str], limit: int) -> bytes:
 
 def _decode(body: bytes, coding: str, limit: int) -> bytes:
     if coding in ("gzip", "x-gzip", "deflate"):
-        wbits = 31 if coding != "deflate" else (zlib.MAX_WBITS if body[:1] == b"\x78" else -zlib.MAX_WBITS)
-        inflate = zlib.decompressobj(wbits=wbits)
+        gzip = coding != "deflate"
+        wbits = 31 if gzip else (zlib.MAX_WBITS if _zlib_header(body) else -zlib.MAX_WBITS)
         out = bytearray()
         pending = body
-        while pending:
-            out += inflate.decompress(pending, limit + 1 - len(out))
-            _check(out, limit)
-            pending = inflate.unconsumed_tail
-            if inflate.eof:
+        while True:  # gzip: one member after another (RFC 1952 2.2), as every upstream's decoder reads them
+            pending = _inflate(zlib.decompressobj(wbits=wbits), pending, out, coding, limit)
+            if not gzip or not pending.strip(b"\x00"):  # zero padding after the last member, as gzip(1) allows
                 break
-        if not inflate.eof:
-            raise _invalid(f"The request body is not valid {coding} (it ends before its stream does).")
+        if pending and not gzip:
+            raise _invalid("The request body is not valid deflate (bytes follow the end of its stream).")
         return bytes(out)
     if coding == "br":
         import brotli
@@ -86,6 +89,28 @@ def _decode(body: bytes, coding: str, limit: int) -> bytes:
         _check(out, limit)
         return bytes(out)
     raise _invalid(f"Content-Encoding {coding!r} is not supported for request bodies (gzip, deflate, br, zstd are).")
+
+
+def _zlib_header(body: bytes) -> bool:
+    """Whether a ``deflate`` body starts with a zlib header, as zlib and aiohttp read it.
+
+    RFC 1950 2.2: method 8, a window up to 32 KiB, the two header bytes a multiple of 31. Any other
+    start is a raw deflate stream (as some clients send ``deflate``).
+    """
+    return len(body) >= 2 and body[0] & 0x0F == 8 and body[0] >> 4 <= 7 and ((body[0] << 8) | body[1]) % 31 == 0
+
+
+def _inflate(inflate: Any, pending: bytes, out: bytearray, coding: str, limit: int) -> bytes:
+    """Decode one zlib/gzip stream from ``pending`` into ``out`` (within ``limit``); returns the bytes after it."""
+    while pending:
+        out += inflate.decompress(pending, limit + 1 - len(out))
+        _check(out, limit)
+        pending = inflate.unconsumed_tail
+        if inflate.eof:
+            break
+    if not inflate.eof:
+        raise _invalid(f"The request body is not valid {coding} (it ends before its stream does).")
+    return bytes(inflate.unused_data)
 
 
 def _check(out: bytes | bytearray, limit: int) -> None:
