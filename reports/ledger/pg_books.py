@@ -300,8 +300,8 @@ class PgBooks:
             async with self._pool.connection() as conn:
                 await conn.execute(_SETTLE, list(params))
         except (psycopg.Error, LedgerError, OSError) as exc:
-            # sent again later; if it had committed after all, its spend counts twice until the next
-            # reconciliation (30 s): an over-count refuses early, it never overshoots
+            # sent again later; if it had committed after all, the hold is gone and tw_settle replaces
+            # the figure counted for the request instead of adding it again (m012_settle_once)
             self._down(exc)
             self._queued.append(params)
 
