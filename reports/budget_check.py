@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import logging
+import sqlite3
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from decimal import Decimal
 from typing import Any
@@ -34,6 +36,7 @@ from zoneinfo import ZoneInfo
 from tokenward.pricing.budgets import CALENDAR_PERIODS, Budget, BudgetStatus, evaluate
 from tokenward.pricing.velocity import VelocityStatus, velocity_status, velocity_windows
 from tokenward.reports.alerts import REFUSED, Alert, AlertSettings, Delivery, Notifier, html_document, html_text
+from tokenward.reports.ledger.errors import LedgerError
 from tokenward.reports.ledger.spend import SpendSource
 from tokenward.reports.ledger.state import AlertKey, DeliveryRecord, StateStore
 from tokenward.reports.sanitize import printable
@@ -41,6 +44,7 @@ from tokenward.reports.sanitize import printable
 __all__ = [
     "ENDED_PERIOD_WATCH",
     "LEASE_MARGIN_S",
+    "STORE_RETRY_S",
     "claim_alerts",
     "deliver",
     "digest_alert",
@@ -50,6 +54,8 @@ __all__ = [
     "usd",
     "velocity_of",
 ]
+
+log = logging.getLogger("tokenward.alerts")
 
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 _NAME_CHARS = 120  # a client-chosen model or key name shown in a mail: one line, at most this long
@@ -390,8 +396,7 @@ def _unpriced_alerts(
             if name in claimed:
                 continue
             subject = (
-                f"[tokenward] {says} {_shown(model)} ({_shown(provider)}): "
-                f"{count} request(s) recorded without a cost"
+                f"[tokenward] {says} {_shown(model)} ({_shown(provider)}): {count} request(s) recorded without a cost"
             )
             facts = [
                 ("Model", _shown(model)),
@@ -550,9 +555,40 @@ async def deliver(state: StateStore, notifier: Notifier, alert: Alert) -> tuple[
             DeliveryRecord(k, delivery.channel, delivery.target, delivery.ok, delivery.attempts, delivery.error, moment)
             for k in keys
         ]
-        await asyncio.to_thread(lambda: ([state.record_delivery(r) for r in records], lease(keys)))
+        for record in records:  # what happened at the receiver is kept, however long the state store is away
+            await _until_stored(lambda r=record: state.record_delivery(r), f"{delivery.target}'s delivery")
+        try:
+            await asyncio.to_thread(lease, keys)
+        except _STORE_DOWN as exc:  # the lease runs out on its own; the outcome is recorded already
+            log.warning("alert lease not renewed (%s)", exc)
 
     return alert, await notifier.send(alert, on_delivery=stored)
+
+
+_STORE_DOWN = (LedgerError, sqlite3.OperationalError, OSError)
+"""What a state store that is away for now raises (Postgres stopped or unreachable, SQLite locked)."""
+
+STORE_RETRY_S = (0.2, 5.0)
+"""First and longest wait (s) between attempts to record a delivery while the state store is away."""
+
+
+async def _until_stored(write: Callable[[], None], what: str) -> None:
+    """Run ``write`` in a worker thread until the state store takes it, waiting longer between attempts.
+
+    A delivery that happened and is not recorded is sent again by the next holder of its lease: a
+    mail the receiver already has (a Postgres outage as the mail server accepted it). So the
+    record waits for the store, as long as this process lives; any error but the store being away
+    is raised.
+    """
+    delay, longest = STORE_RETRY_S
+    while True:
+        try:
+            await asyncio.to_thread(write)
+            return
+        except _STORE_DOWN as exc:
+            log.warning("cannot record %s yet (%s); trying again in %.1f s", what, exc, delay)
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, longest)
 
 
 async def evaluate_and_notify(
