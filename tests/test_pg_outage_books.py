@@ -125,3 +125,105 @@ async def test_a_settlement_after_the_row_arrived_and_was_reconciled_is_not_coun
     finally:
         await a.stop()
         await b.stop()
+
+
+class CuttingRelay:
+    """A TCP relay to Postgres (in a thread) that can drop the server's next reply and close the connection.
+
+    Armed with :meth:`cut_next_reply`, the answer to the next query is never delivered: the
+    server has run (and, in autocommit, committed) it, the client sees the connection drop, as
+    when the database host goes away between the commit and the reply.
+    """
+
+    def __init__(self, port: int) -> None:
+        import threading
+
+        self.target = port
+        self.port = 0
+        self.cuts = 0
+        self._armed = False
+        self._ready = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
+
+    def __enter__(self) -> CuttingRelay:
+        self._thread.start()
+        assert self._ready.wait(10)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(10)
+
+    def cut_next_reply(self) -> None:
+        self._armed = True
+
+    async def _main(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = server.sockets[0].getsockname()[1]
+        self._ready.set()
+        async with server:
+            await self._stop.wait()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target)
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter, replies: bool) -> None:
+            try:
+                while data := await src.read(65536):
+                    if replies and self._armed:
+                        self._armed = False
+                        self.cuts += 1
+                        break  # the reply is dropped; both sides are closed below
+                    dst.write(data)
+                    await dst.drain()
+            except (ConnectionError, OSError):
+                pass
+            finally:
+                for w in (writer, up_writer):
+                    w.close()
+
+        await asyncio.gather(pipe(reader, up_writer, False), pipe(up_reader, writer, True))
+
+
+async def test_a_reservation_whose_reply_was_lost_is_given_back_once_the_database_answers(tmp_path, pg_url):
+    """``tw_reserve_for`` committed a $0.30 hold, then the connection dropped: the request got 503, never ran.
+
+    Before: the hold stayed, $0.30 of the $1 held for as long as the replica lived (each reconciliation
+    counts open holds), and its stop turned it into spend. Now the replica releases holds named for
+    requests whose reservation failed that way, at the next renewal that reaches the database.
+    """
+    from urllib.parse import urlsplit
+
+    from tokenward.reports.ledger.books import BooksUnavailable
+
+    pg(tmp_path, pg_url)
+    parts = urlsplit(pg_url)
+    with CuttingRelay(parts.port) as relay:
+        url = pg_url.replace(f":{parts.port}/", f":{relay.port}/")
+        a = PgBooks(url, "a", lease_s=30)  # no renewal of its own during the test
+        await a.start()
+        try:
+            relay.cut_next_reply()
+            try:
+                await a.reserve([Ask(BOOK, D("1"), WORST)], request_id="req-lost", started=START)
+            except BooksUnavailable:
+                pass
+            else:
+                raise AssertionError("the reservation's reply was cut: it cannot have succeeded")
+            assert relay.cuts == 1
+            assert _books(pg_url) == [(0, WORST)]  # committed all the same
+            await a._renew()  # the next renewal (every lease_s / 3), then what it sends
+            await a._send_queued()
+            assert _books(pg_url) == [(0, 0)]
+            assert rows_of(pg_url, "SELECT count(*) FROM budget_holds") == [(0,)]
+            # the room is there again: $0.30 held by a new request, and its stop leaves nothing spent
+            hold = await a.reserve([Ask(BOOK, D("1"), WORST)], request_id="req-next", started=START)
+            a.settle(hold, [(BOOK, REAL)], "req-next", START)
+            await asyncio.gather(*a._tasks)
+        finally:
+            await a.stop()
+        assert _books(pg_url) == [(REAL, 0)]
