@@ -44,6 +44,7 @@ from tokenward.reports.sanitize import printable
 __all__ = [
     "ENDED_PERIOD_WATCH",
     "LEASE_MARGIN_S",
+    "REARMED",
     "STORE_RETRY_S",
     "claim_alerts",
     "deliver",
@@ -130,6 +131,7 @@ def claim_alerts(
     (:func:`_velocity_alerts`).
     """
     alerts = []
+    rearmed = None
     for budget in budgets:
         status = status_of(spend, budget, now)
         key = _EPOCH if budget.period.kind == "rolling" else status.start
@@ -139,8 +141,15 @@ def claim_alerts(
         claimed = state.claimed(budget.name, key)
         if not dry_run and any(k == "threshold" and t not in status.crossed for k, t in claimed):
             # a threshold claimed but no longer crossed: the limit was raised since (a rolling window is re-armed above)
+            _mark_rearmed(state, budget, key, status.crossed, now)
             state.rearm(budget.name, key, status.crossed, bool(refused), limit=str(budget.limit_usd))
             claimed = state.claimed(budget.name, key)
+        if any(k == REARMED for k, _ in claimed):
+            rearmed = _rearmed_at(state) if rearmed is None else rearmed
+            # mailed at this very limit before a newer one re-armed it: a replica not restarted yet
+            claimed |= {
+                ("threshold", t) for t in status.crossed if rearmed.get((budget.name, key, t)) == str(budget.limit_usd)
+            }
         new = tuple(t for t in status.crossed if ("threshold", t) not in claimed)
         due: list[tuple[str, tuple[int, ...], tuple[str, ...] | None]] = []
         if new:
@@ -159,6 +168,46 @@ def claim_alerts(
         fresh = {(a.budget, a.period_start, a.kind, t) for a in alerts for t in a.thresholds}
         alerts += _pending(state, budgets, settings, exclude=fresh)
     return [a for a in alerts if a.targets]
+
+
+REARMED = "rearmed"
+"""Claim kind recording that a threshold mailed at one limit was re-armed by another (never mailed)."""
+
+
+def _mark_rearmed(
+    state: StateStore, budget: Budget, key: dt.datetime, crossed: Sequence[int], now: dt.datetime
+) -> None:
+    """Before a new limit re-arms thresholds mailed at an old one, note each with the limit it was mailed at.
+
+    A limit changes replica by replica (a rolling restart): until the last one runs the new
+    config, replicas with the old limit evaluate the same claims. Without the note they found
+    the threshold unclaimed and mailed it again at the old limit, at every evaluation after a
+    new-limit replica had re-armed it. The note's claim is unique like any other (the first
+    re-arm of a period keeps the limit the mail went out at); it is stored as sent.
+    """
+    limit = str(budget.limit_usd)
+    for claim in state.claims(kind="threshold"):
+        mailed_at = (claim.detail.get("payload") or {}).get("limit_usd")
+        if (
+            claim.key.budget != budget.name
+            or claim.key.period_start != key
+            or claim.status == "pending"
+            or claim.key.threshold in crossed
+            or mailed_at is None
+            or mailed_at == limit
+        ):
+            continue
+        note = AlertKey(budget.name, key, REARMED, claim.key.threshold)
+        for won in state.claim([note], {"limit_usd": mailed_at, "rearmed_for": limit}, now):
+            state.set_status(won, "sent")
+
+
+def _rearmed_at(state: StateStore) -> dict[tuple[str, dt.datetime, int], str]:
+    """``(budget, period start, threshold) -> the limit it was mailed at`` of every re-arm note."""
+    return {
+        (c.key.budget, c.key.period_start, c.key.threshold): str(c.detail.get("limit_usd"))
+        for c in state.claims(kind=REARMED)
+    }
 
 
 ENDED_PERIOD_WATCH = dt.timedelta(hours=1)
@@ -433,7 +482,7 @@ def _pending(
         key = claim.key
         if (key.budget, key.period_start, key.kind, key.threshold) in exclude:
             continue
-        if key.kind == "velocity_end":  # an episode's end: nothing to send
+        if key.kind in ("velocity_end", REARMED):  # an episode's end, a re-arm note: nothing to send
             state.set_status(key, "sent")
             continue
         groups.setdefault((key.budget, key.period_start, key.kind, claim.detail.get("subject")), []).append(claim)
