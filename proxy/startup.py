@@ -160,9 +160,12 @@ def load_unpriced(ledger: Ledger, recorder: Any) -> None:
     if ledger.shared:  # the checks read the shared ledger itself
         return
     try:
-        unflushed = ledger.unflushed_rows(recorder.wal)
-        found = ledger.read_spend(
-            lambda spend: [(status, model) for status in _UNPRICED for model in spend.unpriced_models(status)]
+        logged = ledger.unflushed_rows(recorder.wal)
+        found, unflushed = ledger.read_spend(
+            lambda spend: (
+                [(status, model) for status in _UNPRICED for model in spend.unpriced_models(status)],
+                not_in_ledger(spend, logged),  # a move may have landed since the log was read
+            )
         )
     except LedgerError as exc:
         log.warning("models recorded without a price before this start not read: %s", exc)
@@ -201,4 +204,20 @@ def _load(
 def _load_duck(
     guard: BudgetGuard, now: dt.datetime, unflushed: list[dict[str, Any]], loaders: Sequence[Loader], conn: Any
 ) -> None:
-    _load(guard, now, unflushed, loaders, DuckSpend(conn))
+    spend = DuckSpend(conn)
+    _load(guard, now, not_in_ledger(spend, unflushed), loaders, spend)
+
+
+def not_in_ledger(spend: DuckSpend, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``rows`` (read from the log) but those the ledger holds by now, as ``spend``'s connection sees it.
+
+    The log is read before the ledger's session opens, and the recorder's move (running since
+    :meth:`Recorder.start`) can land in between: the rows it moved are then in the ledger too,
+    and were counted twice. Within the read-only session nothing moves (this process's moves
+    wait for the session, another process cannot open the file to write), so what the session
+    sees in the ledger is counted from there and the rest from the log: each row once.
+    """
+    if not rows:
+        return rows
+    held = spend.present([str(row.get("request_id")) for row in rows])
+    return [row for row in rows if row.get("request_id") not in held] if held else rows

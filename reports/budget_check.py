@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import logging
+import sqlite3
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from decimal import Decimal
 from typing import Any
@@ -34,6 +36,7 @@ from zoneinfo import ZoneInfo
 from tokenward.pricing.budgets import CALENDAR_PERIODS, Budget, BudgetStatus, evaluate
 from tokenward.pricing.velocity import VelocityStatus, velocity_status, velocity_windows
 from tokenward.reports.alerts import REFUSED, Alert, AlertSettings, Delivery, Notifier, html_document, html_text
+from tokenward.reports.ledger.errors import LedgerError
 from tokenward.reports.ledger.spend import SpendSource
 from tokenward.reports.ledger.state import AlertKey, DeliveryRecord, StateStore
 from tokenward.reports.sanitize import printable
@@ -41,6 +44,8 @@ from tokenward.reports.sanitize import printable
 __all__ = [
     "ENDED_PERIOD_WATCH",
     "LEASE_MARGIN_S",
+    "REARMED",
+    "STORE_RETRY_S",
     "claim_alerts",
     "deliver",
     "digest_alert",
@@ -50,6 +55,8 @@ __all__ = [
     "usd",
     "velocity_of",
 ]
+
+log = logging.getLogger("tokenward.alerts")
 
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 _NAME_CHARS = 120  # a client-chosen model or key name shown in a mail: one line, at most this long
@@ -124,6 +131,7 @@ def claim_alerts(
     (:func:`_velocity_alerts`).
     """
     alerts = []
+    rearmed = None
     for budget in budgets:
         status = status_of(spend, budget, now)
         key = _EPOCH if budget.period.kind == "rolling" else status.start
@@ -133,8 +141,15 @@ def claim_alerts(
         claimed = state.claimed(budget.name, key)
         if not dry_run and any(k == "threshold" and t not in status.crossed for k, t in claimed):
             # a threshold claimed but no longer crossed: the limit was raised since (a rolling window is re-armed above)
+            _mark_rearmed(state, budget, key, status.crossed, now)
             state.rearm(budget.name, key, status.crossed, bool(refused), limit=str(budget.limit_usd))
             claimed = state.claimed(budget.name, key)
+        if any(k == REARMED for k, _ in claimed):
+            rearmed = _rearmed_at(state) if rearmed is None else rearmed
+            # mailed at this very limit before a newer one re-armed it: a replica not restarted yet
+            claimed |= {
+                ("threshold", t) for t in status.crossed if rearmed.get((budget.name, key, t)) == str(budget.limit_usd)
+            }
         new = tuple(t for t in status.crossed if ("threshold", t) not in claimed)
         due: list[tuple[str, tuple[int, ...], tuple[str, ...] | None]] = []
         if new:
@@ -153,6 +168,46 @@ def claim_alerts(
         fresh = {(a.budget, a.period_start, a.kind, t) for a in alerts for t in a.thresholds}
         alerts += _pending(state, budgets, settings, exclude=fresh)
     return [a for a in alerts if a.targets]
+
+
+REARMED = "rearmed"
+"""Claim kind recording that a threshold mailed at one limit was re-armed by another (never mailed)."""
+
+
+def _mark_rearmed(
+    state: StateStore, budget: Budget, key: dt.datetime, crossed: Sequence[int], now: dt.datetime
+) -> None:
+    """Before a new limit re-arms thresholds mailed at an old one, note each with the limit it was mailed at.
+
+    A limit changes replica by replica (a rolling restart): until the last one runs the new
+    config, replicas with the old limit evaluate the same claims. Without the note they found
+    the threshold unclaimed and mailed it again at the old limit, at every evaluation after a
+    new-limit replica had re-armed it. The note's claim is unique like any other (the first
+    re-arm of a period keeps the limit the mail went out at); it is stored as sent.
+    """
+    limit = str(budget.limit_usd)
+    for claim in state.claims(kind="threshold"):
+        mailed_at = (claim.detail.get("payload") or {}).get("limit_usd")
+        if (
+            claim.key.budget != budget.name
+            or claim.key.period_start != key
+            or claim.status == "pending"
+            or claim.key.threshold in crossed
+            or mailed_at is None
+            or mailed_at == limit
+        ):
+            continue
+        note = AlertKey(budget.name, key, REARMED, claim.key.threshold)
+        for won in state.claim([note], {"limit_usd": mailed_at, "rearmed_for": limit}, now):
+            state.set_status(won, "sent")
+
+
+def _rearmed_at(state: StateStore) -> dict[tuple[str, dt.datetime, int], str]:
+    """``(budget, period start, threshold) -> the limit it was mailed at`` of every re-arm note."""
+    return {
+        (c.key.budget, c.key.period_start, c.key.threshold): str(c.detail.get("limit_usd"))
+        for c in state.claims(kind=REARMED)
+    }
 
 
 ENDED_PERIOD_WATCH = dt.timedelta(hours=1)
@@ -390,8 +445,7 @@ def _unpriced_alerts(
             if name in claimed:
                 continue
             subject = (
-                f"[tokenward] {says} {_shown(model)} ({_shown(provider)}): "
-                f"{count} request(s) recorded without a cost"
+                f"[tokenward] {says} {_shown(model)} ({_shown(provider)}): {count} request(s) recorded without a cost"
             )
             facts = [
                 ("Model", _shown(model)),
@@ -428,7 +482,7 @@ def _pending(
         key = claim.key
         if (key.budget, key.period_start, key.kind, key.threshold) in exclude:
             continue
-        if key.kind == "velocity_end":  # an episode's end: nothing to send
+        if key.kind in ("velocity_end", REARMED):  # an episode's end, a re-arm note: nothing to send
             state.set_status(key, "sent")
             continue
         groups.setdefault((key.budget, key.period_start, key.kind, claim.detail.get("subject")), []).append(claim)
@@ -550,9 +604,40 @@ async def deliver(state: StateStore, notifier: Notifier, alert: Alert) -> tuple[
             DeliveryRecord(k, delivery.channel, delivery.target, delivery.ok, delivery.attempts, delivery.error, moment)
             for k in keys
         ]
-        await asyncio.to_thread(lambda: ([state.record_delivery(r) for r in records], lease(keys)))
+        for record in records:  # what happened at the receiver is kept, however long the state store is away
+            await _until_stored(lambda r=record: state.record_delivery(r), f"{delivery.target}'s delivery")
+        try:
+            await asyncio.to_thread(lease, keys)
+        except _STORE_DOWN as exc:  # the lease runs out on its own; the outcome is recorded already
+            log.warning("alert lease not renewed (%s)", exc)
 
     return alert, await notifier.send(alert, on_delivery=stored)
+
+
+_STORE_DOWN = (LedgerError, sqlite3.OperationalError, OSError)
+"""What a state store that is away for now raises (Postgres stopped or unreachable, SQLite locked)."""
+
+STORE_RETRY_S = (0.2, 5.0)
+"""First and longest wait (s) between attempts to record a delivery while the state store is away."""
+
+
+async def _until_stored(write: Callable[[], None], what: str) -> None:
+    """Run ``write`` in a worker thread until the state store takes it, waiting longer between attempts.
+
+    A delivery that happened and is not recorded is sent again by the next holder of its lease: a
+    mail the receiver already has (a Postgres outage as the mail server accepted it). So the
+    record waits for the store, as long as this process lives; any error but the store being away
+    is raised.
+    """
+    delay, longest = STORE_RETRY_S
+    while True:
+        try:
+            await asyncio.to_thread(write)
+            return
+        except _STORE_DOWN as exc:
+            log.warning("cannot record %s yet (%s); trying again in %.1f s", what, exc, delay)
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, longest)
 
 
 async def evaluate_and_notify(

@@ -261,8 +261,9 @@ def _identity(path: str) -> tuple[int, int] | None:
 
 
 def _present(conn: duckdb.DuckDBPyConnection, ids: list[str]) -> set[str]:
-    found = conn.execute("SELECT request_id FROM requests WHERE list_contains(?, request_id)", [ids]).fetchall()
-    return {r[0] for r in found}
+    from tokenward.reports.ledger.spend import DuckSpend
+
+    return DuckSpend(conn).present(ids)
 
 
 def write_rows(path: str | Path, rows: Iterable[Mapping[str, Any]], *, dedupe: bool = False) -> int:

@@ -41,10 +41,13 @@ _SEED = (
     "%s::timestamptz[], %s::numeric[], %s::numeric[]) ORDER BY 1, 2 ON CONFLICT DO NOTHING"
 )
 _RUN_START = (
-    "INSERT INTO budget_runs VALUES (%s, %s) ON CONFLICT (name) DO UPDATE SET name = EXCLUDED.name "
-    "RETURNING started_at"
+    "INSERT INTO budget_runs VALUES (%s, %s) ON CONFLICT (name) DO UPDATE SET name = EXCLUDED.name RETURNING started_at"
 )
 _SETTLE = "SELECT tw_settle(%s, %s, %s, %s, %s::timestamptz[], %s::numeric[])"
+_RELEASE_NAMED = (
+    "SELECT tw_settle(hold_id, NULL, now(), '{}'::text[], '{}'::timestamptz[], '{}'::numeric[]) "
+    "FROM budget_holds WHERE replica = %s AND request_id = %s"
+)
 _RENEW = (
     "INSERT INTO budget_replicas VALUES (%s, now() + %s * interval '1 second') "
     "ON CONFLICT (replica) DO UPDATE SET lease_until = EXCLUDED.lease_until"
@@ -72,6 +75,8 @@ class PgBooks:
         self._pool = AsyncPool(url, pool_size)
         self._view: dict[BookKey, list[Decimal]] = {}
         self._queued: list[tuple[Any, ...]] = []  # settlements that could not be sent yet
+        # requests whose reservation failed after it was sent: it may have committed (the reply lost)
+        self._unsure: list[str] = []
         self._seeds: dict[BookKey, Decimal] = {}  # spent of books to make if the database has none
         self._tasks: set[asyncio.Task[None]] = set()
         self._beat: asyncio.Task[None] | None = None
@@ -253,6 +258,8 @@ class PgBooks:
                 if getattr(exc, "sqlstate", None) == "TW001" and attempt == 1:
                     await self._renew()  # the lease ended (a stall): take it again, then retry once
                     continue
+                if request_id is not None:  # the hold may be in the database all the same: given back later
+                    self._unsure.append(request_id)
                 self._down(exc)
                 raise BooksUnavailable(f"budget books unavailable: {exc}") from exc
             except (LedgerError, OSError) as exc:
@@ -300,12 +307,23 @@ class PgBooks:
             async with self._pool.connection() as conn:
                 await conn.execute(_SETTLE, list(params))
         except (psycopg.Error, LedgerError, OSError) as exc:
-            # sent again later; if it had committed after all, its spend counts twice until the next
-            # reconciliation (30 s): an over-count refuses early, it never overshoots
+            # sent again later; if it had committed after all, the hold is gone and tw_settle replaces
+            # the figure counted for the request instead of adding it again (m012_settle_once)
             self._down(exc)
             self._queued.append(params)
 
     async def _send_queued(self) -> None:
+        """Give back the holds of reservations whose reply was lost, then send the queued settlements.
+
+        A reservation that failed once its call was sent may have committed (the database went
+        away between the commit and the reply): its request was refused (503) and never ran, but
+        without this its hold would stay held for as long as this replica lives, then count as
+        spend when it stops. Holds are named after their request, so each is found and released.
+        """
+        while self._unsure:
+            async with self._pool.connection() as conn:
+                await conn.execute(_RELEASE_NAMED, [self.replica, self._unsure[0]])
+            self._unsure.pop(0)
         while self._queued:
             params = self._queued[0]
             async with self._pool.connection() as conn:

@@ -524,3 +524,79 @@ def m011_dead_holds_count(conn: Any) -> None:
         END $$;
         """
     )
+
+
+@migration
+def m012_settle_once(conn: Any) -> None:
+    """``tw_settle`` of a hold that is gone replaces what was counted for its request instead of adding to it.
+
+    A hold is gone when it was settled already (a settlement that committed as the database went
+    away is queued and sent again) or when its replica's lease ended (an outage longer than
+    ``lease_s``: the first replica back ends the others' leases, and ``tw_expire`` counts each
+    named hold as its request's spend at the worst case). Either way the request is counted
+    once already, in ``budget_settled`` while its row is not in the ledger (or by its row, at
+    reconciliation): the settlement now moves ``spent`` by the difference to that figure.
+    Before, it added the whole amount again (a request counted at its worst case plus its real
+    cost, or twice its cost) until the next reconciliation. The book rows are locked first, as
+    :func:`~tokenward.reports.ledger.pg_books.reconcile` locks them, so a reconciliation never
+    interleaves with the read of ``budget_settled``. A settlement without a hold adds, as before.
+    """
+    conn.execute(
+        """
+        CREATE OR REPLACE FUNCTION tw_settle(
+            p_hold bigint, p_request text, p_started timestamptz, p_books text[], p_starts timestamptz[],
+            p_amounts numeric[]
+        ) RETURNS void LANGUAGE plpgsql AS $$
+        DECLARE
+            h record;
+            in_ledger boolean;
+        BEGIN
+            DELETE FROM budget_holds WHERE hold_id = p_hold RETURNING books, starts, amounts INTO h;
+            IF p_hold IS NOT NULL AND NOT FOUND THEN
+                IF p_request IS NULL OR coalesce(array_length(p_books, 1), 0) = 0 THEN
+                    RETURN;
+                END IF;
+                PERFORM 1 FROM budget_books b
+                WHERE (b.book, b.period_start) IN (SELECT * FROM unnest(p_books, p_starts))
+                ORDER BY b.book, b.period_start FOR UPDATE OF b;
+                in_ledger := EXISTS (SELECT 1 FROM requests WHERE request_id = p_request);
+                -- counted already: budget_settled's figure (a row in the ledger with none: counted by it)
+                INSERT INTO budget_books AS b (book, period_start, limit_usd, spent, held)
+                SELECT y.book, y.start, 0,
+                       sum(y.amount - coalesce(s.amount, CASE WHEN in_ledger THEN y.amount ELSE 0 END)), 0
+                FROM unnest(p_books, p_starts, p_amounts) AS y(book, start, amount)
+                LEFT JOIN budget_settled s
+                       ON s.request_id = p_request AND s.book = y.book AND s.period_start = y.start
+                GROUP BY y.book, y.start ORDER BY 1, 2
+                ON CONFLICT (book, period_start) DO UPDATE SET spent = b.spent + EXCLUDED.spent;
+                IF in_ledger THEN
+                    UPDATE budget_settled s SET amount = y.amount
+                    FROM unnest(p_books, p_starts, p_amounts) AS y(book, start, amount)
+                    WHERE s.request_id = p_request AND s.book = y.book AND s.period_start = y.start;
+                ELSE
+                    INSERT INTO budget_settled (request_id, book, period_start, started_at, amount)
+                    SELECT p_request, book, start, p_started, amount
+                    FROM unnest(p_books, p_starts, p_amounts) AS y(book, start, amount)
+                    ON CONFLICT (request_id, book, period_start) DO UPDATE SET amount = EXCLUDED.amount;
+                END IF;
+                RETURN;
+            END IF;
+            INSERT INTO budget_books AS b (book, period_start, limit_usd, spent, held)
+            SELECT book, start, 0, sum(spend), sum(hold) FROM (
+                SELECT book, start, 0::numeric AS spend, -amount AS hold
+                FROM unnest(h.books, h.starts, h.amounts) AS x(book, start, amount)
+                UNION ALL
+                SELECT book, start, amount, 0 FROM unnest(p_books, p_starts, p_amounts) AS y(book, start, amount)
+            ) AS d GROUP BY book, start ORDER BY book, start
+            ON CONFLICT (book, period_start) DO UPDATE
+            SET spent = b.spent + EXCLUDED.spent, held = greatest(b.held + EXCLUDED.held, 0);
+            IF p_request IS NOT NULL AND coalesce(array_length(p_books, 1), 0) > 0
+               AND NOT EXISTS (SELECT 1 FROM requests WHERE request_id = p_request) THEN
+                INSERT INTO budget_settled (request_id, book, period_start, started_at, amount)
+                SELECT p_request, book, start, p_started, amount
+                FROM unnest(p_books, p_starts, p_amounts) AS y(book, start, amount)
+                ON CONFLICT DO NOTHING;
+            END IF;
+        END $$;
+        """
+    )

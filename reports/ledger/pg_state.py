@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import psycopg
 
+from tokenward.reports.ledger.errors import LedgerError
 from tokenward.reports.ledger.pg_pool import SyncPool
 from tokenward.reports.ledger.state import AlertKey, ClaimRecord, DeliveryRecord, StoredKey
 
@@ -32,8 +34,21 @@ class PgState:
     def __init__(self, pool: SyncPool) -> None:
         self._pool = pool
 
+    @contextmanager
+    def _connection(self) -> Iterator[psycopg.Connection[Any]]:
+        """A pooled connection; the server going away (or a connection it dropped) raises :class:`LedgerError`.
+
+        Callers that must not lose what they write (an alert's delivery record) try again on
+        :class:`LedgerError`; other ``psycopg`` errors (a unique key, a bad value) are not retried.
+        """
+        try:
+            with self._pool.connection() as conn:
+                yield conn
+        except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
+            raise LedgerError(f"the state store is unavailable: {exc}") from exc
+
     def _run(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
-        with self._pool.connection() as conn:
+        with self._connection() as conn:
             cursor = conn.execute(sql, params)
             return cursor.fetchall() if cursor.description else []
 
@@ -42,7 +57,7 @@ class PgState:
     def claim(self, keys: Sequence[AlertKey], detail: dict[str, Any], now: dt.datetime) -> list[AlertKey]:
         """See :meth:`StateStore.claim`."""
         won = []
-        with self._pool.connection() as conn, conn.transaction():
+        with self._connection() as conn, conn.transaction():
             for key in keys:
                 cursor = conn.execute(
                     "INSERT INTO alert_claims (budget, period_start, kind, threshold, created_at, status, detail) "
@@ -93,7 +108,7 @@ class PgState:
     def lease(self, keys: Sequence[AlertKey], holder: str, until: float, now: float) -> list[AlertKey]:
         """See :meth:`StateStore.lease`."""
         won = []
-        with self._pool.connection() as conn, conn.transaction():
+        with self._connection() as conn, conn.transaction():
             for key in keys:
                 cursor = conn.execute(
                     "UPDATE alert_claims SET lease_holder = %s, lease_until = %s WHERE budget = %s "
@@ -117,7 +132,7 @@ class PgState:
         if limit is not None:
             stale += " AND kind = 'threshold' AND (detail -> 'payload' ->> 'limit_usd') IS DISTINCT FROM %s"
             params.append(limit)
-        with self._pool.connection() as conn, conn.transaction():  # the next crossing has reached no one yet
+        with self._connection() as conn, conn.transaction():  # the next crossing has reached no one yet
             conn.execute(
                 "DELETE FROM alert_deliveries WHERE (budget, period_start, kind, threshold) IN "
                 f"(SELECT budget, period_start, kind, threshold FROM alert_claims WHERE {stale})",
@@ -180,7 +195,7 @@ class PgState:
 
     def revoke(self, name: str, key_sha256: str | None, now: dt.datetime) -> bool:
         """See :meth:`StateStore.revoke`."""
-        with self._pool.connection() as conn:
+        with self._connection() as conn:
             if key_sha256 is not None:
                 cursor = conn.execute(
                     "INSERT INTO revoked_keys VALUES (%s, %s, %s) ON CONFLICT DO NOTHING",
@@ -214,7 +229,7 @@ class PgState:
         rows = list(objects)
         if not rows:
             return
-        with self._pool.connection() as conn, conn.cursor() as cursor:
+        with self._connection() as conn, conn.cursor() as cursor:
             cursor.executemany("INSERT INTO objects VALUES (%s, %s, %s, %s) ON CONFLICT DO NOTHING", rows)
 
     def owners(self, object_ids: Sequence[str]) -> dict[str, str]:

@@ -92,6 +92,15 @@ class DuckSpend:
     def __init__(self, conn: duckdb.DuckDBPyConnection) -> None:
         self.conn = conn
 
+    def present(self, request_ids: Sequence[str]) -> set[str]:
+        """Which of ``request_ids`` the ledger holds (as this connection sees it)."""
+        if not request_ids:
+            return set()
+        found = self.conn.execute(
+            "SELECT request_id FROM requests WHERE list_contains(?, request_id)", [list(request_ids)]
+        ).fetchall()
+        return {str(r[0]) for r in found}
+
     def spend_in(self, budget: Budget, start: dt.datetime, end: dt.datetime) -> Decimal:
         """See :meth:`SpendSource.spend_in`."""
         where, params = scope_clause(budget)
