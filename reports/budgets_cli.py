@@ -11,6 +11,7 @@ import asyncio
 import datetime as dt
 import sys
 from collections.abc import Callable
+from decimal import Decimal
 from typing import Any, TypeVar
 from zoneinfo import ZoneInfo
 
@@ -65,6 +66,18 @@ def _options(fn: F) -> F:
         help="Config file with the budgets and alerts sections.",
     )(fn)
     return fn
+
+
+def _spent_usd(amount: Decimal) -> str:
+    """Spend or what is left, in dollars: four places, more below a cent to keep 3 significant digits.
+
+    ``$0.000849`` of a $0.001 budget must not read ``$0.0008`` beside ``84.90%`` (at most the
+    ledger's 12 places).
+    """
+    places = 4
+    if amount != 0 and abs(amount) < Decimal("0.01"):
+        places = min(12, max(places, 2 - amount.adjusted()))
+    return f"{'-' if amount < 0 else ''}${abs(amount):,.{places}f}"
 
 
 def _instant(text: str | None) -> dt.datetime:
@@ -124,10 +137,10 @@ def status(config: str | None, db: str | None, wait: float, at_text: str | None,
             Text(s.budget.name),  # a per-user budget's name holds a client's value: never rich markup
             Text(s.budget.describe_scope()),
             period,
-            f"${s.spent:,.4f}",
+            _spent_usd(s.spent),
             usd(s.budget.limit_usd),
             f"{s.percent}",
-            f"${s.remaining:,.4f}",
+            _spent_usd(s.remaining),
             "-" if s.forecast is None else usd(s.forecast),
             s.budget.action,
             end_section=i + 1 < len(statuses) and (s.budget.group or s.budget.name) != statuses[i + 1].budget.group,
