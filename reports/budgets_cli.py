@@ -23,7 +23,7 @@ from rich.text import Text
 from tokenward.pricing.budgets import Budget
 from tokenward.reports.alerts import Alert, AlertSettings, Notifier, html_text
 from tokenward.reports.budget_check import evaluate_and_notify, status_of, usd, velocity_of
-from tokenward.reports.cli_common import existing_state, ledger_named, open_named, parse_when
+from tokenward.reports.cli_common import existing_state, ledger_named, open_named, parse_when, writable_state
 from tokenward.reports.keys import create_key, list_keys, revoke_key
 from tokenward.reports.ledger.spend import DuckSpend
 
@@ -256,7 +256,7 @@ def create(
             raise click.BadParameter(str(exc), param_hint="--config") from exc
         if name in configured:
             raise click.ClickException(f"the config already has a key named {name!r}; choose another name")
-    state = ledger_named(db, config).state
+    state = writable_state(db, config)
     try:
         key = create_key(state, name, team=team, project=project, role=role, now=dt.datetime.now(dt.UTC))
     except ValueError as exc:
@@ -305,7 +305,7 @@ def revoke(config: str | None, db: str | None, wait: float, name: str) -> None:
                 configured[key.name] = digest.lower()
         except ConfigError as exc:
             raise click.BadParameter(str(exc), param_hint="--config") from exc
-    state = ledger_named(db, config).state
+    state = writable_state(db, config)
     done = revoke_key(state, name, now=dt.datetime.now(dt.UTC), configured=configured)
     if not done:
         raise click.ClickException(f"no live key named {name!r}")
