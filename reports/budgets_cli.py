@@ -11,6 +11,7 @@ import asyncio
 import datetime as dt
 import sys
 from collections.abc import Callable
+from decimal import Decimal
 from typing import Any, TypeVar
 from zoneinfo import ZoneInfo
 
@@ -22,7 +23,7 @@ from rich.text import Text
 from tokenward.pricing.budgets import Budget
 from tokenward.reports.alerts import Alert, AlertSettings, Notifier, html_text
 from tokenward.reports.budget_check import evaluate_and_notify, status_of, usd, velocity_of
-from tokenward.reports.cli_common import existing_state, ledger_named, open_named, parse_when
+from tokenward.reports.cli_common import existing_state, ledger_named, open_named, parse_when, writable_state
 from tokenward.reports.keys import create_key, list_keys, revoke_key
 from tokenward.reports.ledger.spend import DuckSpend
 
@@ -65,6 +66,18 @@ def _options(fn: F) -> F:
         help="Config file with the budgets and alerts sections.",
     )(fn)
     return fn
+
+
+def _spent_usd(amount: Decimal) -> str:
+    """Spend or what is left, in dollars: four places, more below a cent to keep 3 significant digits.
+
+    ``$0.000849`` of a $0.001 budget must not read ``$0.0008`` beside ``84.90%`` (at most the
+    ledger's 12 places).
+    """
+    places = 4
+    if amount != 0 and abs(amount) < Decimal("0.01"):
+        places = min(12, max(places, 2 - amount.adjusted()))
+    return f"{'-' if amount < 0 else ''}${abs(amount):,.{places}f}"
 
 
 def _instant(text: str | None) -> dt.datetime:
@@ -124,10 +137,10 @@ def status(config: str | None, db: str | None, wait: float, at_text: str | None,
             Text(s.budget.name),  # a per-user budget's name holds a client's value: never rich markup
             Text(s.budget.describe_scope()),
             period,
-            f"${s.spent:,.4f}",
+            _spent_usd(s.spent),
             usd(s.budget.limit_usd),
             f"{s.percent}",
-            f"${s.remaining:,.4f}",
+            _spent_usd(s.remaining),
             "-" if s.forecast is None else usd(s.forecast),
             s.budget.action,
             end_section=i + 1 < len(statuses) and (s.budget.group or s.budget.name) != statuses[i + 1].budget.group,
@@ -243,7 +256,7 @@ def create(
             raise click.BadParameter(str(exc), param_hint="--config") from exc
         if name in configured:
             raise click.ClickException(f"the config already has a key named {name!r}; choose another name")
-    state = ledger_named(db, config).state
+    state = writable_state(db, config)
     try:
         key = create_key(state, name, team=team, project=project, role=role, now=dt.datetime.now(dt.UTC))
     except ValueError as exc:
@@ -292,7 +305,7 @@ def revoke(config: str | None, db: str | None, wait: float, name: str) -> None:
                 configured[key.name] = digest.lower()
         except ConfigError as exc:
             raise click.BadParameter(str(exc), param_hint="--config") from exc
-    state = ledger_named(db, config).state
+    state = writable_state(db, config)
     done = revoke_key(state, name, now=dt.datetime.now(dt.UTC), configured=configured)
     if not done:
         raise click.ClickException(f"no live key named {name!r}")

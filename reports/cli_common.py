@@ -22,6 +22,7 @@ __all__ = [
     "DEFAULT_LEDGER",
     "ledger_named",
     "existing_state",
+    "writable_state",
     "ledger_options",
     "ledger_path",
     "open_named",
@@ -97,6 +98,30 @@ def existing_state(db: str | None, config: str | None) -> StateStore:
     path = getattr(ledger, "path", None)
     if isinstance(path, str) and not Path(path).exists() and not Path(path + ".state.sqlite").exists():
         raise click.ClickException(f"no ledger at {path} yet: start the proxy once, or check --db/--config")
+    if ledger.engine == "postgres":  # a database no replica has started on has no tables to read
+        try:
+            ledger.require_schema()
+        except LedgerError as exc:
+            raise click.ClickException(str(exc)) from exc
+    return ledger.state
+
+
+def writable_state(db: str | None, config: str | None) -> StateStore:
+    """The state store of the ledger :func:`ledger_named` names, for commands that write to it.
+
+    A Postgres database no replica has started on gets the ledger's schema first, as the first
+    replica would make it (``keys create --config FILE`` before sending traffic); a DuckDB
+    ledger's state file is made on first use.
+
+    Raises:
+        click.ClickException: the database cannot be reached or migrated.
+    """
+    ledger = ledger_named(db, config)
+    if ledger.engine == "postgres":
+        try:
+            ledger.migrate()
+        except LedgerError as exc:
+            raise click.ClickException(str(exc)) from exc
     return ledger.state
 
 

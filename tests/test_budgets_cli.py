@@ -67,6 +67,27 @@ def test_budgets_status_at_a_past_instant_ignores_later_spend(tmp_path):
     assert "$40.0000" in next(line for line in output.splitlines() if "research-monthly" in line)
 
 
+def test_budgets_status_keeps_the_figures_of_a_small_budget(tmp_path):
+    # A $0.001 budget with 27 gpt-4o-mini requests in it: $0.00003 + 26 x $0.0000315 = $0.000849 spent
+    # (84.90 %), $0.000151 left. Four places read "$0.0008" spent and "$0.0002" left: 80 % and 20 %
+    # of the limit, beside "84.90". Below a cent the figures keep three significant digits.
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        'upstreams: [{name: a, base_url: "http://upstream.invalid"}]\n'
+        "budgets: [{name: tiny-daily, limit_usd: 0.001, scope: {team: research}, period: day, action: block}]\n"
+    )
+    db = tmp_path / "l.duckdb"
+    rows = [cost_row("r00", "2026-11-12T08:00:00+00:00", "0.00003", model="gpt-4o-mini")]
+    rows += [
+        cost_row(f"r{i:02}", f"2026-11-12T08:{i:02}:00+00:00", "0.0000315", model="gpt-4o-mini") for i in range(1, 27)
+    ]
+    seed(db, rows)
+    output = invoke("budgets", "status", "--config", str(config), "--db", str(db), "--at", "2026-11-12T10:00:00+00:00")
+    line = next(line for line in output.splitlines() if "tiny-daily" in line)
+    cells = [cell.strip() for cell in line.split("\u2502") if cell.strip()]
+    assert cells[3:7] == ["$0.000849", "$0.001", "84.90", "$0.000151"], cells
+
+
 def test_budgets_check_dry_run_claims_nothing(tmp_path):
     config = tmp_path / "c.yaml"
     config.write_text(CONFIG)

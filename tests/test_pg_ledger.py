@@ -588,3 +588,32 @@ async def test_shared_books_hold_requests_that_started_before_a_rollover_to_thei
         ]
     finally:
         await books.stop()
+
+
+def test_keys_made_before_any_replica_started(tmp_path, pg_url):
+    # README "Running several replicas": with no virtual_keys in the file, "make the keys with
+    # `tokenward keys create NAME --config FILE` ... before sending traffic". On a database no
+    # replica had started on, that was a psycopg traceback (relation "virtual_keys" does not
+    # exist); keys list and alerts history were tracebacks too. Now a write makes the schema, as
+    # the first replica would, and a read of a database without it says what to do.
+    config = tmp_path / "tokenward.yaml"
+    config.write_text(
+        'upstreams: [{name: openai, base_url: "http://127.0.0.1:9/v1", default: true}]\n'
+        f"ledger: {{url: {json.dumps(pg_url)}, spool_dir: spool}}\nauth: {{mode: virtual_keys}}\n"
+    )
+    runner = CliRunner()
+    history = runner.invoke(main, ["alerts", "history", "--config", str(config)])
+    assert history.exit_code == 1 and isinstance(history.exception, SystemExit), history.exception
+    assert "has no tokenward schema yet" in history.output and "tokenward ledger migrate" in history.output
+    made = runner.invoke(main, ["keys", "create", "ci-bot", "--team", "platform", "--config", str(config)])
+    assert made.exit_code == 0, made.output
+    key = made.output.splitlines()[0]
+    assert key.startswith("tw-")
+    listed = runner.invoke(main, ["keys", "list", "--config", str(config)])
+    assert listed.exit_code == 0 and "ci-bot" in listed.output and "platform" in listed.output, listed.output
+    (stored,) = PgLedger(pg_url, tmp_path / "x").state.keys()
+    assert (stored.name, stored.team, stored.revoked_at) == ("ci-bot", "platform", None)
+    revoked = runner.invoke(main, ["keys", "revoke", "ci-bot", "--config", str(config)])
+    assert revoked.exit_code == 0 and "revoked" in revoked.output, revoked.output
+    history = runner.invoke(main, ["alerts", "history", "--config", str(config)])
+    assert history.exit_code == 0 and "no alerts yet" in history.output, history.output

@@ -121,6 +121,15 @@ class PgLedger:
         self._ready = True
         return applied
 
+    def require_schema(self) -> None:
+        """Check that the database holds the current schema.
+
+        Raises:
+            LedgerError: the database cannot be read, or migrations are pending (none applied:
+                no replica has started on it).
+        """
+        self._check()
+
     def _check(self) -> None:
         if self._ready:
             return
@@ -130,7 +139,10 @@ class PgLedger:
         except psycopg.Error as exc:
             raise LedgerError(f"cannot read the ledger {self.name}: {exc}") from exc
         if missing:
-            raise LedgerError(f"ledger {self.name} needs migrations {missing}: run `tokenward ledger migrate`")
+            how = "run `tokenward ledger migrate` with the same --config or --db, or start a replica once"
+            if "m001_requests" in missing:
+                raise LedgerError(f"ledger {self.name} has no tokenward schema yet: {how} (the first one creates it)")
+            raise LedgerError(f"ledger {self.name} needs migrations {missing}: {how}")
         self._ready = True
 
     # -- reading -----------------------------------------------------------------------------
