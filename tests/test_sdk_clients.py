@@ -517,10 +517,11 @@ def test_background_responses_count_their_reservation_against_a_blocking_budget(
     assert (first.status, second.status) == ("queued", "queued") and len(script.calls) == 2
     assert refused.value.body["code"] == "budget_exceeded"
     # worst case each, at o4-mini's priority rates (no service_tier sent: the dearest it may be served at):
-    # 5 input tokens ("Research lighthouses." in o200k_base) x 2.00 + 5000 output x 8.00 = 40,010 / 1M;
-    # two held $0.08002 of $0.10, so a third ($0.04001 more) is refused
+    # 12 input tokens (5 for "Research lighthouses." in o200k_base, a bare string input being one user
+    # message: role + 3 = 4, and 3 for the reply) x 2.00 + 5000 output x 8.00 = 40,024 / 1M;
+    # two held $0.080048 of $0.10, so a third ($0.040024 more) is refused
     assert [(r["price_status"], r["cost_usd"], r["reserved_usd"]) for r in rows[:2]] == [
-        ("deferred", None, Decimal("0.04001"))
+        ("deferred", None, Decimal("0.040024"))
     ] * 2
     assert rows[2]["outcome"] == "rejected"
 
