@@ -86,8 +86,19 @@ def pinned(cpu: int, argv: list[str]) -> list[str]:
 
 
 def cpu_seconds(pid: int) -> float:
+    """CPU seconds of ``pid`` and every process under it: live ones, and those it has reaped.
+
+    A gateway that hands work to a child process (a ledger writer) is charged for it.
+    """
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS
+    total = sum(int(f) for f in fields[11:15]) / TICKS  # utime, stime, cutime, cstime
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        for child in task.read_text().split():
+            try:
+                total += cpu_seconds(int(child))
+            except (FileNotFoundError, ProcessLookupError):
+                pass  # it exited between the two reads; its parent reaps it into cutime
+    return total
 
 
 def memory_mb(pid: int, field_name: str) -> float:

@@ -928,7 +928,7 @@ def micro(args: argparse.Namespace) -> None:
         )
         step(
             "budget: _count_for_bound (decode, tiktoken, scan), small body",
-            lambda: forward._count_for_bound("openai", payload, "gpt-4o-mini"),
+            lambda: forward._count_for_bound("openai", payload, "gpt-4o-mini", "chat/completions"),
             500,
         )
         step(
@@ -1013,7 +1013,7 @@ def count(args: argparse.Namespace) -> None:
         times = []
         for _ in range(calls):
             t0 = time.thread_time()
-            tokens, _ = forward._count_for_bound("openai", body, "gpt-4o-mini")
+            tokens, _ = forward._count_for_bound("openai", body, "gpt-4o-mini", "chat/completions")
             times.append((time.thread_time() - t0) * 1e6)
         return tokens, statistics.median(times)
 
