@@ -33,6 +33,7 @@ from yarl import URL
 
 __all__ = [
     "ACCOUNT_PARAMETERS",
+    "DEPLOYMENTS_PREFIX",
     "DIRECT_ENDPOINTS",
     "FREE_ENDPOINTS",
     "METERED_ENDPOINTS",
@@ -123,6 +124,8 @@ _ESCAPE = re.compile(rb"%([0-9A-Fa-f]{2})")
 _DOT_SEGMENT = re.compile(rb"/\.\.?(?=/|$)")
 _QUERY = re.compile(rb"[!\"$-~]*")  # printable ASCII but "#"
 _PREFIX = b"/v1/"
+DEPLOYMENTS_PREFIX = b"/openai/deployments/"
+"""Azure OpenAI deployment URLs (``AzureOpenAI(azure_endpoint=...)``): ``/openai/deployments/{name}/...``."""
 _METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 
@@ -134,6 +137,9 @@ class Target:
     ``path`` is the raw path as sent (``/v1/chat/completions``), ``tail`` the part below ``/v1/``
     (``chat/completions``), still percent-encoded as the client sent it; ``query`` the raw query
     string (``""`` for none); ``endpoint`` the metered endpoint it names, or ``None``.
+    ``deployment`` is the Azure deployment of a ``/openai/deployments/{deployment}/{tail}`` path
+    (``None`` under ``/v1/``): such a request goes to an Azure upstream at
+    :meth:`Base.deployment_url`.
     """
 
     method: str
@@ -141,13 +147,17 @@ class Target:
     tail: str
     query: str
     endpoint: Endpoint | None
+    deployment: str | None = None
 
 
 def target(raw_path: bytes, method: str, query: bytes = b"") -> Target | None:
     """Check a request's raw path and query (bytes as on the request line).
 
     Returns:
-        The :class:`Target`, or ``None`` for a well-formed path outside ``/v1/`` (a 404).
+        The :class:`Target`, or ``None`` for a well-formed path outside ``/v1/`` (a 404). Under
+        :data:`DEPLOYMENTS_PREFIX`, only a ``POST`` to a metered OpenAI-dialect endpoint of one
+        deployment is a target (``/openai/deployments/gpt-4o/chat/completions``); anything else
+        there is a 404 too.
 
     Raises:
         EdgeError: 400 ``invalid_path`` for a path that could mean different things to tokenward
@@ -170,14 +180,22 @@ def target(raw_path: bytes, method: str, query: bytes = b"") -> Target | None:
             "another method than the one tokenward checked. Send the request with the method you mean."
         )
         raise EdgeError(400, message, "method_override_refused")
-    if not raw_path.startswith(_PREFIX):
+    deployment = None
+    if raw_path.startswith(_PREFIX):
+        path = raw_path.decode("ascii")
+        tail = path[4:]
+        endpoint = METERED_ENDPOINTS.get(tail.lower()) if method == "POST" else None
+    elif raw_path.startswith(DEPLOYMENTS_PREFIX) and method == "POST":
+        path = raw_path.decode("ascii")
+        deployment, _, tail = path[len(DEPLOYMENTS_PREFIX) :].partition("/")
+        endpoint = METERED_ENDPOINTS.get(tail.lower())
+        if endpoint is None or endpoint.dialect == "anthropic":
+            return None  # a deployment serves the OpenAI API's model endpoints, nothing else
+    else:
         return None
-    path = raw_path.decode("ascii")
-    tail = path[4:]
-    endpoint = METERED_ENDPOINTS.get(tail.lower()) if method == "POST" else None
     if query and (refused := _steering_parameter(query, endpoint is not None)) is not None:
         raise refused
-    return Target(method, path, tail, query.decode("ascii"), endpoint)
+    return Target(method, path, tail, query.decode("ascii"), endpoint, deployment)
 
 
 def _overrides_method(query: bytes) -> bool:
@@ -300,6 +318,22 @@ class Base:
         )
         self.check(url)
         return url
+
+    def deployment_url(self, deployment: str, tail: str, query: str = "") -> URL:
+        """The Azure OpenAI URL of ``tail`` on ``deployment`` (checked parts of a :class:`Target`).
+
+        The deployment URLs live under the resource's ``/openai`` path
+        (learn.microsoft.com/azure/ai-foundry/openai/reference, checked 2026-12-02), whichever
+        form the base takes: ``https://r.openai.azure.com``, ``.../openai`` or ``.../openai/v1``
+        (the v1 API's base) all give ``https://r.openai.azure.com/openai/deployments/{deployment}/{tail}``.
+
+        Raises:
+            EdgeError: 400 ``invalid_path`` when the built URL does not stay under that ``/openai`` path.
+        """
+        root = self.path[:-3] if self.path.lower().endswith("/v1") else self.path
+        if not root.lower().endswith("/openai"):
+            root += "/openai"
+        return Base(self.scheme, self.host, self.port, root).url(f"deployments/{deployment}/{tail}", query)
 
     def check(self, url: URL) -> None:
         """Check that ``url`` (and its text, read back with :func:`urllib.parse.urlsplit`) stays under this base.

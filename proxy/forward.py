@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 from decimal import Decimal
 from functools import partial
 from typing import Any, TypeVar
+from urllib.parse import unquote
 
 import msgspec
 from litestar import Request
@@ -44,6 +45,7 @@ from tokenward.proxy.config import UpstreamConfig
 from tokenward.proxy.degrade import Plan, degrade
 from tokenward.proxy.dialects.claude_code import parse_user_id
 from tokenward.proxy.edge import (
+    DEPLOYMENTS_PREFIX,
     DIRECT_ENDPOINTS,
     METERED_ENDPOINTS,
     EdgeError,
@@ -75,6 +77,7 @@ from tokenward.reports.ledger.books import BooksUnavailable
 __all__ = ["METERED_ENDPOINTS", "Endpoint", "Forwarder"]
 
 log = logging.getLogger("tokenward.proxy")
+_DEPLOYMENTS = DEPLOYMENTS_PREFIX.decode()
 
 # "Expect: 100-continue" (curl, bodies over 1 MiB) is the server's to answer, and tokenward's server
 # does as it reads the body: forwarded, the upstream client held the body until the upstream's own
@@ -419,6 +422,8 @@ class Forwarder:
         else:
             head = _read_head(body)
         ex.requested_model = head.model if isinstance(head.model, str) else None
+        if found.deployment is not None and ex.requested_model is None:
+            ex.requested_model = unquote(found.deployment)  # Azure runs the deployment: its name is the model asked
         ex.fallback_models = _fallback_models(head.models, head.fallbacks, ex.requested_model)
         ex.stream = head.stream is True
         # Anthropic: metadata.user_id (Claude Code's holds account, device and session ids)
@@ -434,7 +439,10 @@ class Forwarder:
         plan = isolation.plan_metered(endpoint.name, found, inbound.identity, body, head.store) if isolation else None
         if plan is not None:
             await plan.check_body(body)
-        route = self.router.pick(ex.requested_model, inbound.upstream, endpoint.dialect)
+        if found.deployment is not None:
+            route = self.router.pick_deployment(inbound.upstream)
+        else:
+            route = self.router.pick(ex.requested_model, inbound.upstream, endpoint.dialect)
         self._attach(ex, route, inbound)
         strip_usage = False
         if (
@@ -689,7 +697,10 @@ class Forwarder:
 
         async def bound(model: str | None, max_output: int) -> Decimal | None:
             if model != ex.requested_model and (
-                route is None or model is None or self.router.pick(model, explicit, endpoint.dialect).name != route.name
+                route is None
+                or model is None
+                or ex.path.startswith(_DEPLOYMENTS)  # an Azure deployment runs its own model, whatever the body says
+                or self.router.pick(model, explicit, endpoint.dialect).name != route.name
             ):
                 return None  # a cheaper model must be served by the same upstream
             priced, _ = await self._worst_case(
@@ -1041,7 +1052,10 @@ class Forwarder:
             ProxyError: 400 when the URL would leave the base; 502/504 once no attempt is left.
         """
         try:
-            url = route.base.url(found.tail, found.query)
+            if found.deployment is not None:
+                url = route.base.deployment_url(found.deployment, found.tail, found.query)
+            else:
+                url = route.base.url(found.tail, found.query)
         except EdgeError as exc:
             raise ProxyError(exc.status, exc.message, exc.code) from exc
         policy = route.config

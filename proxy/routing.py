@@ -6,6 +6,9 @@ requested model, then the first of any dialect whose patterns match; the dialect
 upstream marked ``default``, or its only upstream); the default upstream; the only upstream when
 there is just one. So in a mixed OpenAI + Anthropic config, ``/v1/messages/count_tokens`` and the
 Anthropic SDK's ``/v1/models`` reach the Anthropic upstream although they name no model.
+
+Azure OpenAI's deployment URLs (``/openai/deployments/{name}/...``) go only to an Azure upstream
+(:meth:`Router.pick_deployment`): the deployment, not the body, names what runs.
 """
 
 from __future__ import annotations
@@ -38,6 +41,15 @@ class Route:
         """The upstream's configured name."""
         return self.config.name
 
+    @property
+    def azure(self) -> bool:
+        """Whether this upstream is Azure OpenAI: ``provider: azure`` (or ``azure-openai``), or an Azure host."""
+        return self.config.catalog_provider in _AZURE_PROVIDERS or self.base.host.endswith(_AZURE_HOSTS)
+
+
+_AZURE_PROVIDERS = frozenset({"azure", "azure-openai", "azure_openai"})
+_AZURE_HOSTS = (".openai.azure.com", ".cognitiveservices.azure.com", ".services.ai.azure.com")
+
 
 class Router:
     """Picks the :class:`Route` for each request.
@@ -62,6 +74,8 @@ class Router:
             if marked or len(speaking) == 1:
                 self._dialect_default[dialect] = (marked or speaking)[0]
         self._by_model: dict[tuple[str, str], Route | None] = {}
+        azure = [r for r in self._routes if r.azure]
+        self._azure = next((r for r in azure if r.config.default), azure[0] if azure else None)
 
     @property
     def routes(self) -> list[Route]:
@@ -99,6 +113,34 @@ class Router:
         if found is None:
             raise ProxyError(400, f"No upstream is configured for model {model!r}.", "model_not_found")
         return found
+
+    def pick_deployment(self, explicit: str | None = None) -> Route:
+        """The Azure upstream for an ``/openai/deployments/...`` request.
+
+        ``explicit`` (``x-tokenward-upstream``) must name an Azure upstream; without it, the Azure
+        upstream marked ``default``, else the first (config order).
+
+        Raises:
+            ProxyError: 400 ``unknown_upstream`` / ``not_an_azure_upstream`` for a bad ``explicit``;
+                404 ``deployment_not_found`` when no Azure upstream is configured.
+        """
+        if explicit is not None:
+            route = self.pick(None, explicit)
+            if not route.azure:
+                raise ProxyError(
+                    400,
+                    f"Upstream {explicit!r} is not Azure OpenAI (provider: azure): it has no deployment URLs.",
+                    "not_an_azure_upstream",
+                )
+            return route
+        if self._azure is None:
+            raise ProxyError(
+                404,
+                "No Azure OpenAI upstream is configured (an upstream with provider: azure), so tokenward serves no "
+                "/openai/deployments/ URLs. Use /v1/ with an OpenAI client, or add the Azure upstream.",
+                "deployment_not_found",
+            )
+        return self._azure
 
 
 def _prepare(config: UpstreamConfig) -> Route:

@@ -291,3 +291,40 @@ def test_a_rerouted_row_counts_for_the_model_it_was_sent_to_after_a_restart_too(
         assert DuckSpend(conn).spend_in(mini, *window) == Decimal("0.5")  # what a restart reads back
     finally:
         conn.close()
+
+
+def test_an_azure_deployment_request_is_clamped_never_rerouted(tmp_path, billing):
+    """Azure runs the deployment's model whatever the body names: a reroute would price a model never served.
+
+    The same figures as the reroute test above: cap $0.02, the first gpt-4o request ($0.0125175) fits;
+    the second no longer does at 1000 output tokens. A /v1 request would go to gpt-4o-mini; a deployment
+    request is clamped instead: (0.02 - 0.0125175 - 1007 x 2.50 / 1M) / (10 / 1M) = 496 output tokens.
+    """
+    budgets = [
+        BudgetSettings(
+            name="cap", limit_usd="0.02", period="total", action="block",
+            degrade=DegradeSettings(reroute={"gpt-4o": "gpt-4o-mini"}, clamp_output=True, min_output_tokens=100),
+        )
+    ]  # fmt: skip
+    azure = [
+        UpstreamConfig(
+            name="azure", base_url=f"{billing.upstream_url}/openai", provider="azure", default=True,
+            api_key_env="SIM_UPSTREAM_KEY", api_key_header="api-key", api_key_prefix="",
+        )
+    ]  # fmt: skip
+    url_path = "/openai/deployments/gpt-4o/chat/completions?api-version=2024-10-21"
+    headers = {"api-key": AGENT_KEY, "content-type": "application/json"}
+    with serving(tmp_path / "l.duckdb", None, budgets=budgets, upstreams=azure) as proxy:
+        first = httpx.post(proxy.url + url_path, content=body(1000, 1000), headers=headers, timeout=30)
+        assert first.status_code == 200 and "x-tokenward-degraded" not in first.headers
+        second = httpx.post(proxy.url + url_path, content=body(1000, 1000), headers=headers, timeout=30)
+        assert second.status_code == 200
+        assert second.headers["x-tokenward-degraded"] == "max_tokens=496;was=1000;budget=cap"
+        assert billing.requests[-1]["target"] == url_path
+        assert b'"gpt-4o"' in billing.requests[-1]["body"]  # the model is left as the client sent it
+        rows = proxy.rows(2)
+    # 1007 x 2.50 + 496 x 10 = 7477.5 per 1M -> $0.0074775
+    assert [(r["requested_model"], r["sent_model"], r["cost_usd"]) for r in rows] == [
+        ("gpt-4o", None, Decimal("0.0125175")),
+        ("gpt-4o", None, Decimal("0.0074775")),
+    ]
