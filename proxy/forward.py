@@ -231,6 +231,12 @@ class _Inbound:
     """Values of the headers attribution rules read (``header:``), by lower-case name."""
 
 
+def _as_identity(headers: list[tuple[bytes, bytes]], length: int) -> list[tuple[bytes, bytes]]:
+    """``headers`` for a body sent decoded: no ``Content-Encoding``, a ``Content-Length`` of ``length`` bytes."""
+    kept = [h for h in headers if h[0] not in (b"content-encoding", b"content-length", b"transfer-encoding")]
+    return [*kept, (b"content-length", str(length).encode())]
+
+
 class Forwarder:
     """Sends requests upstream and builds the reply relay.
 
@@ -328,20 +334,20 @@ class Forwarder:
             _settle_attribution(ex, inbound.identity, inbound.claimed)
             has_body = any(name in (b"content-length", b"transfer-encoding") for name, _ in scope["headers"])
             plan = self.isolation.plan(found, inbound.identity, inbound.anthropic) if self.isolation else None
-            body = decoded = None
+            body = None
             if plan is not None:
                 await plan.check()
                 if has_body and plan.reads_body:  # a body that may name objects: read it once, check it
                     body = await read_body(request.receive, scope["headers"], self.limits)
-                    codings = request_encodings(scope["headers"])  # checked decoded, forwarded as sent
-                    decoded = body
-                    if codings:
-                        decoded = await asyncio.to_thread(decode_request_body, body, codings, self.limits.max_bytes)
-                    await plan.check_body(decoded, scope["headers"])
+                    codings = request_encodings(scope["headers"])
+                    if codings:  # checked decoded and sent decoded: the upstream's decoder may read it otherwise
+                        body = await asyncio.to_thread(decode_request_body, body, codings, self.limits.max_bytes)
+                        inbound.headers = _as_identity(inbound.headers, len(body))
+                    await plan.check_body(body, scope["headers"])
             route = self.router.pick(None, inbound.upstream, request_dialect(found.tail, inbound.anthropic))
             self._attach(ex, route, inbound)
             if plan is not None:
-                input_file = plan.batch_input(decoded)
+                input_file = plan.batch_input(body)
                 if input_file is not None:  # the requests it runs may name objects too
                     await plan.check_batch_lines(await self._file_content(route, input_file, ex))
                 found = plan.prepare(found, inbound.headers)

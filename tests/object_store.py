@@ -5,7 +5,8 @@ completions and responses, videos and video characters, containers and their fil
 It behaves like the provider where isolation depends on it: one account (every key's objects in one
 place), lists newest first with ``after``/``limit`` cursors (``after_id`` for Anthropic) and a page cap
 (:attr:`ObjectStore.max_page`, like the provider's largest ``limit``), 404 for unknown ids, 400 for a
-body naming a file that does not exist. :attr:`ObjectStore.requests` logs ``(method, path)``.
+body naming a file that does not exist. :attr:`ObjectStore.requests` logs ``(method, path)``, :attr:`ObjectStore.headers`
+the headers of each.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class ObjectStore:
         self.contents: dict[str, bytes] = {}
         self.vector_store_files: dict[str, list[str]] = {}
         self.requests: list[tuple[str, str]] = []
+        self.headers: list[dict[str, str]] = []  # each request's headers (names lower-cased), as requests
         self.max_page = 100
         self.refuses_large_pages = False  # answer 400 to a limit over max_page (instead of serving max_page)
         self.items: dict[str, dict[str, Any]] = {}  # stored responses' input and output items, by id
@@ -138,6 +140,7 @@ class ObjectStore:
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         self.requests.append((request.method, request.path_qs))
+        self.headers.append({name.lower(): value for name, value in request.headers.items()})
         try:
             return await self._route(request)
         except web.HTTPException as exc:
