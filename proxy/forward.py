@@ -170,6 +170,7 @@ _OUTCOME_BY_CODE = {
         Outcome.REJECTED,
     ),
     "client_disconnected": Outcome.CLIENT_DISCONNECTED,
+    "unsupported_transfer_coding": Outcome.CLIENT_ERROR,
 }
 _OUTCOME_BY_STATUS = {
     400: Outcome.CLIENT_ERROR,
@@ -229,6 +230,31 @@ class _Inbound:
     """The ``X-Tokenward-Run`` header's value."""
     claimed: dict[bytes, str] | None = None
     """Values of the headers attribution rules read (``header:``), by lower-case name."""
+
+
+def _framing_refused(scope: Scope) -> ProxyError | None:
+    """The refusal for a request framed by a transfer coding tokenward does not apply, or ``None``.
+
+    The server decodes ``chunked`` and nothing else: a body sent ``Transfer-Encoding: gzip, chunked``
+    reached the app still gzip-coded, with the header gone (hop-by-hop), so the upstream got the
+    coded bytes as if they were the content. RFC 9112 6.1: a server receiving a transfer coding it
+    does not understand should answer 501; an HTTP/1.0 message with ``Transfer-Encoding`` has faulty
+    framing (400).
+    """
+    for name, value in scope["headers"]:
+        if name != b"transfer-encoding":
+            continue
+        if scope.get("http_version") == "1.0":
+            message = "An HTTP/1.0 request cannot carry Transfer-Encoding (RFC 9112 6.1): send a Content-Length."
+            return ProxyError(400, message, "invalid_framing")
+        if value.lower() != b"chunked":
+            shown = value[:100].decode("latin-1")
+            message = (
+                f"Transfer-Encoding {shown!r} is not supported: tokenward applies only 'chunked'. Send the body "
+                "chunked or with a Content-Length (compress it with Content-Encoding instead)."
+            )
+            return ProxyError(501, message, "unsupported_transfer_coding")
+    return None
 
 
 def _as_identity(headers: list[tuple[bytes, bytes]], length: int) -> list[tuple[bytes, bytes]]:
@@ -300,6 +326,9 @@ class Forwarder:
             return self._refuse(ex, ProxyError(exc.status, exc.message, exc.code))
         if found is None:
             return self.not_found(request)
+        framing = _framing_refused(scope)
+        if framing is not None:
+            return self._refuse(Exchange(endpoint="unknown", method=scope["method"], path=found.path), framing)
         if found.endpoint is not None:
             return await self.metered(request, found)
         return await self.passthrough(request, found)
