@@ -62,6 +62,7 @@ from tokenward.proxy.objects import (
     Reference,
     access,
     captured,
+    derived_capture,
     form_documents,
     may_reference,
     references,
@@ -494,6 +495,8 @@ class Plan:
             document = None
         if isinstance(document, dict):
             await self._record(ex, capture, captured(capture.fields, document), captured(capture.items, document))
+            for more in capture.also:
+                await self._record(ex, more, captured(more.fields, document))
         return _Replayed(reply, [body], None)
 
     async def _capture_stream(self, ex: Exchange, reply: UpstreamReply, capture: Capture) -> UpstreamReply:
@@ -617,12 +620,12 @@ class Plan:
         return _Replayed(reply, [body], None, headers=headers)
 
     async def _record_derived(self, ex: Exchange, kind: Kind, items: list[dict[str, Any]]) -> None:
-        """Record the files the provider made for the caller's objects in a list (a batch's output)."""
-        if not kind.derived:
-            return
-        files = [object_id for item in items for object_id in captured(kind.derived, item)]
-        if files:
-            await self._record(ex, Capture(FILE, kind.derived), files)
+        """Record what the provider made for the caller's objects in a list (a batch's output, a job's models)."""
+        capture = derived_capture(kind, parent=False)
+        for each in (capture, *capture.also) if capture is not None else ():
+            made = [object_id for item in items for object_id in captured(each.fields, item)]
+            if made:
+                await self._record(ex, each, made)
 
 
 class _ItemWatch:

@@ -33,6 +33,7 @@ from typing import Any
 from urllib.parse import unquote
 
 __all__ = [
+    "CHECKPOINT",
     "FILE",
     "KINDS",
     "RESPONSE_ITEM",
@@ -44,6 +45,7 @@ __all__ = [
     "Reference",
     "access",
     "captured",
+    "derived_capture",
     "form_documents",
     "kind_named",
     "may_reference",
@@ -64,7 +66,8 @@ class Kind:
     <collection>`` creates one, whose id is the reply's ``id``; ``reserved``: segments after the
     collection that name sub-endpoints, not ids; ``max_limit``: the largest page the provider
     serves (a filtered list asks for it); ``derived``: reply fields naming files the provider
-    made for the object.
+    made for the object; ``models``: reply fields naming the fine-tuned models it made for the
+    object (recorded as :data:`CHECKPOINT`, whose permissions name them).
     """
 
     name: str
@@ -74,6 +77,7 @@ class Kind:
     reserved: frozenset[str] = frozenset()
     max_limit: int = 100
     derived: tuple[str, ...] = ()
+    models: tuple[str, ...] = ()
 
 
 FILE = Kind("file", "File", "files", max_limit=10_000)
@@ -85,7 +89,13 @@ _RESPONSE = Kind("response", "Response", "responses", creates=False, reserved=fr
 _CONVERSATION = Kind("conversation", "Conversation", "conversations")
 _ASSISTANT = Kind("assistant", "Assistant", "assistants")
 _THREAD = Kind("thread", "Thread", "threads", reserved=frozenset({"runs"}))
-_FINE_TUNE = Kind("fine_tuning_job", "FineTuningJob", "fine_tuning/jobs", derived=("result_files",))
+_FINE_TUNE = Kind(
+    "fine_tuning_job", "FineTuningJob", "fine_tuning/jobs", derived=("result_files",), models=("fine_tuned_model",)
+)
+CHECKPOINT = Kind("fine_tuned_checkpoint", "Checkpoint", "fine_tuning/checkpoints", creates=False)
+"""A fine-tuned model or one of its checkpoints (``ft:gpt-4o-mini-2024-07-18:org::B7R9VjQd``, ``...:ckpt-step-88``):
+made by the provider for a fine-tuning job, so it belongs to the job's owner; its permissions
+(``fine_tuning/checkpoints/{name}/permissions``) share it with other projects of the account."""
 _CONTAINER = Kind("container", "Container", "containers")
 _VIDEO = Kind("video", "Video", "videos", reserved=frozenset({"edits", "extensions"}))  # POST: a new video
 _CHARACTER = Kind("video_character", "Character", "videos/characters")
@@ -112,6 +122,7 @@ KINDS: tuple[Kind, ...] = (
     _ASSISTANT,
     _THREAD,
     _FINE_TUNE,
+    CHECKPOINT,
     _CONTAINER,
     _VIDEO,
     _CHARACTER,
@@ -121,7 +132,8 @@ KINDS: tuple[Kind, ...] = (
     _CHATKIT_THREAD,
 )
 """Every isolated kind. OpenAI: files, uploads, batches, vector stores, stored chat completions,
-stored responses, conversations, assistants, threads, fine-tuning jobs, containers, videos,
+stored responses, conversations, assistants, threads, fine-tuning jobs and the fine-tuned models and
+checkpoints they make, containers, videos,
 evals, video characters, ChatKit sessions and threads; Anthropic: files (the same ``/v1/files`` paths) and
 message batches."""
 
@@ -143,13 +155,16 @@ class Capture:
     list), recorded as :data:`RESPONSE_ITEM`; in a stream they are read from its
     ``response.output_item.added`` events and its last event. ``parent``: the new objects
     belong to the owner of the object in the path (a batch's output file belongs to whoever
-    owns the batch, even when an admin reads it); otherwise to the caller.
+    owns the batch, even when an admin reads it); otherwise to the caller. ``also``: captures of
+    other kinds from the same reply.
     """
 
     kind: Kind
     fields: tuple[str, ...]
     parent: bool = False
     items: tuple[str, ...] = ()
+    also: tuple[Capture, ...] = ()
+    """More objects of other kinds the same reply names (a fine-tuning job's files and its models)."""
 
 
 _CREATED = ("id",)
@@ -222,8 +237,10 @@ def _sub_capture(kind: Kind, method: str, sub: str, depth: int) -> Capture | Non
     """What a reply on ``<collection>/<id>[/<sub>]`` creates: derived files, a completed upload's file, a remix."""
     if depth > 2:
         return None
-    if kind.derived and ((method == "GET" and not sub) or (method == "POST" and sub == "cancel")):
-        return Capture(FILE, kind.derived, parent=True)
+    if (kind.derived or kind.models) and ((method == "GET" and not sub) or (method == "POST" and sub == "cancel")):
+        return derived_capture(kind, parent=True)
+    if kind is _FINE_TUNE and method == "GET" and sub == "checkpoints":  # the job's checkpoints, by name and id
+        return Capture(CHECKPOINT, ("data[].fine_tuned_model_checkpoint", "data[].id"), parent=True)
     if kind is _UPLOAD and method == "POST" and sub == "complete":
         return Capture(FILE, ("file.id",), parent=True)
     if kind is _VIDEO and method == "POST" and sub == "remix":
@@ -234,6 +251,19 @@ def _sub_capture(kind: Kind, method: str, sub: str, depth: int) -> Capture | Non
     if kind is _CONVERSATION and sub == "items" and method in ("GET", "POST"):
         return Capture(_CONVERSATION, (), parent=True, items=("data[].id",))
     return None
+
+
+def derived_capture(kind: Kind, *, parent: bool) -> Capture | None:
+    """What a reply showing ``kind`` objects names that the provider made for them: files, fine-tuned models.
+
+    ``parent``: they belong to the owner of the object in the path (else to the caller).
+    ``None`` for a kind with neither.
+    """
+    files = Capture(FILE, kind.derived, parent=parent) if kind.derived else None
+    models = Capture(CHECKPOINT, kind.models, parent=parent) if kind.models else None
+    if files is not None and models is not None:
+        return Capture(FILE, kind.derived, parent=parent, also=(models,))
+    return files or models
 
 
 def captured(fields: tuple[str, ...], document: Any) -> list[str]:

@@ -39,7 +39,8 @@ class ObjectStore:
         self.contents: dict[str, bytes] = {}
         self.vector_store_files: dict[str, list[str]] = {}
         self.requests: list[tuple[str, str]] = []
-        self.headers: list[dict[str, str]] = []  # each request's headers (names lower-cased), as requests
+        self.headers: list[dict[str, str]] = []
+        self.permissions: dict[str, list[dict[str, Any]]] = {}  # fine-tuned model or checkpoint -> its grants  # each request's headers (names lower-cased), as requests
         self.max_page = 100
         self.refuses_large_pages = False  # answer 400 to a limit over max_page (instead of serving max_page)
         self.items: dict[str, dict[str, Any]] = {}  # stored responses' input and output items, by id
@@ -168,6 +169,10 @@ class ObjectStore:
             return await self._containers(request, method, parts[1:])
         if parts[0] == "chatkit":
             return await self._chatkit(request, method, parts[1:])
+        if parts[:2] == ["fine_tuning", "jobs"]:
+            return await self._fine_tuning_jobs(request, method, parts[2:])
+        if parts[:2] == ["fine_tuning", "checkpoints"]:
+            return await self._permissions(request, method, parts[2:])
         raise _error(404, f"unknown path {request.path}")
 
     async def _files(self, request: web.Request, method: str, parts: list[str], anthropic: bool) -> web.Response:
@@ -413,6 +418,44 @@ class ObjectStore:
         thread = {"id": self.new_id("cthr_"), "object": "chatkit.thread", "title": None, "user": user}
         thread.update(status={"type": "active"}, items=[item])
         return self.add(thread)
+
+    async def _fine_tuning_jobs(self, request: web.Request, method: str, rest: list[str]) -> web.Response:
+        """Fine-tuning jobs: a job succeeds on its first retrieve, making its model and two checkpoints."""
+        if not rest and method == "POST":
+            body = await request.json()
+            self.need_file(body.get("training_file"))
+            job = {"id": self.new_id("ftjob-"), "object": "fine_tuning.job", "model": body["model"]}
+            job.update(training_file=body["training_file"], status="running", fine_tuned_model=None, result_files=[])
+            return web.json_response(self.add(job))
+        if not rest:
+            return self.page(request, "fine_tuning.job")
+        job = self.of(rest[0], "fine_tuning.job")
+        if job["status"] == "running":
+            name = f"ft:{job['model']}:org::{job['id'][-4:]}"
+            job.update(status="succeeded", fine_tuned_model=name, result_files=[self.add_file("r.csv", b"s\n", "")["id"]])
+            for step in (10, 20):
+                checkpoint = {"id": self.new_id("ftckpt_"), "object": "fine_tuning.job.checkpoint", "step_number": step}
+                checkpoint.update(fine_tuned_model_checkpoint=f"{name}:ckpt-step-{step}", fine_tuning_job_id=job["id"])
+                self.add(checkpoint)
+        if rest[1:] == ["checkpoints"]:
+            data = [o for o in self.objects.values() if o.get("fine_tuning_job_id") == job["id"]]
+            return web.json_response({"object": "list", "data": data, "has_more": False})
+        return web.json_response(job)
+
+    async def _permissions(self, request: web.Request, method: str, rest: list[str]) -> web.Response:
+        """A fine-tuned model's (or checkpoint's) permissions: the projects it is shared with."""
+        names = {o["fine_tuned_model"] for o in self.objects.values() if o.get("fine_tuned_model")}
+        names |= {o["fine_tuned_model_checkpoint"] for o in self.objects.values() if "fine_tuned_model_checkpoint" in o}
+        if rest[0] not in names or rest[1:2] != ["permissions"]:
+            raise _error(404, f"No such checkpoint: {rest[0]}")
+        granted = self.permissions.setdefault(rest[0], [])
+        if method == "POST":
+            for project in (await request.json())["project_ids"]:
+                granted.append({"id": self.new_id("cp_"), "object": "checkpoint.permission", "project_id": project})
+        elif method == "DELETE":
+            granted[:] = [p for p in granted if p["id"] != rest[2]]
+            return web.json_response({"id": rest[2], "object": "checkpoint.permission", "deleted": True})
+        return web.json_response({"object": "list", "data": granted, "has_more": False})
 
     async def _message_batches(self, request: web.Request, method: str, rest: list[str]) -> web.Response:
         if not rest and method == "POST":

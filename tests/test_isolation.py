@@ -874,3 +874,44 @@ def test_the_requests_a_batch_runs_name_only_the_callers_objects(store, tmp_path
     assert [(r["path"], r["http_status"]) for r in rows if r["path"] == "/v1/batches"] == [
         ("/v1/batches", 404), ("/v1/batches", 404), ("/v1/batches", 400), ("/v1/batches", 200)
     ]  # fmt: skip
+
+
+def test_fine_tuned_models_and_checkpoints_are_shared_only_by_the_key_whose_job_made_them(store, tmp_path):
+    """Before: ``fine_tuning/checkpoints/{name}/permissions`` named no isolated kind, so bob listed, granted (to
+    any project of the account) and revoked the permissions of alice's fine-tuned model and its checkpoints.
+    A job's model (its retrieve, its list) and its checkpoints (their list) are now its owner's."""
+    ledger = tmp_path / "ledger.duckdb"
+    with proxy(store, ledger) as url, gpt(url, ALICE) as alice, gpt(url, BOB) as bob, gpt(url, OPS) as ops:
+        job = alice.fine_tuning.jobs.create(model="gpt-4o-mini-2024-07-18", training_file=upload(alice, "t.jsonl"))
+        model = alice.fine_tuning.jobs.retrieve(job.id).fine_tuned_model
+        assert model == f"ft:gpt-4o-mini-2024-07-18:org::{job.id[-4:]}"
+        checkpoints = [c.fine_tuned_model_checkpoint for c in alice.fine_tuning.jobs.checkpoints.list(job.id)]
+        assert checkpoints == [f"{model}:ckpt-step-10", f"{model}:ckpt-step-20"]
+        granted = alice.fine_tuning.checkpoints.permissions.create(checkpoints[0], project_ids=["proj_alice"])
+        (permission,) = granted.data
+        sent = len(store.requests)
+        for name in (model, checkpoints[0], checkpoints[1], f"{model}:ckpt-step-30"):
+            for call in (
+                lambda n: bob.fine_tuning.checkpoints.permissions.create(n, project_ids=["proj_bob"]),
+                lambda n: bob.fine_tuning.checkpoints.permissions.list(n),
+                lambda n: bob.fine_tuning.checkpoints.permissions.delete(permission.id, fine_tuned_model_checkpoint=n),
+            ):
+                with pytest.raises(openai.NotFoundError) as info:
+                    call(name)
+                assert info.value.body == not_found("Checkpoint", name)
+        assert store.requests[sent:] == []
+        assert store.permissions == {checkpoints[0]: [permission.model_dump(exclude_none=True)]}
+        assert [p.project_id for p in ops.fine_tuning.checkpoints.permissions.list(checkpoints[0])] == ["proj_alice"]
+        assert [p.project_id for p in alice.fine_tuning.checkpoints.permissions.create(model, project_ids=["p2"])] == [
+            "p2"
+        ]
+    rows = read_rows(ledger)
+    note = f"refused by isolation: fine_tuned_checkpoint {model} belongs to key {VK_ALICE}"
+    assert refused(rows)[:3] == [
+        ("bob", "POST", f"/v1/fine_tuning/checkpoints/{model}/permissions", "rejected", note),
+        ("bob", "GET", f"/v1/fine_tuning/checkpoints/{model}/permissions", "rejected", note),
+        ("bob", "DELETE", f"/v1/fine_tuning/checkpoints/{model}/permissions/{permission.id}", "rejected", note),
+    ]
+    assert len(refused(rows)) == 12
+    unknown = f"refused by isolation: fine_tuned_checkpoint {model}:ckpt-step-30 has no recorded owner"
+    assert refused(rows)[-1][-1] == unknown
