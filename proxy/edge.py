@@ -44,6 +44,7 @@ __all__ = [
     "account_parameter",
     "parameter_names",
     "parse_base",
+    "reply_format_parameter",
     "request_dialect",
     "target",
 ]
@@ -220,6 +221,17 @@ def _steering_parameter(query: bytes, metered: bool) -> EdgeError | None:
             "parameter_refused",
         )
     return None
+
+
+def reply_format_parameter(query: bytes) -> str | None:
+    """The first (in sort order) parameter of a raw query string that reshapes the reply (``alt``, ``fields``, ...).
+
+    Google's front ends answer such a request with a field mask of the reply, protobuf or JSONP: a
+    reply tokenward reads (a list it filters by owner, a create whose id it records) is then not
+    the JSON it reads. ``None`` when there is none.
+    """
+    found = parameter_names(query) & _REPLY_FORMATS if query else None
+    return min(found).decode("latin-1") if found else None
 
 
 def account_parameter(query: bytes) -> str | None:

@@ -50,6 +50,7 @@ from tokenward.proxy.edge import (
     Endpoint,
     Target,
     account_parameter,
+    reply_format_parameter,
     request_dialect,
     target,
 )
@@ -232,6 +233,27 @@ class _Inbound:
     """Values of the headers attribution rules read (``header:``), by lower-case name."""
 
 
+def _keep_reply_shape(found: Target, headers: list[tuple[bytes, bytes]]) -> None:
+    """Refuse a field mask or reply format on a request whose reply isolation reads.
+
+    A list is filtered by its items' ``id`` and a create's owner recorded from its ``id``: a mask
+    leaving ``id`` out made the new object nobody's (its own key then got 404 for it), and a
+    protobuf or JSONP reply could not be read at all.
+
+    Raises:
+        ProxyError: 400 ``parameter_refused``.
+    """
+    named = reply_format_parameter(found.query.encode()) if found.query else None
+    if named is None and any(name == _FIELD_MASK for name, _ in headers):
+        named = "X-Goog-FieldMask"
+    if named is not None:
+        message = (
+            f"tokenward does not forward {named!r} here: it reads this reply (to filter a list by owner or "
+            "record who owns what it creates), which must come whole, as JSON."
+        )
+        raise ProxyError(400, message, "parameter_refused")
+
+
 def _framing_refused(scope: Scope) -> ProxyError | None:
     """The refusal for a request framed by a transfer coding tokenward does not apply, or ``None``.
 
@@ -365,6 +387,8 @@ class Forwarder:
             plan = self.isolation.plan(found, inbound.identity, inbound.anthropic) if self.isolation else None
             body = None
             if plan is not None:
+                if plan.reads_reply:
+                    _keep_reply_shape(found, inbound.headers)
                 await plan.check()
                 if has_body and plan.reads_body:  # a body that may name objects: read it once, check it
                     body = await read_body(request.receive, scope["headers"], self.limits)

@@ -143,7 +143,7 @@ class ObjectStore:
         self.requests.append((request.method, request.path_qs))
         self.headers.append({name.lower(): value for name, value in request.headers.items()})
         try:
-            return await self._route(request)
+            return _masked(request, await self._route(request))
         except web.HTTPException as exc:
             return web.Response(status=exc.status, text=exc.text, content_type="application/json")
 
@@ -475,6 +475,16 @@ class ObjectStore:
         if not rest:
             return self.page(request, "message_batch", anthropic=True)
         return web.json_response(self.of(rest[0], "message_batch"))
+
+
+def _masked(request: web.Request, response: web.StreamResponse) -> web.StreamResponse:
+    """A JSON reply cut to the top-level members a Google-style field mask names (``X-Goog-FieldMask``, ``fields``)."""
+    mask = request.headers.get("x-goog-fieldmask") or request.query.get("fields")
+    if not mask or not isinstance(response, web.Response) or response.content_type != "application/json":
+        return response
+    assert isinstance(response.body, bytes)
+    kept = {name.strip() for name in mask.split(",")}
+    return web.json_response({k: v for k, v in json.loads(response.body).items() if k in kept})
 
 
 def _error(status: int, message: str) -> web.HTTPException:

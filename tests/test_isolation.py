@@ -915,3 +915,34 @@ def test_fine_tuned_models_and_checkpoints_are_shared_only_by_the_key_whose_job_
     assert len(refused(rows)) == 12
     unknown = f"refused by isolation: fine_tuned_checkpoint {model}:ckpt-step-30 has no recorded owner"
     assert refused(rows)[-1][-1] == unknown
+
+
+def test_a_field_mask_cannot_cut_the_ids_isolation_reads_from_a_reply(store, tmp_path):
+    """Before: ``X-Goog-FieldMask: object,name`` (or ``?fields=``, as Google's front ends read them) on a create left
+    the new vector store's ``id`` out of the reply: nobody was recorded as its owner, so the key that made it got
+    404 for it ever after (and a list whose items lost their ``id`` came back empty). A request whose reply
+    isolation reads now gets 400 before it is sent; one whose reply it does not read passes as before."""
+    ledger = tmp_path / "ledger.duckdb"
+    with proxy(store, ledger) as url, gpt(url, ALICE) as alice:
+        mine = upload(alice, "a.jsonl")
+        sent = len(store.requests)
+        for call in (
+            lambda: alice.vector_stores.create(name="notes", extra_headers={"X-Goog-FieldMask": "object,name"}),
+            lambda: alice.vector_stores.create(name="notes", extra_query={"fields": "object,name"}),
+            lambda: alice.files.list(extra_headers={"x-goog-fieldmask": "object"}),
+            lambda: alice.batches.retrieve("batch_1", extra_query={"$fields": "id,status"}),
+        ):
+            with pytest.raises(openai.BadRequestError) as info:
+                call()
+            assert info.value.code == "parameter_refused"
+        assert store.requests[sent:] == [] and store.objects == {mine: store.objects[mine]}
+        kept = alice.files.delete(mine, extra_headers={"X-Goog-FieldMask": "id,deleted"})
+        assert (kept.id, kept.deleted) == (mine, True)
+    rows = read_rows(ledger)
+    assert [(r["method"], r["path"], r["http_status"], r["outcome"]) for r in rows[1:]] == [
+        ("POST", "/v1/vector_stores", 400, "client_error"),
+        ("POST", "/v1/vector_stores", 400, "client_error"),
+        ("GET", "/v1/files", 400, "client_error"),
+        ("GET", "/v1/batches/batch_1", 400, "client_error"),
+        ("DELETE", f"/v1/files/{mine}", 200, "ok"),
+    ]
