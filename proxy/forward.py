@@ -384,7 +384,10 @@ class Forwarder:
             self.recorder.admit(ex)
             _settle_attribution(ex, inbound.identity, inbound.claimed)
             has_body = any(name in (b"content-length", b"transfer-encoding") for name, _ in scope["headers"])
-            plan = self.isolation.plan(found, inbound.identity, inbound.anthropic) if self.isolation else None
+            route = self.router.pick(None, inbound.upstream, request_dialect(found.tail, inbound.anthropic))
+            # the upstream's dialect, not the headers', decides how its lists page (after_id or after)
+            anthropic = route.dialect == "anthropic"
+            plan = self.isolation.plan(found, inbound.identity, anthropic) if self.isolation else None
             body = None
             if plan is not None:
                 if plan.reads_reply:
@@ -397,7 +400,6 @@ class Forwarder:
                         body = await asyncio.to_thread(decode_request_body, body, codings, self.limits.max_bytes)
                         inbound.headers = _as_identity(inbound.headers, len(body))
                     await plan.check_body(body, scope["headers"])
-            route = self.router.pick(None, inbound.upstream, request_dialect(found.tail, inbound.anthropic))
             self._attach(ex, route, inbound)
             if plan is not None:
                 input_file = plan.batch_input(body)

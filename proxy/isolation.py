@@ -99,6 +99,8 @@ _EVAL = _KIND["eval"]
 _CHATKIT_SESSION = _KIND["chatkit_session"]
 _BATCH = _KIND["batch"]
 _OUTPUT = ("output[].id",)
+_CURSORS = frozenset({"after", "before", "after_id", "before_id"})
+"""List cursors, which name an object (OpenAI's ``after``/``before``, Anthropic's ``after_id``/``before_id``)."""
 _STREAM_ENDS = frozenset({"response.completed", "response.incomplete", "response.failed"})
 _ITEM_MARKERS = re.compile(rb"output_item\.added|response\.(?:completed|incomplete|failed)")
 """What an event must hold to be decoded by :class:`_ItemWatch` (one search per event)."""
@@ -221,7 +223,7 @@ class Isolation:
     def plan(self, found: Target, identity: Identity, anthropic: bool) -> Plan | None:
         """The plan for an unmetered request (``None``: it names, lists and creates no object).
 
-        ``anthropic``: the request speaks Anthropic's API (list cursors are ``after_id``/``before_id``).
+        ``anthropic``: the upstream speaks Anthropic's API (its lists page by ``after_id``, up to 1000 items).
         """
         if identity.key_id is None:
             return None
@@ -298,9 +300,8 @@ class Plan:
         assert what.kind is not None or not what.ids
         wanted = [Reference("path", object_id, what.kind) for object_id in what.ids if what.kind is not None]
         if what.lists and what.kind is not None and self.found.query:
-            cursors = ("after_id", "before_id") if self.anthropic else ("after", "before")
             for name, value in parse_qsl(self.found.query, keep_blank_values=True):
-                if name in cursors and value:
+                if value and name.lower() in _CURSORS:  # either dialect's, in any case: an upstream may read any
                     wanted.append(Reference(name, value, what.kind))
         await self._require(wanted)
 

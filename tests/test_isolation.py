@@ -946,3 +946,31 @@ def test_a_field_mask_cannot_cut_the_ids_isolation_reads_from_a_reply(store, tmp
         ("GET", "/v1/batches/batch_1", 400, "client_error"),
         ("DELETE", f"/v1/files/{mine}", 200, "ok"),
     ]
+
+
+def test_a_list_cursor_is_checked_whichever_dialect_or_case_names_it(store, tmp_path):
+    """Before: the cursors checked were those of the dialect the request's headers spoke, in their case: a request
+    without Anthropic's headers routed to the Anthropic upstream (``x-tokenward-upstream``) sent ``after_id``
+    unchecked, and the upstream's answer told bob which file ids existed (a page for alice's file, 400 for an id
+    nobody has), the oracle isolation promises not to be; ``AFTER`` passed as well."""
+    ledger = tmp_path / "ledger.duckdb"
+    with proxy(store, ledger) as url:
+        claude = anthropic.Anthropic(base_url=url, api_key=ALICE, max_retries=0)
+        theirs = claude.beta.files.upload(file=("notes.txt", b"alice's notes", "text/plain")).id
+        with gpt(url, ALICE) as alice:
+            mine = upload(alice, "a.jsonl")
+        headers = {"authorization": f"Bearer {BOB}"}
+        sent = len(store.requests)
+        for query, upstream, named in (
+            (f"after_id={theirs}", "anthropic", theirs),
+            ("after_id=file_9999", "anthropic", "file_9999"),
+            (f"AFTER={mine}", "openai", mine),
+            (f"before_id={mine}", "openai", mine),
+        ):
+            reply = httpx.get(f"{url}/v1/files?{query}", headers={**headers, "x-tokenward-upstream": upstream})
+            assert (reply.status_code, reply.json()["error"]) == (404, not_found("File", named))
+        assert store.requests[sent:] == []
+        routed = {"authorization": f"Bearer {ALICE}", "x-tokenward-upstream": "anthropic"}
+        listed = httpx.get(f"{url}/v1/files", headers=routed)
+        assert [f["id"] for f in listed.json()["data"]] == [theirs]
+    assert [r["http_status"] for r in read_rows(ledger)][-5:] == [404, 404, 404, 404, 200]
