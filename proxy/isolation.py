@@ -96,6 +96,11 @@ _KIND = {kind.name: kind for kind in KINDS}
 _CHAT = _KIND["chat_completion"]
 _RESPONSE = _KIND["response"]
 _EVAL = _KIND["eval"]
+_CONTAINER = _KIND["container"]
+_CONTAINERS_RUN = (Capture(_CONTAINER, ("output[].container_id",)),)
+"""A response's code interpreter calls name the container they ran in: one the provider started for the
+request (``"container": {"type": "auto"}``) is the caller's from then on (platform.openai.com/docs/guides/
+tools-code-interpreter: an auto container is reused by naming its id)."""
 _CHATKIT_SESSION = _KIND["chatkit_session"]
 _BATCH = _KIND["batch"]
 _OUTPUT = ("output[].id",)
@@ -244,7 +249,9 @@ class Isolation:
         if endpoint == "chat_completions" and store is True:
             capture = Capture(_CHAT, ("id",))
         elif endpoint == "responses" and store is not False:
-            capture = Capture(_RESPONSE, ("id",), items=_OUTPUT)
+            capture = Capture(_RESPONSE, ("id",), items=_OUTPUT, also=_CONTAINERS_RUN)
+        elif endpoint == "responses":  # not stored, but the containers its code ran in are the caller's
+            capture = Capture(_RESPONSE, (), also=_CONTAINERS_RUN)
         checked = endpoint in _BODY_CHECKED or (endpoint in _JSON_CHECKED and body.lstrip()[:1] == b"{")
         checks = not identity.admin and checked and may_reference(endpoint, body)
         if capture is None and not checks:
@@ -511,7 +518,7 @@ class Plan:
         size = 0
         object_id: str | None = None
         rest: AsyncIterator[bytes] | None = stream
-        items = _ItemWatch(self, ex, capture, decoder) if capture.items else None
+        items = _ItemWatch(self, ex, capture, decoder) if capture.items or capture.also else None
         try:
             while size <= CAPTURE_MAX_BYTES:
                 try:
@@ -535,6 +542,8 @@ class Plan:
             await self._record(ex, capture, first)
             return _Replayed(reply, chunks, rest)
         await self._record(ex, capture, first, items.take() if items.ended or rest is None else [])
+        for more, made in items.take_also():
+            await self._record(ex, more, made)
         return _Replayed(reply, chunks, None if rest is None or items.ended else items.relay(rest))
 
     async def _record(self, ex: Exchange, capture: Capture, object_ids: list[str], items: Sequence[str] = ()) -> None:
@@ -638,7 +647,7 @@ class _ItemWatch:
     one short substring test, any other one search; oversized events (:class:`Fragment`) are not read.
     """
 
-    __slots__ = ("_capture", "_decoder", "_ex", "_ids", "_plan", "ended")
+    __slots__ = ("_also", "_capture", "_decoder", "_ex", "_ids", "_plan", "ended")
 
     def __init__(self, plan: Plan, ex: Exchange, capture: Capture, decoder: SSEDecoder) -> None:
         self._plan = plan
@@ -646,6 +655,7 @@ class _ItemWatch:
         self._capture = capture
         self._decoder = decoder
         self._ids: dict[str, None] = {}
+        self._also: list[tuple[Capture, list[str]]] = []
         self.ended = False
 
     def scan(self, blocks: list[bytes]) -> None:
@@ -662,13 +672,20 @@ class _ItemWatch:
             if kind == "response.output_item.added":
                 self._ids.update(dict.fromkeys(captured(("item.id",), event)))
             elif kind in _STREAM_ENDS:
-                self._ids.update(dict.fromkeys(captured(("response.output[].id",), event)))
+                self._ids.update(dict.fromkeys(captured(tuple(f"response.{f}" for f in self._capture.items), event)))
+                response = event.get("response")
+                self._also.extend((more, captured(more.fields, response)) for more in self._capture.also)
                 self.ended = True
 
     def take(self) -> list[str]:
         """The ids gathered and not yet taken."""
         ids, self._ids = list(self._ids), {}
         return ids
+
+    def take_also(self) -> list[tuple[Capture, list[str]]]:
+        """The objects of :attr:`Capture.also` the last event named, by capture, not yet taken."""
+        also, self._also = self._also, []
+        return also
 
     async def relay(self, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         """The rest of the stream, unchanged; the ids are recorded before the chunk ending its last event."""
@@ -683,14 +700,18 @@ class _ItemWatch:
 
     async def _save(self) -> None:
         """Record the ids gathered; a failure leaves them unowned (refused later), not the stream broken."""
-        ids = self.take()
-        if not ids:
+        ids, also = self.take(), self.take_also()
+        if not ids and not any(made for _, made in also):
             return
         plan = self._plan
         try:
             owner = await plan._owner(self._capture)
             if owner is not None:
-                await plan.owners.record(RESPONSE_ITEM.name, ids, owner)
+                if ids:
+                    await plan.owners.record(RESPONSE_ITEM.name, ids, owner)
+                for more, made in also:
+                    if made:
+                        await plan.owners.record(more.kind.name, made, owner)
         except Exception:
             log.exception("request %s: could not record the owner of %s", self._ex.request_id, ids)
 

@@ -290,6 +290,14 @@ class ObjectStore:
             text = {"type": "output_text", "text": said, "annotations": []}
             item = {"id": self.new_id("msg_"), "type": "message", "role": "assistant", "status": "completed"}
             response.update(status="completed", output=[{**item, "content": [text]}], usage=RESPONSE_USAGE)
+            for tool in body.get("tools", []):  # code ran in a container: the one named, or a new one (auto)
+                if tool.get("type") == "code_interpreter":
+                    given = tool.get("container")
+                    container = self.of(given, "container") if isinstance(given, str) else self.add(
+                        {"id": self.new_id("cntr_"), "object": "container", "name": "auto"}
+                    )
+                    call = {"id": self.new_id("ci_"), "type": "code_interpreter_call", "status": "completed"}
+                    response["output"].insert(0, {**call, "container_id": container["id"], "code": "print(1)"})
             response.update(created_at=1, previous_response_id=previous)
             if body.get("store", True):
                 self.add(dict(response))

@@ -974,3 +974,36 @@ def test_a_list_cursor_is_checked_whichever_dialect_or_case_names_it(store, tmp_
         listed = httpx.get(f"{url}/v1/files", headers=routed)
         assert [f["id"] for f in listed.json()["data"]] == [theirs]
     assert [r["http_status"] for r in read_rows(ledger)][-5:] == [404, 404, 404, 404, 200]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("store_it", [True, False])
+def test_a_container_code_ran_in_for_a_response_is_the_callers(store, tmp_path, stream, store_it):
+    """Before: a container the provider started for a response's code interpreter (``"container": {"type":
+    "auto"}``) was recorded for nobody, so bob, naming its id in his own code interpreter tool, ran his code in
+    alice's container, among the files her code wrote; and alice got 404 for her own container. Its id, read
+    from the response (a stream's last event), is now alice's: bob's request is the unknown-id 404."""
+    ledger = tmp_path / "ledger.duckdb"
+    auto = [{"type": "code_interpreter", "container": {"type": "auto"}}]
+    with proxy(store, ledger) as url, gpt(url, ALICE) as alice, gpt(url, BOB) as bob:
+        create = alice.responses.create(model="gpt-4o-mini", input="run it", tools=auto, store=store_it, stream=stream)
+        output = (list(create)[-1].response if stream else create).output  # type: ignore[union-attr]
+        container = output[0].container_id  # type: ignore[union-attr]
+        assert container.startswith("cntr_") and len(output) == 2
+        sent = len(store.requests)
+        with pytest.raises(openai.NotFoundError) as info:
+            tools = [{"type": "code_interpreter", "container": container}]
+            bob.responses.create(model="gpt-4o-mini", input="ls /mnt/data", tools=tools)  # type: ignore[list-item]
+        assert info.value.body == not_found("Container", container)
+        with pytest.raises(openai.NotFoundError):
+            bob.containers.retrieve(container)
+        assert store.requests[sent:] == []
+        again = alice.responses.create(model="gpt-4o-mini", input="again", tools=[{"type": "code_interpreter",
+                                                                                   "container": container}])  # fmt: skip
+        assert again.output[0].container_id == container  # type: ignore[union-attr]
+        assert alice.containers.retrieve(container).id == container
+    note = f"refused by isolation: container {container} belongs to key {VK_ALICE}"
+    assert [(r["principal"], r["error"]) for r in read_rows(ledger) if r["http_status"] == 404] == [
+        ("bob", note),
+        ("bob", note),
+    ]
