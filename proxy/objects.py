@@ -247,7 +247,8 @@ def _sub_capture(kind: Kind, method: str, sub: str, depth: int) -> Capture | Non
         return Capture(_VIDEO, _CREATED)
     if method == "GET" and kind is _RESPONSE:  # a retrieved (background) response's output, its input items
         path = {"": "output[].id", "input_items": "data[].id"}.get(sub)
-        return Capture(_RESPONSE, (), parent=True, items=(path,)) if path else None
+        ran = (Capture(_CONTAINER, ("output[].container_id",), parent=True),) if not sub else ()  # its code's
+        return Capture(_RESPONSE, (), parent=True, items=(path,), also=ran) if path else None
     if kind is _CONVERSATION and sub == "items" and method in ("GET", "POST"):
         return Capture(_CONVERSATION, (), parent=True, items=("data[].id",))
     return None

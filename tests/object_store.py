@@ -299,7 +299,10 @@ class ObjectStore:
                     call = {"id": self.new_id("ci_"), "type": "code_interpreter_call", "status": "completed"}
                     response["output"].insert(0, {**call, "container_id": container["id"], "code": "print(1)"})
             response.update(created_at=1, previous_response_id=previous)
-            if body.get("store", True):
+            if body.get("background"):  # its output is there once it is retrieved
+                self.add(dict(response))
+                response.update(status="queued", output=[])
+            elif body.get("store", True):
                 self.add(dict(response))
                 self.input_items[response["id"]] = inputs
                 self.items.update((i["id"], i) for i in [*inputs, *response["output"]])

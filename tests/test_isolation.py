@@ -976,17 +976,26 @@ def test_a_list_cursor_is_checked_whichever_dialect_or_case_names_it(store, tmp_
     assert [r["http_status"] for r in read_rows(ledger)][-5:] == [404, 404, 404, 404, 200]
 
 
-@pytest.mark.parametrize("stream", [False, True])
-@pytest.mark.parametrize("store_it", [True, False])
-def test_a_container_code_ran_in_for_a_response_is_the_callers(store, tmp_path, stream, store_it):
+@pytest.mark.parametrize(
+    ("stream", "store_it", "background"),
+    [(False, True, False), (False, False, False), (True, True, False), (True, False, False), (False, True, True)],
+    ids=["stored", "not-stored", "stream-stored", "stream-not-stored", "background"],
+)
+def test_a_container_code_ran_in_for_a_response_is_the_callers(store, tmp_path, stream, store_it, background):
     """Before: a container the provider started for a response's code interpreter (``"container": {"type":
     "auto"}``) was recorded for nobody, so bob, naming its id in his own code interpreter tool, ran his code in
     alice's container, among the files her code wrote; and alice got 404 for her own container. Its id, read
-    from the response (a stream's last event), is now alice's: bob's request is the unknown-id 404."""
+    from the response (a stream's last event, a background response's retrieve), is now alice's: bob's request is
+    the unknown-id 404."""
     ledger = tmp_path / "ledger.duckdb"
     auto = [{"type": "code_interpreter", "container": {"type": "auto"}}]
     with proxy(store, ledger) as url, gpt(url, ALICE) as alice, gpt(url, BOB) as bob:
-        create = alice.responses.create(model="gpt-4o-mini", input="run it", tools=auto, store=store_it, stream=stream)
+        create = alice.responses.create(
+            model="gpt-4o-mini", input="run it", tools=auto, store=store_it, stream=stream, background=background
+        )
+        if background:  # queued: the output, and the container, come with its retrieve
+            assert create.output == []  # type: ignore[union-attr]
+            create = alice.responses.retrieve(create.id)  # type: ignore[union-attr]
         output = (list(create)[-1].response if stream else create).output  # type: ignore[union-attr]
         container = output[0].container_id  # type: ignore[union-attr]
         assert container.startswith("cntr_") and len(output) == 2
