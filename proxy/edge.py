@@ -253,7 +253,20 @@ def _escapes_allowed(raw_path: bytes) -> bool:
     escapes = _ESCAPE.findall(raw_path)
     if len(escapes) != raw_path.count(b"%"):
         return False
-    return not any(int(e, 16) in _FORBIDDEN_ESCAPES for e in escapes)
+    return not any(int(e, 16) in _FORBIDDEN_ESCAPES for e in escapes) and _utf8(raw_path)
+
+
+def _utf8(raw_path: bytes) -> bool:
+    """Whether a path's escapes spell UTF-8: no overlong form (``%C0%AF``, ``%C0%AE``), lone byte or surrogate.
+
+    A lenient decoder reads an overlong form as the ASCII character it encodes, so ``%C0%AE%C0%AE%C0%AF``
+    is ``../`` to it (the classic IIS traversal) while every strict reader sees three odd bytes.
+    """
+    try:
+        unquote_to_bytes(raw_path).decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def _why_refused(raw_path: bytes) -> str:
@@ -279,6 +292,12 @@ def _why_refused(raw_path: bytes) -> str:
                     f"The request path {shown!r} percent-encodes {chr(int(escape, 16))!r} (%{escape.decode()}): "
                     "encoded '/', '\\', '.', '%', letters, digits and control characters are refused."
                 )
+        if not _utf8(raw_path):
+            return (
+                f"The request path {shown!r} percent-encodes bytes that are not UTF-8 "
+                "(an overlong form reads as '/' or '.' to a lenient decoder)."
+            )
+
     return f"The request path {shown!r} is not a plain path (segments of letters, digits, '-._~:' and %XX escapes)."
 
 
