@@ -202,6 +202,8 @@ def access(method: str, tail: str) -> Access | None:
         kind = _BY_COLLECTION.get(segments[0].lower())
         taken = 1
     writes = method in ("POST", "PUT", "PATCH")
+    if kind is None and method == "DELETE" and len(segments) == 2 and segments[0].lower() == "models":
+        return Access(CHECKPOINT, ids=(unquote(segments[1]),))  # deleting a fine-tuned model: its job's key's
     if kind is None:
         return Access(None, reads_body=writes) if tail.lower() in _REFERENCING else None
     rest = segments[taken:]

@@ -169,6 +169,12 @@ class ObjectStore:
             return await self._containers(request, method, parts[1:])
         if parts[0] == "chatkit":
             return await self._chatkit(request, method, parts[1:])
+        if parts[0] == "models" and method == "DELETE":  # a fine-tuned model (and its checkpoints) deleted
+            job = next((o for o in self.objects.values() if o.get("fine_tuned_model") == parts[1]), None)
+            if job is None:
+                raise _error(404, f"The model '{parts[1]}' does not exist")
+            job["fine_tuned_model"] = None
+            return web.json_response({"id": parts[1], "object": "model", "deleted": True})
         if parts[:2] == ["fine_tuning", "jobs"]:
             return await self._fine_tuning_jobs(request, method, parts[2:])
         if parts[:2] == ["fine_tuning", "checkpoints"]:

@@ -878,8 +878,9 @@ def test_the_requests_a_batch_runs_name_only_the_callers_objects(store, tmp_path
 
 def test_fine_tuned_models_and_checkpoints_are_shared_only_by_the_key_whose_job_made_them(store, tmp_path):
     """Before: ``fine_tuning/checkpoints/{name}/permissions`` named no isolated kind, so bob listed, granted (to
-    any project of the account) and revoked the permissions of alice's fine-tuned model and its checkpoints.
-    A job's model (its retrieve, its list) and its checkpoints (their list) are now its owner's."""
+    any project of the account) and revoked the permissions of alice's fine-tuned model and its checkpoints, and
+    (where ``DELETE models/*`` is allowed) deleted her model. A job's model (its retrieve, its list) and its
+    checkpoints (their list) are now its owner's."""
     ledger = tmp_path / "ledger.duckdb"
     with proxy(store, ledger) as url, gpt(url, ALICE) as alice, gpt(url, BOB) as bob, gpt(url, OPS) as ops:
         job = alice.fine_tuning.jobs.create(model="gpt-4o-mini-2024-07-18", training_file=upload(alice, "t.jsonl"))
@@ -905,6 +906,11 @@ def test_fine_tuned_models_and_checkpoints_are_shared_only_by_the_key_whose_job_
         assert [p.project_id for p in alice.fine_tuning.checkpoints.permissions.create(model, project_ids=["p2"])] == [
             "p2"
         ]
+        sent = len(store.requests)
+        with pytest.raises(openai.NotFoundError) as info:  # deleting it (DELETE models/{name}) is alice's too
+            bob.models.delete(model)
+        assert info.value.body == not_found("Checkpoint", model) and store.requests[sent:] == []
+        assert alice.models.delete(model).deleted is True
     rows = read_rows(ledger)
     note = f"refused by isolation: fine_tuned_checkpoint {model} belongs to key {VK_ALICE}"
     assert refused(rows)[:3] == [
@@ -912,9 +918,10 @@ def test_fine_tuned_models_and_checkpoints_are_shared_only_by_the_key_whose_job_
         ("bob", "GET", f"/v1/fine_tuning/checkpoints/{model}/permissions", "rejected", note),
         ("bob", "DELETE", f"/v1/fine_tuning/checkpoints/{model}/permissions/{permission.id}", "rejected", note),
     ]
-    assert len(refused(rows)) == 12
+    assert len(refused(rows)) == 13
     unknown = f"refused by isolation: fine_tuned_checkpoint {model}:ckpt-step-30 has no recorded owner"
-    assert refused(rows)[-1][-1] == unknown
+    assert refused(rows)[-2][-1] == unknown
+    assert refused(rows)[-1] == ("bob", "DELETE", f"/v1/models/{model}", "rejected", note)
 
 
 def test_a_field_mask_cannot_cut_the_ids_isolation_reads_from_a_reply(store, tmp_path):

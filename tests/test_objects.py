@@ -92,6 +92,8 @@ def summary(method: str, tail: str) -> tuple[object, ...] | None:
         ("POST", "messages/count_tokens", (None, (), False, None, True)),
         ("POST", "responses/some_new_endpoint", ("response", ("some_new_endpoint",), False, None, True)),  # an id
         ("GET", "models", None),
+        ("GET", "models/ft:x", None),  # a model: any key may read and use it
+        ("DELETE", "models/ft%3Ax", ("fine_tuned_checkpoint", ("ft:x",), False, None, False)),  # deleting: its key's
         ("POST", "audio/speech", None),
         ("GET", "fine_tuning/checkpoints/ft:x/permissions", ("fine_tuned_checkpoint", ("ft:x",), False, None, False)),
         (
