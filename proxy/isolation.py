@@ -52,6 +52,7 @@ from tokenward.proxy.exchange import Exchange
 from tokenward.proxy.form import FormError, boundary_of, read_form
 from tokenward.proxy.keys import Identity
 from tokenward.proxy.objects import (
+    AUDIO,
     FILE,
     KINDS,
     RESPONSE_ITEM,
@@ -97,6 +98,8 @@ _CHAT = _KIND["chat_completion"]
 _RESPONSE = _KIND["response"]
 _EVAL = _KIND["eval"]
 _CONTAINER = _KIND["container"]
+_AUDIO_ANSWERS = (Capture(AUDIO, ("choices[].message.audio.id",)),)
+"""A chat completion's audio answers, the caller's (a later request naming another key's is refused)."""
 _CONTAINERS_RUN = (Capture(_CONTAINER, ("output[].container_id",)),)
 """A response's code interpreter calls name the container they ran in: one the provider started for the
 request (``"container": {"type": "auto"}``) is the caller's from then on (platform.openai.com/docs/guides/
@@ -246,8 +249,10 @@ class Isolation:
         if identity.key_id is None:
             return None
         capture = None
-        if endpoint == "chat_completions" and store is True:
-            capture = Capture(_CHAT, ("id",))
+        if endpoint == "chat_completions":  # stored (store: true), or with an audio answer to record
+            audio = _AUDIO_ANSWERS if b'"audio"' in body else ()
+            if store is True or audio:
+                capture = Capture(_CHAT, ("id",) if store is True else (), also=audio)
         elif endpoint == "responses" and store is not False:
             capture = Capture(_RESPONSE, ("id",), items=_OUTPUT, also=_CONTAINERS_RUN)
         elif endpoint == "responses":  # not stored, but the containers its code ran in are the caller's

@@ -33,6 +33,7 @@ from typing import Any
 from urllib.parse import unquote
 
 __all__ = [
+    "AUDIO",
     "CHECKPOINT",
     "FILE",
     "KINDS",
@@ -111,6 +112,11 @@ RESPONSE_ITEM = Kind("response_item", "Item", "responses/*/items", creates=False
 """A stored response's input or output item (``msg_...``, ``fc_...``, ``rs_...``): no collection of its own,
 reached only by an ``item_reference`` in a later request's ``input`` (not in :data:`KINDS`: no path names one)."""
 
+AUDIO = Kind("chat_audio", "Audio", "chat/completions/*/audio", creates=False)
+"""A chat completion's audio answer (``choices[].message.audio.id``, ``audio_...``): kept by the provider for a
+multi-turn conversation, in which an assistant message names it (``{"role": "assistant", "audio": {"id": ...}}``)
+and the model reads it again (platform.openai.com/docs/guides/audio). No path names one (not in :data:`KINDS`)."""
+
 KINDS: tuple[Kind, ...] = (
     FILE,
     _UPLOAD,
@@ -138,7 +144,7 @@ evals, video characters, ChatKit sessions and threads; Anthropic: files (the sam
 message batches."""
 
 _BY_COLLECTION = {kind.collection: kind for kind in KINDS}
-_BY_NAME = {kind.name: kind for kind in (*KINDS, RESPONSE_ITEM)}
+_BY_NAME = {kind.name: kind for kind in (*KINDS, RESPONSE_ITEM, AUDIO)}
 _REFERENCING = frozenset({"messages/count_tokens"})  # not objects, but bodies that may name some
 _STREAMED_UPLOADS = {("files", ""), ("uploads", "parts"), ("videos/characters", "")}
 """Multipart uploads (kind, sub-endpoint): streamed through unread; their forms name no object.
@@ -326,7 +332,7 @@ _CLIENT_SHAPES = frozenset({"metadata", "parameters", "input_schema", "schema", 
 """Members whose content the client defines (no provider object is named in them)."""
 
 _MARKERS: dict[str, tuple[bytes, ...]] = {
-    "chat_completions": (b"file_id",),
+    "chat_completions": (b"file_id", b'"audio"'),
     "anthropic_messages": (b"file_id", b'"container"'),
     "responses": (
         b"file_id",
@@ -431,6 +437,8 @@ def _walk(document: Any) -> Iterator[Reference]:
             kind = REFERENCE_FIELDS.get(name)
             if kind is not None:
                 yield from _named(name, value, kind)
+            elif name == "audio" and isinstance(value, dict) and isinstance(value.get("id"), str):
+                yield Reference("audio", value["id"], AUDIO, lenient=True)  # an earlier audio answer
             if name in _CLIENT_SHAPES or (name == "input" and isinstance(value, dict)):  # a tool call's input
                 continue
             if isinstance(value, dict | list):

@@ -40,7 +40,8 @@ class ObjectStore:
         self.vector_store_files: dict[str, list[str]] = {}
         self.requests: list[tuple[str, str]] = []
         self.headers: list[dict[str, str]] = []
-        self.permissions: dict[str, list[dict[str, Any]]] = {}  # fine-tuned model or checkpoint -> its grants  # each request's headers (names lower-cased), as requests
+        self.permissions: dict[str, list[dict[str, Any]]] = {}
+        self.audio: set[str] = set()  # chat completions' audio answers, kept for multi-turn  # fine-tuned model or checkpoint -> its grants  # each request's headers (names lower-cased), as requests
         self.max_page = 100
         self.refuses_large_pages = False  # answer 400 to a limit over max_page (instead of serving max_page)
         self.items: dict[str, dict[str, Any]] = {}  # stored responses' input and output items, by id
@@ -264,7 +265,14 @@ class ObjectStore:
                 "object": "chat.completion",
                 "model": "gpt-4o-mini-2024-07-18",
             }
-            message = {"role": "assistant", "content": "stored" if body.get("store") else "not stored"}
+            message: dict[str, Any] = {"role": "assistant", "content": "stored" if body.get("store") else "not stored"}
+            for given in body["messages"]:  # an earlier audio answer named: it must exist
+                if isinstance(given.get("audio"), dict) and given["audio"].get("id") not in self.audio:
+                    raise _error(400, f"Audio with id {given['audio'].get('id')} not found")
+            if "audio" in body.get("modalities", []):
+                message.update(content=None, audio={"id": self.new_id("audio_"), "data": "UklGRg==", "expires_at": 9})
+                message["audio"]["transcript"] = "the answer"
+                self.audio.add(message["audio"]["id"])
             completion["choices"] = [{"index": 0, "message": message, "finish_reason": "stop"}]
             completion.update(usage=USAGE, created=1)
             if body.get("store"):

@@ -1023,3 +1023,32 @@ def test_a_container_code_ran_in_for_a_response_is_the_callers(store, tmp_path, 
         ("bob", note),
         ("bob", note),
     ]
+
+
+def test_an_audio_answer_is_named_again_only_by_the_key_it_answered(store, tmp_path):
+    """Before: a chat completion's audio answer (``message.audio.id``), which the provider keeps so that a later
+    turn can name it, was recorded for nobody: bob, naming alice's in an assistant message, had the model read
+    her answer again. It is now alice's; bob's request is the unknown-id 404, nothing sent."""
+    ledger = tmp_path / "ledger.duckdb"
+    audio = {"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}}
+    with proxy(store, ledger) as url, gpt(url, ALICE) as alice, gpt(url, BOB) as bob:
+        answer = alice.chat.completions.create(**CHAT, **audio).choices[0].message.audio  # type: ignore[call-overload]
+        assert answer is not None and answer.id.startswith("audio_")
+        turn = [
+            *CHAT["messages"],
+            {"role": "assistant", "audio": {"id": answer.id}},
+            {"role": "user", "content": "again?"},
+        ]
+        sent = len(store.requests)
+        with pytest.raises(openai.NotFoundError) as info:
+            bob.chat.completions.create(model="gpt-4o-mini", messages=turn, **audio)  # type: ignore[call-overload]
+        assert info.value.body == not_found("Audio", answer.id) and store.requests[sent:] == []
+        again = alice.chat.completions.create(model="gpt-4o-mini", messages=turn, **audio)  # type: ignore[call-overload]
+        assert again.choices[0].message.audio is not None
+    rows = read_rows(ledger)
+    note = f"refused by isolation: chat_audio {answer.id} belongs to key {VK_ALICE}"
+    assert [(r["principal"], r["http_status"], r["error"]) for r in rows] == [
+        ("alice", 200, None),
+        ("bob", 404, note),
+        ("alice", 200, None),
+    ]
