@@ -523,7 +523,8 @@ class Plan:
         size = 0
         object_id: str | None = None
         rest: AsyncIterator[bytes] | None = stream
-        items = _ItemWatch(self, ex, capture, decoder) if capture.items or capture.also else None
+        watched = capture.items or (capture.also and capture.kind is _RESPONSE)  # a chat stream's audio: not read
+        items = _ItemWatch(self, ex, capture, decoder) if watched else None
         try:
             while size <= CAPTURE_MAX_BYTES:
                 try:
