@@ -45,6 +45,7 @@ __all__ = [
     "account_parameter",
     "parameter_names",
     "parse_base",
+    "reply_format_parameter",
     "request_dialect",
     "target",
 ]
@@ -240,6 +241,17 @@ def _steering_parameter(query: bytes, metered: bool) -> EdgeError | None:
     return None
 
 
+def reply_format_parameter(query: bytes) -> str | None:
+    """The first (in sort order) parameter of a raw query string that reshapes the reply (``alt``, ``fields``, ...).
+
+    Google's front ends answer such a request with a field mask of the reply, protobuf or JSONP: a
+    reply tokenward reads (a list it filters by owner, a create whose id it records) is then not
+    the JSON it reads. ``None`` when there is none.
+    """
+    found = parameter_names(query) & _REPLY_FORMATS if query else None
+    return min(found).decode("latin-1") if found else None
+
+
 def account_parameter(query: bytes) -> str | None:
     """The first (in sort order) parameter of a raw query string in :data:`ACCOUNT_PARAMETERS`, decoded; or ``None``."""
     found = parameter_names(query) & ACCOUNT_PARAMETERS if query else None
@@ -259,7 +271,20 @@ def _escapes_allowed(raw_path: bytes) -> bool:
     escapes = _ESCAPE.findall(raw_path)
     if len(escapes) != raw_path.count(b"%"):
         return False
-    return not any(int(e, 16) in _FORBIDDEN_ESCAPES for e in escapes)
+    return not any(int(e, 16) in _FORBIDDEN_ESCAPES for e in escapes) and _utf8(raw_path)
+
+
+def _utf8(raw_path: bytes) -> bool:
+    """Whether a path's escapes spell UTF-8: no overlong form (``%C0%AF``, ``%C0%AE``), lone byte or surrogate.
+
+    A lenient decoder reads an overlong form as the ASCII character it encodes, so ``%C0%AE%C0%AE%C0%AF``
+    is ``../`` to it (the classic IIS traversal) while every strict reader sees three odd bytes.
+    """
+    try:
+        unquote_to_bytes(raw_path).decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def _why_refused(raw_path: bytes) -> str:
@@ -285,6 +310,12 @@ def _why_refused(raw_path: bytes) -> str:
                     f"The request path {shown!r} percent-encodes {chr(int(escape, 16))!r} (%{escape.decode()}): "
                     "encoded '/', '\\', '.', '%', letters, digits and control characters are refused."
                 )
+        if not _utf8(raw_path):
+            return (
+                f"The request path {shown!r} percent-encodes bytes that are not UTF-8 "
+                "(an overlong form reads as '/' or '.' to a lenient decoder)."
+            )
+
     return f"The request path {shown!r} is not a plain path (segments of letters, digits, '-._~:' and %XX escapes)."
 
 

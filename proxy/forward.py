@@ -52,6 +52,7 @@ from tokenward.proxy.edge import (
     Endpoint,
     Target,
     account_parameter,
+    reply_format_parameter,
     request_dialect,
     target,
 )
@@ -173,6 +174,7 @@ _OUTCOME_BY_CODE = {
         Outcome.REJECTED,
     ),
     "client_disconnected": Outcome.CLIENT_DISCONNECTED,
+    "unsupported_transfer_coding": Outcome.CLIENT_ERROR,
 }
 _OUTCOME_BY_STATUS = {
     400: Outcome.CLIENT_ERROR,
@@ -232,6 +234,58 @@ class _Inbound:
     """The ``X-Tokenward-Run`` header's value."""
     claimed: dict[bytes, str] | None = None
     """Values of the headers attribution rules read (``header:``), by lower-case name."""
+
+
+def _keep_reply_shape(found: Target, headers: list[tuple[bytes, bytes]]) -> None:
+    """Refuse a field mask or reply format on a request whose reply isolation reads.
+
+    A list is filtered by its items' ``id`` and a create's owner recorded from its ``id``: a mask
+    leaving ``id`` out made the new object nobody's (its own key then got 404 for it), and a
+    protobuf or JSONP reply could not be read at all.
+
+    Raises:
+        ProxyError: 400 ``parameter_refused``.
+    """
+    named = reply_format_parameter(found.query.encode()) if found.query else None
+    if named is None and any(name == _FIELD_MASK for name, _ in headers):
+        named = "X-Goog-FieldMask"
+    if named is not None:
+        message = (
+            f"tokenward does not forward {named!r} here: it reads this reply (to filter a list by owner or "
+            "record who owns what it creates), which must come whole, as JSON."
+        )
+        raise ProxyError(400, message, "parameter_refused")
+
+
+def _framing_refused(scope: Scope) -> ProxyError | None:
+    """The refusal for a request framed by a transfer coding tokenward does not apply, or ``None``.
+
+    The server decodes ``chunked`` and nothing else: a body sent ``Transfer-Encoding: gzip, chunked``
+    reached the app still gzip-coded, with the header gone (hop-by-hop), so the upstream got the
+    coded bytes as if they were the content. RFC 9112 6.1: a server receiving a transfer coding it
+    does not understand should answer 501; an HTTP/1.0 message with ``Transfer-Encoding`` has faulty
+    framing (400).
+    """
+    for name, value in scope["headers"]:
+        if name != b"transfer-encoding":
+            continue
+        if scope.get("http_version") == "1.0":
+            message = "An HTTP/1.0 request cannot carry Transfer-Encoding (RFC 9112 6.1): send a Content-Length."
+            return ProxyError(400, message, "invalid_framing")
+        if value.lower() != b"chunked":
+            shown = value[:100].decode("latin-1")
+            message = (
+                f"Transfer-Encoding {shown!r} is not supported: tokenward applies only 'chunked'. Send the body "
+                "chunked or with a Content-Length (compress it with Content-Encoding instead)."
+            )
+            return ProxyError(501, message, "unsupported_transfer_coding")
+    return None
+
+
+def _as_identity(headers: list[tuple[bytes, bytes]], length: int) -> list[tuple[bytes, bytes]]:
+    """``headers`` for a body sent decoded: no ``Content-Encoding``, a ``Content-Length`` of ``length`` bytes."""
+    kept = [h for h in headers if h[0] not in (b"content-encoding", b"content-length", b"transfer-encoding")]
+    return [*kept, (b"content-length", str(length).encode())]
 
 
 class Forwarder:
@@ -297,6 +351,9 @@ class Forwarder:
             return self._refuse(ex, ProxyError(exc.status, exc.message, exc.code))
         if found is None:
             return self.not_found(request)
+        framing = _framing_refused(scope)
+        if framing is not None:
+            return self._refuse(Exchange(endpoint="unknown", method=scope["method"], path=found.path), framing)
         if found.endpoint is not None:
             return await self.metered(request, found)
         return await self.passthrough(request, found)
@@ -330,21 +387,25 @@ class Forwarder:
             self.recorder.admit(ex)
             _settle_attribution(ex, inbound.identity, inbound.claimed)
             has_body = any(name in (b"content-length", b"transfer-encoding") for name, _ in scope["headers"])
-            plan = self.isolation.plan(found, inbound.identity, inbound.anthropic) if self.isolation else None
-            body = decoded = None
+            route = self.router.pick(None, inbound.upstream, request_dialect(found.tail, inbound.anthropic))
+            # the upstream's dialect, not the headers', decides how its lists page (after_id or after)
+            anthropic = route.dialect == "anthropic"
+            plan = self.isolation.plan(found, inbound.identity, anthropic) if self.isolation else None
+            body = None
             if plan is not None:
+                if plan.reads_reply:
+                    _keep_reply_shape(found, inbound.headers)
                 await plan.check()
                 if has_body and plan.reads_body:  # a body that may name objects: read it once, check it
                     body = await read_body(request.receive, scope["headers"], self.limits)
-                    codings = request_encodings(scope["headers"])  # checked decoded, forwarded as sent
-                    decoded = body
-                    if codings:
-                        decoded = await asyncio.to_thread(decode_request_body, body, codings, self.limits.max_bytes)
-                    await plan.check_body(decoded, scope["headers"])
-            route = self.router.pick(None, inbound.upstream, request_dialect(found.tail, inbound.anthropic))
+                    codings = request_encodings(scope["headers"])
+                    if codings:  # checked decoded and sent decoded: the upstream's decoder may read it otherwise
+                        body = await asyncio.to_thread(decode_request_body, body, codings, self.limits.max_bytes)
+                        inbound.headers = _as_identity(inbound.headers, len(body))
+                    await plan.check_body(body, scope["headers"])
             self._attach(ex, route, inbound)
             if plan is not None:
-                input_file = plan.batch_input(decoded)
+                input_file = plan.batch_input(body)
                 if input_file is not None:  # the requests it runs may name objects too
                     await plan.check_batch_lines(await self._file_content(route, input_file, ex))
                 found = plan.prepare(found, inbound.headers)

@@ -52,6 +52,7 @@ from tokenward.proxy.exchange import Exchange
 from tokenward.proxy.form import FormError, boundary_of, read_form
 from tokenward.proxy.keys import Identity
 from tokenward.proxy.objects import (
+    AUDIO,
     FILE,
     KINDS,
     RESPONSE_ITEM,
@@ -62,6 +63,7 @@ from tokenward.proxy.objects import (
     Reference,
     access,
     captured,
+    derived_capture,
     form_documents,
     may_reference,
     references,
@@ -95,9 +97,18 @@ _KIND = {kind.name: kind for kind in KINDS}
 _CHAT = _KIND["chat_completion"]
 _RESPONSE = _KIND["response"]
 _EVAL = _KIND["eval"]
+_CONTAINER = _KIND["container"]
+_AUDIO_ANSWERS = (Capture(AUDIO, ("choices[].message.audio.id",)),)
+"""A chat completion's audio answers, the caller's (a later request naming another key's is refused)."""
+_CONTAINERS_RUN = (Capture(_CONTAINER, ("output[].container_id",)),)
+"""A response's code interpreter calls name the container they ran in: one the provider started for the
+request (``"container": {"type": "auto"}``) is the caller's from then on (platform.openai.com/docs/guides/
+tools-code-interpreter: an auto container is reused by naming its id)."""
 _CHATKIT_SESSION = _KIND["chatkit_session"]
 _BATCH = _KIND["batch"]
 _OUTPUT = ("output[].id",)
+_CURSORS = frozenset({"after", "before", "after_id", "before_id"})
+"""List cursors, which name an object (OpenAI's ``after``/``before``, Anthropic's ``after_id``/``before_id``)."""
 _STREAM_ENDS = frozenset({"response.completed", "response.incomplete", "response.failed"})
 _ITEM_MARKERS = re.compile(rb"output_item\.added|response\.(?:completed|incomplete|failed)")
 """What an event must hold to be decoded by :class:`_ItemWatch` (one search per event)."""
@@ -220,7 +231,7 @@ class Isolation:
     def plan(self, found: Target, identity: Identity, anthropic: bool) -> Plan | None:
         """The plan for an unmetered request (``None``: it names, lists and creates no object).
 
-        ``anthropic``: the request speaks Anthropic's API (list cursors are ``after_id``/``before_id``).
+        ``anthropic``: the upstream speaks Anthropic's API (its lists page by ``after_id``, up to 1000 items).
         """
         if identity.key_id is None:
             return None
@@ -238,10 +249,14 @@ class Isolation:
         if identity.key_id is None:
             return None
         capture = None
-        if endpoint == "chat_completions" and store is True:
-            capture = Capture(_CHAT, ("id",))
+        if endpoint == "chat_completions":  # stored (store: true), or with an audio answer to record
+            audio = _AUDIO_ANSWERS if b'"audio"' in body else ()
+            if store is True or audio:
+                capture = Capture(_CHAT, ("id",) if store is True else (), also=audio)
         elif endpoint == "responses" and store is not False:
-            capture = Capture(_RESPONSE, ("id",), items=_OUTPUT)
+            capture = Capture(_RESPONSE, ("id",), items=_OUTPUT, also=_CONTAINERS_RUN)
+        elif endpoint == "responses":  # not stored, but the containers its code ran in are the caller's
+            capture = Capture(_RESPONSE, (), also=_CONTAINERS_RUN)
         checked = endpoint in _BODY_CHECKED or (endpoint in _JSON_CHECKED and body.lstrip()[:1] == b"{")
         checks = not identity.admin and checked and may_reference(endpoint, body)
         if capture is None and not checks:
@@ -297,9 +312,8 @@ class Plan:
         assert what.kind is not None or not what.ids
         wanted = [Reference("path", object_id, what.kind) for object_id in what.ids if what.kind is not None]
         if what.lists and what.kind is not None and self.found.query:
-            cursors = ("after_id", "before_id") if self.anthropic else ("after", "before")
             for name, value in parse_qsl(self.found.query, keep_blank_values=True):
-                if name in cursors and value:
+                if value and name.lower() in _CURSORS:  # either dialect's, in any case: an upstream may read any
                     wanted.append(Reference(name, value, what.kind))
         await self._require(wanted)
 
@@ -494,6 +508,8 @@ class Plan:
             document = None
         if isinstance(document, dict):
             await self._record(ex, capture, captured(capture.fields, document), captured(capture.items, document))
+            for more in capture.also:
+                await self._record(ex, more, captured(more.fields, document))
         return _Replayed(reply, [body], None)
 
     async def _capture_stream(self, ex: Exchange, reply: UpstreamReply, capture: Capture) -> UpstreamReply:
@@ -507,7 +523,8 @@ class Plan:
         size = 0
         object_id: str | None = None
         rest: AsyncIterator[bytes] | None = stream
-        items = _ItemWatch(self, ex, capture, decoder) if capture.items else None
+        watched = capture.items or (capture.also and capture.kind is _RESPONSE)  # a chat stream's audio: not read
+        items = _ItemWatch(self, ex, capture, decoder) if watched else None
         try:
             while size <= CAPTURE_MAX_BYTES:
                 try:
@@ -531,6 +548,8 @@ class Plan:
             await self._record(ex, capture, first)
             return _Replayed(reply, chunks, rest)
         await self._record(ex, capture, first, items.take() if items.ended or rest is None else [])
+        for more, made in items.take_also():
+            await self._record(ex, more, made)
         return _Replayed(reply, chunks, None if rest is None or items.ended else items.relay(rest))
 
     async def _record(self, ex: Exchange, capture: Capture, object_ids: list[str], items: Sequence[str] = ()) -> None:
@@ -617,12 +636,12 @@ class Plan:
         return _Replayed(reply, [body], None, headers=headers)
 
     async def _record_derived(self, ex: Exchange, kind: Kind, items: list[dict[str, Any]]) -> None:
-        """Record the files the provider made for the caller's objects in a list (a batch's output)."""
-        if not kind.derived:
-            return
-        files = [object_id for item in items for object_id in captured(kind.derived, item)]
-        if files:
-            await self._record(ex, Capture(FILE, kind.derived), files)
+        """Record what the provider made for the caller's objects in a list (a batch's output, a job's models)."""
+        capture = derived_capture(kind, parent=False)
+        for each in (capture, *capture.also) if capture is not None else ():
+            made = [object_id for item in items for object_id in captured(each.fields, item)]
+            if made:
+                await self._record(ex, each, made)
 
 
 class _ItemWatch:
@@ -634,7 +653,7 @@ class _ItemWatch:
     one short substring test, any other one search; oversized events (:class:`Fragment`) are not read.
     """
 
-    __slots__ = ("_capture", "_decoder", "_ex", "_ids", "_plan", "ended")
+    __slots__ = ("_also", "_capture", "_decoder", "_ex", "_ids", "_plan", "ended")
 
     def __init__(self, plan: Plan, ex: Exchange, capture: Capture, decoder: SSEDecoder) -> None:
         self._plan = plan
@@ -642,6 +661,7 @@ class _ItemWatch:
         self._capture = capture
         self._decoder = decoder
         self._ids: dict[str, None] = {}
+        self._also: list[tuple[Capture, list[str]]] = []
         self.ended = False
 
     def scan(self, blocks: list[bytes]) -> None:
@@ -658,13 +678,20 @@ class _ItemWatch:
             if kind == "response.output_item.added":
                 self._ids.update(dict.fromkeys(captured(("item.id",), event)))
             elif kind in _STREAM_ENDS:
-                self._ids.update(dict.fromkeys(captured(("response.output[].id",), event)))
+                self._ids.update(dict.fromkeys(captured(tuple(f"response.{f}" for f in self._capture.items), event)))
+                response = event.get("response")
+                self._also.extend((more, captured(more.fields, response)) for more in self._capture.also)
                 self.ended = True
 
     def take(self) -> list[str]:
         """The ids gathered and not yet taken."""
         ids, self._ids = list(self._ids), {}
         return ids
+
+    def take_also(self) -> list[tuple[Capture, list[str]]]:
+        """The objects of :attr:`Capture.also` the last event named, by capture, not yet taken."""
+        also, self._also = self._also, []
+        return also
 
     async def relay(self, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         """The rest of the stream, unchanged; the ids are recorded before the chunk ending its last event."""
@@ -679,14 +706,18 @@ class _ItemWatch:
 
     async def _save(self) -> None:
         """Record the ids gathered; a failure leaves them unowned (refused later), not the stream broken."""
-        ids = self.take()
-        if not ids:
+        ids, also = self.take(), self.take_also()
+        if not ids and not any(made for _, made in also):
             return
         plan = self._plan
         try:
             owner = await plan._owner(self._capture)
             if owner is not None:
-                await plan.owners.record(RESPONSE_ITEM.name, ids, owner)
+                if ids:
+                    await plan.owners.record(RESPONSE_ITEM.name, ids, owner)
+                for more, made in also:
+                    if made:
+                        await plan.owners.record(more.kind.name, made, owner)
         except Exception:
             log.exception("request %s: could not record the owner of %s", self._ex.request_id, ids)
 

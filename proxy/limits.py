@@ -437,6 +437,18 @@ class LimitedHttpTools(HttpToolsProtocol):
             self._arm()
         super().on_message_begin()
 
+    def on_header(self, name: bytes, value: bytes) -> None:
+        """Keep a header field of the head; drop a trailer field (one after a chunked body's last chunk).
+
+        uvicorn appends trailer fields to the request's headers, the very list the app reads: a
+        trailer ``Authorization``, ``Content-Encoding`` or attribution header then counted as one
+        sent in the head (the last of two values wins where a header is read once), and one that
+        arrived after the app had read the headers changed what it read later. RFC 9110 6.5.1: a
+        recipient must not merge trailer fields into the header section; tokenward uses none.
+        """
+        if self._in_head:
+            super().on_header(name, value)
+
     def on_headers_complete(self) -> None:
         """The head is complete: the deadline no longer applies (the body has its own limits).
 

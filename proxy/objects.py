@@ -33,6 +33,8 @@ from typing import Any
 from urllib.parse import unquote
 
 __all__ = [
+    "AUDIO",
+    "CHECKPOINT",
     "FILE",
     "KINDS",
     "RESPONSE_ITEM",
@@ -44,6 +46,7 @@ __all__ = [
     "Reference",
     "access",
     "captured",
+    "derived_capture",
     "form_documents",
     "kind_named",
     "may_reference",
@@ -64,7 +67,8 @@ class Kind:
     <collection>`` creates one, whose id is the reply's ``id``; ``reserved``: segments after the
     collection that name sub-endpoints, not ids; ``max_limit``: the largest page the provider
     serves (a filtered list asks for it); ``derived``: reply fields naming files the provider
-    made for the object.
+    made for the object; ``models``: reply fields naming the fine-tuned models it made for the
+    object (recorded as :data:`CHECKPOINT`, whose permissions name them).
     """
 
     name: str
@@ -74,6 +78,7 @@ class Kind:
     reserved: frozenset[str] = frozenset()
     max_limit: int = 100
     derived: tuple[str, ...] = ()
+    models: tuple[str, ...] = ()
 
 
 FILE = Kind("file", "File", "files", max_limit=10_000)
@@ -85,7 +90,13 @@ _RESPONSE = Kind("response", "Response", "responses", creates=False, reserved=fr
 _CONVERSATION = Kind("conversation", "Conversation", "conversations")
 _ASSISTANT = Kind("assistant", "Assistant", "assistants")
 _THREAD = Kind("thread", "Thread", "threads", reserved=frozenset({"runs"}))
-_FINE_TUNE = Kind("fine_tuning_job", "FineTuningJob", "fine_tuning/jobs", derived=("result_files",))
+_FINE_TUNE = Kind(
+    "fine_tuning_job", "FineTuningJob", "fine_tuning/jobs", derived=("result_files",), models=("fine_tuned_model",)
+)
+CHECKPOINT = Kind("fine_tuned_checkpoint", "Checkpoint", "fine_tuning/checkpoints", creates=False)
+"""A fine-tuned model or one of its checkpoints (``ft:gpt-4o-mini-2024-07-18:org::B7R9VjQd``, ``...:ckpt-step-88``):
+made by the provider for a fine-tuning job, so it belongs to the job's owner; its permissions
+(``fine_tuning/checkpoints/{name}/permissions``) share it with other projects of the account."""
 _CONTAINER = Kind("container", "Container", "containers")
 _VIDEO = Kind("video", "Video", "videos", reserved=frozenset({"edits", "extensions"}))  # POST: a new video
 _CHARACTER = Kind("video_character", "Character", "videos/characters")
@@ -101,6 +112,11 @@ RESPONSE_ITEM = Kind("response_item", "Item", "responses/*/items", creates=False
 """A stored response's input or output item (``msg_...``, ``fc_...``, ``rs_...``): no collection of its own,
 reached only by an ``item_reference`` in a later request's ``input`` (not in :data:`KINDS`: no path names one)."""
 
+AUDIO = Kind("chat_audio", "Audio", "chat/completions/*/audio", creates=False)
+"""A chat completion's audio answer (``choices[].message.audio.id``, ``audio_...``): kept by the provider for a
+multi-turn conversation, in which an assistant message names it (``{"role": "assistant", "audio": {"id": ...}}``)
+and the model reads it again (platform.openai.com/docs/guides/audio). No path names one (not in :data:`KINDS`)."""
+
 KINDS: tuple[Kind, ...] = (
     FILE,
     _UPLOAD,
@@ -112,6 +128,7 @@ KINDS: tuple[Kind, ...] = (
     _ASSISTANT,
     _THREAD,
     _FINE_TUNE,
+    CHECKPOINT,
     _CONTAINER,
     _VIDEO,
     _CHARACTER,
@@ -121,12 +138,13 @@ KINDS: tuple[Kind, ...] = (
     _CHATKIT_THREAD,
 )
 """Every isolated kind. OpenAI: files, uploads, batches, vector stores, stored chat completions,
-stored responses, conversations, assistants, threads, fine-tuning jobs, containers, videos,
+stored responses, conversations, assistants, threads, fine-tuning jobs and the fine-tuned models and
+checkpoints they make, containers, videos,
 evals, video characters, ChatKit sessions and threads; Anthropic: files (the same ``/v1/files`` paths) and
 message batches."""
 
 _BY_COLLECTION = {kind.collection: kind for kind in KINDS}
-_BY_NAME = {kind.name: kind for kind in (*KINDS, RESPONSE_ITEM)}
+_BY_NAME = {kind.name: kind for kind in (*KINDS, RESPONSE_ITEM, AUDIO)}
 _REFERENCING = frozenset({"messages/count_tokens"})  # not objects, but bodies that may name some
 _STREAMED_UPLOADS = {("files", ""), ("uploads", "parts"), ("videos/characters", "")}
 """Multipart uploads (kind, sub-endpoint): streamed through unread; their forms name no object.
@@ -143,13 +161,16 @@ class Capture:
     list), recorded as :data:`RESPONSE_ITEM`; in a stream they are read from its
     ``response.output_item.added`` events and its last event. ``parent``: the new objects
     belong to the owner of the object in the path (a batch's output file belongs to whoever
-    owns the batch, even when an admin reads it); otherwise to the caller.
+    owns the batch, even when an admin reads it); otherwise to the caller. ``also``: captures of
+    other kinds from the same reply.
     """
 
     kind: Kind
     fields: tuple[str, ...]
     parent: bool = False
     items: tuple[str, ...] = ()
+    also: tuple[Capture, ...] = ()
+    """More objects of other kinds the same reply names (a fine-tuning job's files and its models)."""
 
 
 _CREATED = ("id",)
@@ -187,6 +208,8 @@ def access(method: str, tail: str) -> Access | None:
         kind = _BY_COLLECTION.get(segments[0].lower())
         taken = 1
     writes = method in ("POST", "PUT", "PATCH")
+    if kind is None and method == "DELETE" and len(segments) == 2 and segments[0].lower() == "models":
+        return Access(CHECKPOINT, ids=(unquote(segments[1]),))  # deleting a fine-tuned model: its job's key's
     if kind is None:
         return Access(None, reads_body=writes) if tail.lower() in _REFERENCING else None
     rest = segments[taken:]
@@ -222,18 +245,34 @@ def _sub_capture(kind: Kind, method: str, sub: str, depth: int) -> Capture | Non
     """What a reply on ``<collection>/<id>[/<sub>]`` creates: derived files, a completed upload's file, a remix."""
     if depth > 2:
         return None
-    if kind.derived and ((method == "GET" and not sub) or (method == "POST" and sub == "cancel")):
-        return Capture(FILE, kind.derived, parent=True)
+    if (kind.derived or kind.models) and ((method == "GET" and not sub) or (method == "POST" and sub == "cancel")):
+        return derived_capture(kind, parent=True)
+    if kind is _FINE_TUNE and method == "GET" and sub == "checkpoints":  # the job's checkpoints, by name and id
+        return Capture(CHECKPOINT, ("data[].fine_tuned_model_checkpoint", "data[].id"), parent=True)
     if kind is _UPLOAD and method == "POST" and sub == "complete":
         return Capture(FILE, ("file.id",), parent=True)
     if kind is _VIDEO and method == "POST" and sub == "remix":
         return Capture(_VIDEO, _CREATED)
     if method == "GET" and kind is _RESPONSE:  # a retrieved (background) response's output, its input items
         path = {"": "output[].id", "input_items": "data[].id"}.get(sub)
-        return Capture(_RESPONSE, (), parent=True, items=(path,)) if path else None
+        ran = (Capture(_CONTAINER, ("output[].container_id",), parent=True),) if not sub else ()  # its code's
+        return Capture(_RESPONSE, (), parent=True, items=(path,), also=ran) if path else None
     if kind is _CONVERSATION and sub == "items" and method in ("GET", "POST"):
         return Capture(_CONVERSATION, (), parent=True, items=("data[].id",))
     return None
+
+
+def derived_capture(kind: Kind, *, parent: bool) -> Capture | None:
+    """What a reply showing ``kind`` objects names that the provider made for them: files, fine-tuned models.
+
+    ``parent``: they belong to the owner of the object in the path (else to the caller).
+    ``None`` for a kind with neither.
+    """
+    files = Capture(FILE, kind.derived, parent=parent) if kind.derived else None
+    models = Capture(CHECKPOINT, kind.models, parent=parent) if kind.models else None
+    if files is not None and models is not None:
+        return Capture(FILE, kind.derived, parent=parent, also=(models,))
+    return files or models
 
 
 def captured(fields: tuple[str, ...], document: Any) -> list[str]:
@@ -293,7 +332,7 @@ _CLIENT_SHAPES = frozenset({"metadata", "parameters", "input_schema", "schema", 
 """Members whose content the client defines (no provider object is named in them)."""
 
 _MARKERS: dict[str, tuple[bytes, ...]] = {
-    "chat_completions": (b"file_id",),
+    "chat_completions": (b"file_id", b'"audio"'),
     "anthropic_messages": (b"file_id", b'"container"'),
     "responses": (
         b"file_id",
@@ -398,6 +437,8 @@ def _walk(document: Any) -> Iterator[Reference]:
             kind = REFERENCE_FIELDS.get(name)
             if kind is not None:
                 yield from _named(name, value, kind)
+            elif name == "audio" and isinstance(value, dict) and isinstance(value.get("id"), str):
+                yield Reference("audio", value["id"], AUDIO, lenient=True)  # an earlier audio answer
             if name in _CLIENT_SHAPES or (name == "input" and isinstance(value, dict)):  # a tool call's input
                 continue
             if isinstance(value, dict | list):

@@ -5,7 +5,9 @@ Clients compress large request bodies: the Codex CLI sends ``/v1/responses`` bod
 bodies. tokenward reads a metered request's JSON (model, limits, the ids it names, the text a
 budget's bound counts), so it decodes such a body first and forwards the decoded bytes without the
 header: the upstream reads the same JSON. Decoding is bounded: a body that would decode past the
-limit is refused (413) as soon as the limit is passed, whatever its compression ratio. The whole
+limit is refused (413) as soon as the limit is passed, whatever its compression ratio. A body
+isolation only checks (a passthrough request naming objects) is forwarded decoded as well: two
+decoders (tokenward's and the upstream's) need not read one compressed body the same way. The whole
 body is decoded as the upstream's decoder reads it: every member of a gzip body (RFC 1952; Python's,
 Go's and aiohttp's readers join them) and every zstd frame; bytes after the end of a deflate or
 brotli stream are refused (400), never left unread: a check that read only the first member of a

@@ -5,7 +5,8 @@ completions and responses, videos and video characters, containers and their fil
 It behaves like the provider where isolation depends on it: one account (every key's objects in one
 place), lists newest first with ``after``/``limit`` cursors (``after_id`` for Anthropic) and a page cap
 (:attr:`ObjectStore.max_page`, like the provider's largest ``limit``), 404 for unknown ids, 400 for a
-body naming a file that does not exist. :attr:`ObjectStore.requests` logs ``(method, path)``.
+body naming a file that does not exist. :attr:`ObjectStore.requests` logs ``(method, path)``, :attr:`ObjectStore.headers`
+the headers of each.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ class ObjectStore:
         self.contents: dict[str, bytes] = {}
         self.vector_store_files: dict[str, list[str]] = {}
         self.requests: list[tuple[str, str]] = []
+        self.headers: list[dict[str, str]] = []
+        self.permissions: dict[str, list[dict[str, Any]]] = {}
+        self.audio: set[str] = set()  # chat completions' audio answers, kept for multi-turn  # fine-tuned model or checkpoint -> its grants  # each request's headers (names lower-cased), as requests
         self.max_page = 100
         self.refuses_large_pages = False  # answer 400 to a limit over max_page (instead of serving max_page)
         self.items: dict[str, dict[str, Any]] = {}  # stored responses' input and output items, by id
@@ -138,8 +142,9 @@ class ObjectStore:
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         self.requests.append((request.method, request.path_qs))
+        self.headers.append({name.lower(): value for name, value in request.headers.items()})
         try:
-            return await self._route(request)
+            return _masked(request, await self._route(request))
         except web.HTTPException as exc:
             return web.Response(status=exc.status, text=exc.text, content_type="application/json")
 
@@ -165,6 +170,16 @@ class ObjectStore:
             return await self._containers(request, method, parts[1:])
         if parts[0] == "chatkit":
             return await self._chatkit(request, method, parts[1:])
+        if parts[0] == "models" and method == "DELETE":  # a fine-tuned model (and its checkpoints) deleted
+            job = next((o for o in self.objects.values() if o.get("fine_tuned_model") == parts[1]), None)
+            if job is None:
+                raise _error(404, f"The model '{parts[1]}' does not exist")
+            job["fine_tuned_model"] = None
+            return web.json_response({"id": parts[1], "object": "model", "deleted": True})
+        if parts[:2] == ["fine_tuning", "jobs"]:
+            return await self._fine_tuning_jobs(request, method, parts[2:])
+        if parts[:2] == ["fine_tuning", "checkpoints"]:
+            return await self._permissions(request, method, parts[2:])
         raise _error(404, f"unknown path {request.path}")
 
     async def _files(self, request: web.Request, method: str, parts: list[str], anthropic: bool) -> web.Response:
@@ -250,7 +265,14 @@ class ObjectStore:
                 "object": "chat.completion",
                 "model": "gpt-4o-mini-2024-07-18",
             }
-            message = {"role": "assistant", "content": "stored" if body.get("store") else "not stored"}
+            message: dict[str, Any] = {"role": "assistant", "content": "stored" if body.get("store") else "not stored"}
+            for given in body["messages"]:  # an earlier audio answer named: it must exist
+                if isinstance(given.get("audio"), dict) and given["audio"].get("id") not in self.audio:
+                    raise _error(400, f"Audio with id {given['audio'].get('id')} not found")
+            if "audio" in body.get("modalities", []):
+                message.update(content=None, audio={"id": self.new_id("audio_"), "data": "UklGRg==", "expires_at": 9})
+                message["audio"]["transcript"] = "the answer"
+                self.audio.add(message["audio"]["id"])
             completion["choices"] = [{"index": 0, "message": message, "finish_reason": "stop"}]
             completion.update(usage=USAGE, created=1)
             if body.get("store"):
@@ -282,8 +304,19 @@ class ObjectStore:
             text = {"type": "output_text", "text": said, "annotations": []}
             item = {"id": self.new_id("msg_"), "type": "message", "role": "assistant", "status": "completed"}
             response.update(status="completed", output=[{**item, "content": [text]}], usage=RESPONSE_USAGE)
+            for tool in body.get("tools", []):  # code ran in a container: the one named, or a new one (auto)
+                if tool.get("type") == "code_interpreter":
+                    given = tool.get("container")
+                    container = self.of(given, "container") if isinstance(given, str) else self.add(
+                        {"id": self.new_id("cntr_"), "object": "container", "name": "auto"}
+                    )
+                    call = {"id": self.new_id("ci_"), "type": "code_interpreter_call", "status": "completed"}
+                    response["output"].insert(0, {**call, "container_id": container["id"], "code": "print(1)"})
             response.update(created_at=1, previous_response_id=previous)
-            if body.get("store", True):
+            if body.get("background"):  # its output is there once it is retrieved
+                self.add(dict(response))
+                response.update(status="queued", output=[])
+            elif body.get("store", True):
                 self.add(dict(response))
                 self.input_items[response["id"]] = inputs
                 self.items.update((i["id"], i) for i in [*inputs, *response["output"]])
@@ -411,6 +444,44 @@ class ObjectStore:
         thread.update(status={"type": "active"}, items=[item])
         return self.add(thread)
 
+    async def _fine_tuning_jobs(self, request: web.Request, method: str, rest: list[str]) -> web.Response:
+        """Fine-tuning jobs: a job succeeds on its first retrieve, making its model and two checkpoints."""
+        if not rest and method == "POST":
+            body = await request.json()
+            self.need_file(body.get("training_file"))
+            job = {"id": self.new_id("ftjob-"), "object": "fine_tuning.job", "model": body["model"]}
+            job.update(training_file=body["training_file"], status="running", fine_tuned_model=None, result_files=[])
+            return web.json_response(self.add(job))
+        if not rest:
+            return self.page(request, "fine_tuning.job")
+        job = self.of(rest[0], "fine_tuning.job")
+        if job["status"] == "running":
+            name = f"ft:{job['model']}:org::{job['id'][-4:]}"
+            job.update(status="succeeded", fine_tuned_model=name, result_files=[self.add_file("r.csv", b"s\n", "")["id"]])
+            for step in (10, 20):
+                checkpoint = {"id": self.new_id("ftckpt_"), "object": "fine_tuning.job.checkpoint", "step_number": step}
+                checkpoint.update(fine_tuned_model_checkpoint=f"{name}:ckpt-step-{step}", fine_tuning_job_id=job["id"])
+                self.add(checkpoint)
+        if rest[1:] == ["checkpoints"]:
+            data = [o for o in self.objects.values() if o.get("fine_tuning_job_id") == job["id"]]
+            return web.json_response({"object": "list", "data": data, "has_more": False})
+        return web.json_response(job)
+
+    async def _permissions(self, request: web.Request, method: str, rest: list[str]) -> web.Response:
+        """A fine-tuned model's (or checkpoint's) permissions: the projects it is shared with."""
+        names = {o["fine_tuned_model"] for o in self.objects.values() if o.get("fine_tuned_model")}
+        names |= {o["fine_tuned_model_checkpoint"] for o in self.objects.values() if "fine_tuned_model_checkpoint" in o}
+        if rest[0] not in names or rest[1:2] != ["permissions"]:
+            raise _error(404, f"No such checkpoint: {rest[0]}")
+        granted = self.permissions.setdefault(rest[0], [])
+        if method == "POST":
+            for project in (await request.json())["project_ids"]:
+                granted.append({"id": self.new_id("cp_"), "object": "checkpoint.permission", "project_id": project})
+        elif method == "DELETE":
+            granted[:] = [p for p in granted if p["id"] != rest[2]]
+            return web.json_response({"id": rest[2], "object": "checkpoint.permission", "deleted": True})
+        return web.json_response({"object": "list", "data": granted, "has_more": False})
+
     async def _message_batches(self, request: web.Request, method: str, rest: list[str]) -> web.Response:
         if not rest and method == "POST":
             body = await request.json()
@@ -429,6 +500,16 @@ class ObjectStore:
         if not rest:
             return self.page(request, "message_batch", anthropic=True)
         return web.json_response(self.of(rest[0], "message_batch"))
+
+
+def _masked(request: web.Request, response: web.StreamResponse) -> web.StreamResponse:
+    """A JSON reply cut to the top-level members a Google-style field mask names (``X-Goog-FieldMask``, ``fields``)."""
+    mask = request.headers.get("x-goog-fieldmask") or request.query.get("fields")
+    if not mask or not isinstance(response, web.Response) or response.content_type != "application/json":
+        return response
+    assert isinstance(response.body, bytes)
+    kept = {name.strip() for name in mask.split(",")}
+    return web.json_response({k: v for k, v in json.loads(response.body).items() if k in kept})
 
 
 def _error(status: int, message: str) -> web.HTTPException:

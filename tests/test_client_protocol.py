@@ -202,6 +202,55 @@ def test_a_gzip_body_whose_second_member_names_another_keys_file_is_refused(tmp_
         assert created.status_code == 200 and store.vector_store_files[created.json()["id"]] == [alice_file]
 
 
+def raw_deflate_with_a_zlib_nibble(data: bytes) -> bytes:
+    """``data`` as a raw deflate stream whose first byte's low nibble is 8: a stored block with a padding bit set.
+
+    Raw deflate (RFC 1951 3.2.4) ignores the bits after a stored block's 3-bit header; zlib's first byte
+    names method 8 in that nibble (RFC 1950 2.2). Not a zlib header (0x08 0x11 is no multiple of 31), so
+    tokenward (and zlib's own header check) reads it as raw deflate; aiohttp, seeing the 8, reads it as zlib.
+    """
+    encoder = zlib.compressobj(level=0, wbits=-15)
+    stream = encoder.compress(data) + encoder.flush(zlib.Z_FULL_FLUSH) + encoder.flush()
+    assert stream[0] == 0x00 and (0x08 << 8 | stream[1]) % 31 != 0
+    return bytes([stream[0] | 0x08]) + stream[1:]
+
+
+@pytest.mark.parametrize("coding", ["deflate", "gzip", "br", "zstd"])
+def test_a_body_isolation_checked_is_sent_as_the_json_it_checked(tmp_path, monkeypatch, coding):
+    """Before: a passthrough body isolation read was checked decoded but sent as the client compressed it.
+
+    Two decoders then read one body: tokenward's (whose reading was checked) and the upstream's. They differ
+    (here a raw deflate stream aiohttp takes for zlib: the upstream answered 500 and made nothing). Now the
+    upstream gets the checked JSON itself, without Content-Encoding, with its own Content-Length.
+    """
+    import brotli
+    import zstandard
+
+    monkeypatch.setenv("OBJECTS_SECRET", isolation_tests.SECRET)
+    document = json.dumps({"name": "notes"}).encode()
+    encode = {
+        "deflate": raw_deflate_with_a_zlib_nibble,
+        "gzip": gzip.compress,
+        "br": brotli.compress,
+        "zstd": zstandard.ZstdCompressor().compress,
+    }[coding]
+    with ObjectStore().running() as store, isolation_tests.proxy(store, tmp_path / "l.duckdb") as url:
+        reply = httpx.post(
+            f"{url}/v1/vector_stores",
+            content=encode(document),
+            headers={
+                "content-type": "application/json",
+                "content-encoding": coding,
+                "authorization": f"Bearer {isolation_tests.BOB}",
+            },
+        )
+        assert reply.status_code == 200, reply.text
+        created = store.objects[reply.json()["id"]]
+        sent = store.headers[-1]
+    assert created["name"] == "notes" and "content-encoding" not in sent
+    assert sent["content-length"] == str(len(document))
+
+
 @pytest.mark.parametrize("coding", ["deflate", "gzip"])
 def test_bytes_after_a_compressed_body_are_refused_not_left_unread(servers, tmp_path, coding):
     """A metered body is forwarded decoded: before, what followed the first stream was dropped unread and unsaid."""

@@ -41,6 +41,10 @@ REFUSED = {
     b"/v1/ch%61t/completions": "percent-encodes 'a' (%61)",  # the upstream would decode it to chat/...
     b"/v1/a%252e%252e": "percent-encodes '%' (%25)",  # double encoding
     b"/v1/chat/completions;x=1": "';'",  # path parameters: some servers drop them
+    b"/v1/models/%C0%AE%C0%AE%C0%AFfiles": "not UTF-8",  # overlong '../': the IIS traversal to files
+    b"/v1/models/%C0%AFfiles": "not UTF-8",
+    b"/v1/models/%ED%A0%80": "not UTF-8",  # a surrogate
+    b"/v1/models/a%E9": "not UTF-8",  # a lone latin-1 byte
     b"/v1/a%2": "not a plain path",
     b"/v1/a%zz": "not a plain path",
     b"/v1/caf\xc3\xa9": "non-ASCII byte",
@@ -66,6 +70,8 @@ def test_plain_paths_are_routed_on_the_bytes_that_are_sent():
     assert target(b"/v1/chat/completions", "GET").endpoint is None  # type: ignore[union-attr]
     ft = target(b"/v1/models/ft%3Agpt-4o-mini%3Aacme%3A1", "GET")
     assert ft is not None and ft.tail == "models/ft%3Agpt-4o-mini%3Aacme%3A1" and ft.endpoint is None
+    utf8 = target(b"/v1/models/caf%C3%A9", "GET")  # escapes that spell UTF-8 pass, as sent
+    assert utf8 is not None and utf8.tail == "models/caf%C3%A9"
     # an upstream that matches paths without regard to case would serve this as chat: so is tokenward
     upper = target(b"/v1/Chat/Completions", "POST")
     assert upper is not None and upper.endpoint is METERED_ENDPOINTS["chat/completions"]

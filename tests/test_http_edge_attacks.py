@@ -57,6 +57,16 @@ def proxy(upstream_url: str, ledger: Path, allow: tuple[str, ...] | None = None,
         yield url
 
 
+def keys_config(upstream_url: str, ledger: Path, *keys: VirtualKeyConfig) -> Config:
+    """A ``virtual_keys`` proxy for ``keys`` in front of ``upstream_url`` (holding ``EDGE_KEY``), no budget."""
+    return Config(
+        upstreams=[UpstreamConfig(name="o", base_url=f"{upstream_url}/v1", provider="openai", api_key_env="EDGE_KEY")],
+        ledger=LedgerConfig(path=str(ledger), flush_interval_s=0.05),
+        auth=AuthConfig(mode="virtual_keys"),
+        virtual_keys=list(keys),
+    )
+
+
 def raw(url: str, request: bytes) -> tuple[int, bytes]:
     """Send ``request`` as is; the reply's status and body (the proxy closes: ``Connection: close``)."""
     head, body = raw_reply(url, request)
@@ -433,13 +443,8 @@ def test_pipelined_requests_absolute_targets_and_redirects_stay_with_the_upstrea
         return web.json_response({"object": "list", "data": []})
 
     with Servers(handle).running() as servers:
-        config = Config(
-            upstreams=[UpstreamConfig(name="o", base_url=f"{servers.upstream_url}/v1", provider="openai",
-                                      api_key_env="EDGE_KEY")],
-            ledger=LedgerConfig(path=str(tmp_path / "l.duckdb"), flush_interval_s=0.05),
-            auth=AuthConfig(mode="virtual_keys"),
-            virtual_keys=[VirtualKeyConfig(name="a", key=KEY), VirtualKeyConfig(name="b", key=other)],
-        )  # fmt: skip
+        config = keys_config(servers.upstream_url, tmp_path / "l.duckdb",
+                             VirtualKeyConfig(name="a", key=KEY), VirtualKeyConfig(name="b", key=other))  # fmt: skip
         with running_in_thread(create_app(config)) as url:
             first = f"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n\r\n"
             second = f"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {other}\r\nConnection: close\r\n\r\n"
@@ -716,3 +721,73 @@ def test_google_system_parameters_cannot_steer_billing_credentials_or_the_reply(
     assert sent["target"] == "/v1/models" and "x-goog-user-project" not in sent["headers"]
     rows = read_rows(tmp_path / "l.duckdb")
     assert [r["http_status"] for r in rows] == [400, 200]
+
+
+@pytest.mark.parametrize(
+    ("framing", "status", "code"),
+    [
+        (b"HTTP/1.1\r\nTransfer-Encoding: gzip, chunked", 501, "unsupported_transfer_coding"),
+        (b"HTTP/1.1\r\nTransfer-Encoding: gzip\r\nTransfer-Encoding: chunked", 501, "unsupported_transfer_coding"),
+        (b"HTTP/1.0\r\nTransfer-Encoding: chunked", 400, "invalid_framing"),
+    ],
+    ids=["gzip-chunked", "two-headers", "http-1.0"],
+)
+def test_a_transfer_coding_tokenward_does_not_apply_is_refused_not_passed_on_still_coded(
+    tmp_path, framing, status, code
+):
+    # Before: the server undid "chunked" and nothing else, the header was dropped as hop-by-hop, and the
+    # body went upstream still gzip-coded as if it were the content (an allowed moderation: 200, the 22 bytes
+    # of gzip where the 2 bytes "{}" were meant; a metered one: 400 invalid_json for a valid body). RFC 9112
+    # 6.1: 501 for a transfer coding the server does not understand; Transfer-Encoding in an HTTP/1.0
+    # message is faulty framing.
+    import gzip
+
+    coded = gzip.compress(b"{}")
+    body = f"{len(coded):x}\r\n".encode() + coded + b"\r\n0\r\n\r\n"
+    with Servers(api).running() as servers, proxy(servers.upstream_url, tmp_path / "l.duckdb", ("*",)) as url:
+        for path in (b"/v1/moderations", b"/v1/chat/completions"):
+            head = b"POST " + path + b" " + framing + f"\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n".encode()
+            got, reply = raw(url, head + b"Content-Type: application/json\r\nConnection: close\r\n\r\n" + body)
+            assert (got, json.loads(reply)["error"]["code"]) == (status, code)
+        assert servers.requests == []
+    rows = read_rows(tmp_path / "l.duckdb")
+    assert [(r["path"], r["http_status"], r["outcome"]) for r in rows] == [
+        ("/v1/moderations", status, "client_error"),
+        ("/v1/chat/completions", status, "client_error"),
+    ]
+
+
+def test_a_trailer_field_is_not_a_header(tmp_path):
+    # uvicorn appended a chunked body's trailer fields to the request's headers, the list tokenward reads:
+    # a trailer naming the user (after the frontend's header) was the user billed (boss@example.com, the
+    # last value read), and a trailer Authorization made a valid request 400 ambiguous_credentials. RFC 9110
+    # 6.5.1: trailer fields are not merged into the header section; tokenward reads none.
+    from tokenward.proxy.config import AttributionRule, AttributionSettings
+
+    email = AttributionSettings(end_user=AttributionRule(header="X-OpenWebUI-User-Email"))
+    document = json.dumps({"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}).encode()
+    body = f"{len(document):x}\r\n".encode() + document + b"\r\n0\r\n"
+    with Servers(api).running() as servers:
+        config = keys_config(servers.upstream_url, tmp_path / "l.duckdb",
+                             VirtualKeyConfig(name="webui", key=KEY, attribution=email),
+                             VirtualKeyConfig(name="other", key="tw-edge-other-key-0002"))  # fmt: skip
+        with running_in_thread(create_app(config)) as url:
+            head = (
+                f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                "X-OpenWebUI-User-Email: alice@example.com\r\nContent-Type: application/json\r\n"
+                "Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+            ).encode()
+            for trailer in (
+                b"X-OpenWebUI-User-Email: boss@example.com",
+                b"Authorization: Bearer tw-edge-other-key-0002",
+            ):
+                status, reply = raw(url, head + body + trailer + b"\r\n\r\n")
+                assert status == 200, reply
+        assert [r["body"] for r in servers.requests] == [document, document]
+        assert all("x-openwebui-user-email" not in r["headers"] for r in servers.requests)
+    rows = read_rows(tmp_path / "l.duckdb")
+    # gpt-4o-mini, the upstream's usage (tests/servers.py): 9 x 0.15 + 3 x 0.60 = $0.00000315 each
+    assert [(r["principal"], r["end_user"], r["http_status"], r["cost_usd"]) for r in rows] == [
+        ("webui", "alice@example.com", 200, Decimal("0.00000315")),
+        ("webui", "alice@example.com", 200, Decimal("0.00000315")),
+    ]

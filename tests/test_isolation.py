@@ -874,3 +874,181 @@ def test_the_requests_a_batch_runs_name_only_the_callers_objects(store, tmp_path
     assert [(r["path"], r["http_status"]) for r in rows if r["path"] == "/v1/batches"] == [
         ("/v1/batches", 404), ("/v1/batches", 404), ("/v1/batches", 400), ("/v1/batches", 200)
     ]  # fmt: skip
+
+
+def test_fine_tuned_models_and_checkpoints_are_shared_only_by_the_key_whose_job_made_them(store, tmp_path):
+    """Before: ``fine_tuning/checkpoints/{name}/permissions`` named no isolated kind, so bob listed, granted (to
+    any project of the account) and revoked the permissions of alice's fine-tuned model and its checkpoints, and
+    (where ``DELETE models/*`` is allowed) deleted her model. A job's model (its retrieve, its list) and its
+    checkpoints (their list) are now its owner's."""
+    ledger = tmp_path / "ledger.duckdb"
+    with proxy(store, ledger) as url, gpt(url, ALICE) as alice, gpt(url, BOB) as bob, gpt(url, OPS) as ops:
+        job = alice.fine_tuning.jobs.create(model="gpt-4o-mini-2024-07-18", training_file=upload(alice, "t.jsonl"))
+        model = alice.fine_tuning.jobs.retrieve(job.id).fine_tuned_model
+        assert model == f"ft:gpt-4o-mini-2024-07-18:org::{job.id[-4:]}"
+        checkpoints = [c.fine_tuned_model_checkpoint for c in alice.fine_tuning.jobs.checkpoints.list(job.id)]
+        assert checkpoints == [f"{model}:ckpt-step-10", f"{model}:ckpt-step-20"]
+        granted = alice.fine_tuning.checkpoints.permissions.create(checkpoints[0], project_ids=["proj_alice"])
+        (permission,) = granted.data
+        sent = len(store.requests)
+        for name in (model, checkpoints[0], checkpoints[1], f"{model}:ckpt-step-30"):
+            for call in (
+                lambda n: bob.fine_tuning.checkpoints.permissions.create(n, project_ids=["proj_bob"]),
+                lambda n: bob.fine_tuning.checkpoints.permissions.list(n),
+                lambda n: bob.fine_tuning.checkpoints.permissions.delete(permission.id, fine_tuned_model_checkpoint=n),
+            ):
+                with pytest.raises(openai.NotFoundError) as info:
+                    call(name)
+                assert info.value.body == not_found("Checkpoint", name)
+        assert store.requests[sent:] == []
+        assert store.permissions == {checkpoints[0]: [permission.model_dump(exclude_none=True)]}
+        assert [p.project_id for p in ops.fine_tuning.checkpoints.permissions.list(checkpoints[0])] == ["proj_alice"]
+        assert [p.project_id for p in alice.fine_tuning.checkpoints.permissions.create(model, project_ids=["p2"])] == [
+            "p2"
+        ]
+        sent = len(store.requests)
+        with pytest.raises(openai.NotFoundError) as info:  # deleting it (DELETE models/{name}) is alice's too
+            bob.models.delete(model)
+        assert info.value.body == not_found("Checkpoint", model) and store.requests[sent:] == []
+        assert alice.models.delete(model).deleted is True
+    rows = read_rows(ledger)
+    note = f"refused by isolation: fine_tuned_checkpoint {model} belongs to key {VK_ALICE}"
+    assert refused(rows)[:3] == [
+        ("bob", "POST", f"/v1/fine_tuning/checkpoints/{model}/permissions", "rejected", note),
+        ("bob", "GET", f"/v1/fine_tuning/checkpoints/{model}/permissions", "rejected", note),
+        ("bob", "DELETE", f"/v1/fine_tuning/checkpoints/{model}/permissions/{permission.id}", "rejected", note),
+    ]
+    assert len(refused(rows)) == 13
+    unknown = f"refused by isolation: fine_tuned_checkpoint {model}:ckpt-step-30 has no recorded owner"
+    assert refused(rows)[-2][-1] == unknown
+    assert refused(rows)[-1] == ("bob", "DELETE", f"/v1/models/{model}", "rejected", note)
+
+
+def test_a_field_mask_cannot_cut_the_ids_isolation_reads_from_a_reply(store, tmp_path):
+    """Before: ``X-Goog-FieldMask: object,name`` (or ``?fields=``, as Google's front ends read them) on a create left
+    the new vector store's ``id`` out of the reply: nobody was recorded as its owner, so the key that made it got
+    404 for it ever after (and a list whose items lost their ``id`` came back empty). A request whose reply
+    isolation reads now gets 400 before it is sent; one whose reply it does not read passes as before."""
+    ledger = tmp_path / "ledger.duckdb"
+    with proxy(store, ledger) as url, gpt(url, ALICE) as alice:
+        mine = upload(alice, "a.jsonl")
+        sent = len(store.requests)
+        for call in (
+            lambda: alice.vector_stores.create(name="notes", extra_headers={"X-Goog-FieldMask": "object,name"}),
+            lambda: alice.vector_stores.create(name="notes", extra_query={"fields": "object,name"}),
+            lambda: alice.files.list(extra_headers={"x-goog-fieldmask": "object"}),
+            lambda: alice.batches.retrieve("batch_1", extra_query={"$fields": "id,status"}),
+        ):
+            with pytest.raises(openai.BadRequestError) as info:
+                call()
+            assert info.value.code == "parameter_refused"
+        assert store.requests[sent:] == [] and store.objects == {mine: store.objects[mine]}
+        kept = alice.files.delete(mine, extra_headers={"X-Goog-FieldMask": "id,deleted"})
+        assert (kept.id, kept.deleted) == (mine, True)
+    rows = read_rows(ledger)
+    assert [(r["method"], r["path"], r["http_status"], r["outcome"]) for r in rows[1:]] == [
+        ("POST", "/v1/vector_stores", 400, "client_error"),
+        ("POST", "/v1/vector_stores", 400, "client_error"),
+        ("GET", "/v1/files", 400, "client_error"),
+        ("GET", "/v1/batches/batch_1", 400, "client_error"),
+        ("DELETE", f"/v1/files/{mine}", 200, "ok"),
+    ]
+
+
+def test_a_list_cursor_is_checked_whichever_dialect_or_case_names_it(store, tmp_path):
+    """Before: the cursors checked were those of the dialect the request's headers spoke, in their case: a request
+    without Anthropic's headers routed to the Anthropic upstream (``x-tokenward-upstream``) sent ``after_id``
+    unchecked, and the upstream's answer told bob which file ids existed (a page for alice's file, 400 for an id
+    nobody has), the oracle isolation promises not to be; ``AFTER`` passed as well."""
+    ledger = tmp_path / "ledger.duckdb"
+    with proxy(store, ledger) as url:
+        claude = anthropic.Anthropic(base_url=url, api_key=ALICE, max_retries=0)
+        theirs = claude.beta.files.upload(file=("notes.txt", b"alice's notes", "text/plain")).id
+        with gpt(url, ALICE) as alice:
+            mine = upload(alice, "a.jsonl")
+        headers = {"authorization": f"Bearer {BOB}"}
+        sent = len(store.requests)
+        for query, upstream, named in (
+            (f"after_id={theirs}", "anthropic", theirs),
+            ("after_id=file_9999", "anthropic", "file_9999"),
+            (f"AFTER={mine}", "openai", mine),
+            (f"before_id={mine}", "openai", mine),
+        ):
+            reply = httpx.get(f"{url}/v1/files?{query}", headers={**headers, "x-tokenward-upstream": upstream})
+            assert (reply.status_code, reply.json()["error"]) == (404, not_found("File", named))
+        assert store.requests[sent:] == []
+        routed = {"authorization": f"Bearer {ALICE}", "x-tokenward-upstream": "anthropic"}
+        listed = httpx.get(f"{url}/v1/files", headers=routed)
+        assert [f["id"] for f in listed.json()["data"]] == [theirs]
+    assert [r["http_status"] for r in read_rows(ledger)][-5:] == [404, 404, 404, 404, 200]
+
+
+@pytest.mark.parametrize(
+    ("stream", "store_it", "background"),
+    [(False, True, False), (False, False, False), (True, True, False), (True, False, False), (False, True, True)],
+    ids=["stored", "not-stored", "stream-stored", "stream-not-stored", "background"],
+)
+def test_a_container_code_ran_in_for_a_response_is_the_callers(store, tmp_path, stream, store_it, background):
+    """Before: a container the provider started for a response's code interpreter (``"container": {"type":
+    "auto"}``) was recorded for nobody, so bob, naming its id in his own code interpreter tool, ran his code in
+    alice's container, among the files her code wrote; and alice got 404 for her own container. Its id, read
+    from the response (a stream's last event, a background response's retrieve), is now alice's: bob's request is
+    the unknown-id 404."""
+    ledger = tmp_path / "ledger.duckdb"
+    auto = [{"type": "code_interpreter", "container": {"type": "auto"}}]
+    with proxy(store, ledger) as url, gpt(url, ALICE) as alice, gpt(url, BOB) as bob:
+        create = alice.responses.create(
+            model="gpt-4o-mini", input="run it", tools=auto, store=store_it, stream=stream, background=background
+        )
+        if background:  # queued: the output, and the container, come with its retrieve
+            assert create.output == []  # type: ignore[union-attr]
+            create = alice.responses.retrieve(create.id)  # type: ignore[union-attr]
+        output = (list(create)[-1].response if stream else create).output  # type: ignore[union-attr]
+        container = output[0].container_id  # type: ignore[union-attr]
+        assert container.startswith("cntr_") and len(output) == 2
+        sent = len(store.requests)
+        with pytest.raises(openai.NotFoundError) as info:
+            tools = [{"type": "code_interpreter", "container": container}]
+            bob.responses.create(model="gpt-4o-mini", input="ls /mnt/data", tools=tools)  # type: ignore[list-item]
+        assert info.value.body == not_found("Container", container)
+        with pytest.raises(openai.NotFoundError):
+            bob.containers.retrieve(container)
+        assert store.requests[sent:] == []
+        again = alice.responses.create(model="gpt-4o-mini", input="again", tools=[{"type": "code_interpreter",
+                                                                                   "container": container}])  # fmt: skip
+        assert again.output[0].container_id == container  # type: ignore[union-attr]
+        assert alice.containers.retrieve(container).id == container
+    note = f"refused by isolation: container {container} belongs to key {VK_ALICE}"
+    assert [(r["principal"], r["error"]) for r in read_rows(ledger) if r["http_status"] == 404] == [
+        ("bob", note),
+        ("bob", note),
+    ]
+
+
+def test_an_audio_answer_is_named_again_only_by_the_key_it_answered(store, tmp_path):
+    """Before: a chat completion's audio answer (``message.audio.id``), which the provider keeps so that a later
+    turn can name it, was recorded for nobody: bob, naming alice's in an assistant message, had the model read
+    her answer again. It is now alice's; bob's request is the unknown-id 404, nothing sent."""
+    ledger = tmp_path / "ledger.duckdb"
+    audio = {"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}}
+    with proxy(store, ledger) as url, gpt(url, ALICE) as alice, gpt(url, BOB) as bob:
+        answer = alice.chat.completions.create(**CHAT, **audio).choices[0].message.audio  # type: ignore[call-overload]
+        assert answer is not None and answer.id.startswith("audio_")
+        turn = [
+            *CHAT["messages"],
+            {"role": "assistant", "audio": {"id": answer.id}},
+            {"role": "user", "content": "again?"},
+        ]
+        sent = len(store.requests)
+        with pytest.raises(openai.NotFoundError) as info:
+            bob.chat.completions.create(model="gpt-4o-mini", messages=turn, **audio)  # type: ignore[call-overload]
+        assert info.value.body == not_found("Audio", answer.id) and store.requests[sent:] == []
+        again = alice.chat.completions.create(model="gpt-4o-mini", messages=turn, **audio)  # type: ignore[call-overload]
+        assert again.choices[0].message.audio is not None
+    rows = read_rows(ledger)
+    note = f"refused by isolation: chat_audio {answer.id} belongs to key {VK_ALICE}"
+    assert [(r["principal"], r["http_status"], r["error"]) for r in rows] == [
+        ("alice", 200, None),
+        ("bob", 404, note),
+        ("alice", 200, None),
+    ]

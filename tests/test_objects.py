@@ -13,6 +13,8 @@ from tokenward.proxy.errors import ProxyError
 from tokenward.proxy.isolation import Isolation, ObjectNotFound, OwnerCache
 from tokenward.proxy.keys import Identity
 from tokenward.proxy.objects import (
+    CHECKPOINT,
+    Capture,
     DuplicateMember,
     access,
     captured,
@@ -90,12 +92,37 @@ def summary(method: str, tail: str) -> tuple[object, ...] | None:
         ("POST", "messages/count_tokens", (None, (), False, None, True)),
         ("POST", "responses/some_new_endpoint", ("response", ("some_new_endpoint",), False, None, True)),  # an id
         ("GET", "models", None),
+        ("GET", "models/ft:x", None),  # a model: any key may read and use it
+        ("DELETE", "models/ft%3Ax", ("fine_tuned_checkpoint", ("ft:x",), False, None, False)),  # deleting: its key's
         ("POST", "audio/speech", None),
-        ("GET", "fine_tuning/checkpoints/ft:x/permissions", None),
+        ("GET", "fine_tuning/checkpoints/ft:x/permissions", ("fine_tuned_checkpoint", ("ft:x",), False, None, False)),
+        (
+            "POST",
+            "fine_tuning/checkpoints/ft%3Ax/permissions",  # the id percent-decoded, as the upstream reads it
+            ("fine_tuned_checkpoint", ("ft:x",), False, None, True),
+        ),
+        (
+            "GET",
+            "fine_tuning/jobs/ftjob-1/checkpoints",
+            (
+                "fine_tuning_job",
+                ("ftjob-1",),
+                False,
+                ("fine_tuned_checkpoint", ("data[].fine_tuned_model_checkpoint", "data[].id"), True),
+                False,
+            ),
+        ),
     ],
 )
 def test_access_names_the_objects_of_a_request(method, tail, expected):
     assert summary(method, tail) == expected
+
+
+def test_a_fine_tuning_jobs_reply_names_its_model_as_well_as_its_files():
+    for method, tail in (("GET", "fine_tuning/jobs/ftjob-1"), ("POST", "fine_tuning/jobs/ftjob-1/cancel")):
+        found = access(method, tail)
+        assert found is not None and found.capture is not None
+        assert found.capture.also == (Capture(CHECKPOINT, ("fine_tuned_model",), parent=True),)
 
 
 def test_form_fields_spell_documents_whatever_the_notation():
