@@ -129,7 +129,8 @@ def reports(conn, tz: str = "Europe/Paris") -> list[tuple[str, object]]:
     def compare():  # --period this-month --compare --by key
         rows, _ = queries.spend_report(conn, ["key"], half)
         before = views.previous_range(half.since, half.until, calendar, tz)
-        views.add_change(rows, queries.spend(conn, ["key"], since=before[0], until=before[1], tz=tz), ["key"])
+        previous, _ = queries.group_costs(conn, ["key"], queries.Selection(*before, {}, tz))
+        views.add_change(rows, previous, ["key"])
 
     team = queries.Selection(None, None, {"team": ["team-3"]}, tz)
     return [

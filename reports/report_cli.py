@@ -163,14 +163,9 @@ def report(
                 )
             if compare and start is not None:
                 before, after = views.previous_range(start, end or now, calendar, tz)
-                previous = queries.spend(conn, dims, since=before, until=after, tz=tz, filters=selection.filters)
+                earlier = queries.Selection(before, after, selection.filters, tz)
+                previous, previous_total = queries.group_costs(conn, dims, earlier)
                 views.add_change(rows, previous, dims)
-                if "tag" in dims:  # tag groups overlap: read the total again
-                    earlier = queries.Selection(before, after, selection.filters, tz)
-                    previous_total = queries.spend_totals(conn, earlier).get("cost_usd")
-                else:
-                    costs = [r["cost_usd"] for r in previous if r["cost_usd"] is not None]
-                    previous_total = sum(costs, Decimal(0)) if costs else None
                 views.add_change([totals], [{"cost_usd": previous_total}], [])
                 notes.append(f"compared with {_span(before, after, zone)}")
             if forecast and calendar is not None:
