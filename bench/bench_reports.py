@@ -119,16 +119,16 @@ def reports(conn, tz: str = "Europe/Paris") -> list[tuple[str, object]]:
     """The reports timed, each a function running what ``tokenward report`` runs for it."""
     everything = queries.Selection(None, None, {}, tz)
     now = dt.datetime(2026, 10, 31, 12, tzinfo=dt.UTC)
-    calendar = views.calendar_range("this-month", tz, now)
-    half = queries.Selection(calendar.since, calendar.until, {}, tz)
     catalog = load_catalog([], builtin=True)
 
     def grouped(by: list[str], selection: queries.Selection = everything, top: int | None = None, shown=None):
         return lambda: queries.spend_report(conn, by, selection, top=top, shown=shown)
 
-    def compare():  # --period this-month --compare --by key
-        rows, _ = queries.spend_report(conn, ["key"], half)
-        before = views.previous_range(half.since, half.until, calendar, tz)
+    recent = queries.Selection(now - dt.timedelta(days=15), None, {}, tz)
+
+    def compare():  # --since 15d --compare --by key: both halves of the ledger's month hold rows
+        rows, _ = queries.spend_report(conn, ["key"], recent)
+        before = views.previous_range(recent.since, now, None, tz)
         previous, _ = queries.group_costs(conn, ["key"], queries.Selection(*before, {}, tz))
         views.add_change(rows, previous, ["key"])
 
@@ -146,7 +146,7 @@ def reports(conn, tz: str = "Europe/Paris") -> list[tuple[str, object]]:
         ("by session, all groups (csv)", grouped(["session"])),
         ("by tag", grouped(["tag"])),
         ("by model, team=team-3", grouped(["model"], team)),
-        ("this month vs last, by key", compare),
+        ("last 15 days vs the 15 before, by key", compare),
         ("what-if gpt-5-mini, by model", lambda: whatif.what_if(conn, catalog, "gpt-5-mini", ["model"], everything)),
     ]
 
