@@ -221,7 +221,7 @@ def main() -> None:
 
 
 def _print(results: list[dict], load_before: tuple[float, ...], load_after: tuple[float, ...]) -> None:
-    width = 30
+    width = 38
     runs = len(next(iter(results[0]["reports"].values()))["times"])
     print(f"\nDuckDB threads: {results[0]['threads']}; seconds, median of {runs} runs: wall / CPU")
     print(f"{'report':<{width}}" + "".join(f"{r['rows'] / 1e6:>14,.0f}M" for r in results))
