@@ -6,7 +6,9 @@ The ledger is synthetic but shaped like real traffic: 30 days, 200 keys in 12 te
 5000 end users, tags on 40 % of requests, sessions of 50 requests, cached input on a third of
 them, 1 % unpriced and 1 % retried attempts. Each report runs the queries ``tokenward report``
 runs (the grouped rows and their total), on ``--threads`` DuckDB threads (default: every core),
-and its figure is the median wall time of ``--runs`` runs after one warm-up. Every size is
+and its figures are the median wall time and process CPU time (every DuckDB thread) of ``--runs``
+runs after one warm-up. A terminal table shows at most ``report_cli.TABLE_ROWS`` groups (the dearest);
+CSV, JSON and Parquet get every group, so the 200,000 sessions are timed both ways. Every size is
 generated and measured in a fresh process, whose peak RSS is printed. The ledgers go to a
 temporary directory under /tmp (about 40 MB per million rows) and are deleted afterwards
 unless ``--keep DIR`` names a directory to keep (and reuse) them in.
@@ -32,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tokenward.pricing.catalog import load_catalog  # noqa: E402
 from tokenward.reports import queries, views, whatif  # noqa: E402
 from tokenward.reports.ledger import open_ledger  # noqa: E402
+from tokenward.reports.report_cli import TABLE_ROWS  # noqa: E402
 
 MODELS = [
     ("gpt-4o", "openai", 2.50, 1.25, 10.00),
@@ -116,17 +119,18 @@ def reports(conn, tz: str = "Europe/Paris") -> list[tuple[str, object]]:
     """The reports timed, each a function running what ``tokenward report`` runs for it."""
     everything = queries.Selection(None, None, {}, tz)
     now = dt.datetime(2026, 10, 31, 12, tzinfo=dt.UTC)
-    calendar = views.calendar_range("this-month", tz, now)
-    half = queries.Selection(calendar.since, calendar.until, {}, tz)
     catalog = load_catalog([], builtin=True)
 
-    def grouped(by: list[str], selection: queries.Selection = everything, top: int | None = None):
-        return lambda: queries.spend_report(conn, by, selection, top=top)
+    def grouped(by: list[str], selection: queries.Selection = everything, top: int | None = None, shown=None):
+        return lambda: queries.spend_report(conn, by, selection, top=top, shown=shown)
 
-    def compare():  # --period this-month --compare --by key
-        rows, _ = queries.spend_report(conn, ["key"], half)
-        before = views.previous_range(half.since, half.until, calendar, tz)
-        views.add_change(rows, queries.spend(conn, ["key"], since=before[0], until=before[1], tz=tz), ["key"])
+    recent = queries.Selection(now - dt.timedelta(days=15), None, {}, tz)
+
+    def compare():  # --since 15d --compare --by key: both halves of the ledger's month hold rows
+        rows, _ = queries.spend_report(conn, ["key"], recent)
+        before = views.previous_range(recent.since, now, None, tz)
+        previous, _ = queries.group_costs(conn, ["key"], queries.Selection(*before, {}, tz))
+        views.add_change(rows, previous, ["key"])
 
     team = queries.Selection(None, None, {"team": ["team-3"]}, tz)
     return [
@@ -138,10 +142,11 @@ def reports(conn, tz: str = "Europe/Paris") -> list[tuple[str, object]]:
         ("by team, project", grouped(["team", "project"])),
         ("by end user (5000 groups)", grouped(["end_user"])),
         ("by session, top 20", grouped(["session"], top=20)),
-        ("by session, all groups", grouped(["session"])),
+        (f"by session, table ({TABLE_ROWS} shown)", grouped(["session"], shown=TABLE_ROWS)),
+        ("by session, all groups (csv)", grouped(["session"])),
         ("by tag", grouped(["tag"])),
         ("by model, team=team-3", grouped(["model"], team)),
-        ("this month vs last, by key", compare),
+        ("last 15 days vs the 15 before, by key", compare),
         ("what-if gpt-5-mini, by model", lambda: whatif.what_if(conn, catalog, "gpt-5-mini", ["model"], everything)),
     ]
 
@@ -155,12 +160,14 @@ def measure(path: Path, threads: int | None, runs: int) -> dict:
     figures = {}
     for name, fn in reports(conn):
         fn()  # warm-up: file pages read, caches filled
-        times = []
+        times, cpu = [], []
         for _ in range(runs):
-            started = time.perf_counter()
+            started, used = time.perf_counter(), time.process_time()
             fn()
             times.append(time.perf_counter() - started)
-        figures[name] = {"times": times, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+            cpu.append(time.process_time() - used)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        figures[name] = {"times": times, "cpu": cpu, "peak_rss_mb": peak}
     threads_used = conn.execute("SELECT current_setting('threads')").fetchone()[0]
     conn.close()
     return {"rows": rows, "threads": threads_used, "reports": figures}
@@ -214,10 +221,10 @@ def main() -> None:
 
 
 def _print(results: list[dict], load_before: tuple[float, ...], load_after: tuple[float, ...]) -> None:
-    width = 30
+    width = 38
     runs = len(next(iter(results[0]["reports"].values()))["times"])
-    print(f"\nDuckDB threads: {results[0]['threads']}; seconds, median of {runs} runs")
-    print(f"{'report':<{width}}" + "".join(f"{r['rows'] / 1e6:>9,.0f}M" for r in results))
+    print(f"\nDuckDB threads: {results[0]['threads']}; seconds, median of {runs} runs: wall / CPU")
+    print(f"{'report':<{width}}" + "".join(f"{r['rows'] / 1e6:>14,.0f}M" for r in results))
     spreads = []
     for name in results[0]["reports"]:
         cells = []
@@ -225,13 +232,13 @@ def _print(results: list[dict], load_before: tuple[float, ...], load_after: tupl
             times = result["reports"][name]["times"]
             median = statistics.median(times)
             spreads.append((max(times) - min(times)) / median if median else 0)
-            cells.append(f"{median:>10.3f}")
+            cells.append(f"{median:>8.3f} /{statistics.median(result['reports'][name]['cpu']):>5.2f}")
         print(f"{name:<{width}}" + "".join(cells))
     medians = [[statistics.median(f["times"]) for f in r["reports"].values()] for r in results]
-    print(f"{'median of the reports':<{width}}" + "".join(f"{statistics.median(m):>10.3f}" for m in medians))
-    print(f"{'slowest':<{width}}" + "".join(f"{max(m):>10.3f}" for m in medians))
+    print(f"{'median of the reports':<{width}}" + "".join(f"{statistics.median(m):>15.3f}" for m in medians))
+    print(f"{'slowest':<{width}}" + "".join(f"{max(m):>15.3f}" for m in medians))
     peaks = [max(f["peak_rss_mb"] for f in r["reports"].values()) for r in results]
-    print(f"{'peak RSS (MB)':<{width}}" + "".join(f"{p:>10,.0f}" for p in peaks))
+    print(f"{'peak RSS (MB)':<{width}}" + "".join(f"{p:>15,.0f}" for p in peaks))
     print(
         f"\nnoise: a report's runs spread by {statistics.median(spreads):.0%} of its median (median), "
         f"{max(spreads):.0%} at most; load average {load_before[0]:.1f} before, {load_after[0]:.1f} after"

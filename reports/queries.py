@@ -35,6 +35,7 @@ __all__ = [
     "canonical",
     "derive",
     "export_rows",
+    "group_costs",
     "model_condition",
     "plain_models",
     "spend",
@@ -308,6 +309,7 @@ def spend_report(
     *,
     top: int | None = None,
     drift: bool = False,
+    shown: int | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The rows of :func:`spend` over ``selection`` and their total (:func:`spend_totals`), in two scans.
 
@@ -317,12 +319,19 @@ def spend_report(
     groups overlap, so the first scan reads every measure of the selection once instead.
     Values and types are those of :func:`spend` and :func:`spend_totals`.
 
+    ``shown`` (without ``top``): at most that many rows. When there are more groups, only the
+    ``shown`` that cost the most are built and returned, highest first (as with ``top``), and
+    the total counts every group in ``groups``; with as many groups or fewer, the rows are
+    those without it, and the total has ``groups`` too. A terminal table of 200,000 sessions
+    is unreadable, and building them all is most of the report's time.
+
     Raises:
         ValueError: unknown grouping or filter.
     """
     dims = [canonical(name) for name in by]
+    cut = None if top else shown
     if "tag" in dims:  # one statement: see _tagged_sql
-        rows, summed = _grouped(conn, selection, dims, top=top, drift=drift, total=True)
+        rows, summed = _grouped(conn, selection, dims, top=top, drift=drift, total=True, shown=cut)
         return rows, derive(summed or {})
     # the scan first: its ranking memory is given back before the rows are built
     where, params = selection.where()
@@ -331,7 +340,7 @@ def spend_report(
     )
     names = [d[0] for d in cursor.description]
     scanned = dict(zip(names, cursor.fetchone() or (), strict=True))
-    rows, summed = _grouped(conn, selection, dims, top=top, drift=drift, total=True)
+    rows, summed = _grouped(conn, selection, dims, top=top, drift=drift, total=True, shown=cut)
     return rows, derive({**(summed or {}), **scanned})
 
 
@@ -343,12 +352,18 @@ def _grouped(
     top: int | None,
     drift: bool,
     total: bool,
+    shown: int | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
-    """Groups (ordered, cut to ``top``) and, with ``total``, every group's measures added up (no ratios yet)."""
+    """Groups (ordered, cut to ``top`` or ``shown``) and, with ``total``, every group's measures added up.
+
+    The total has no ratios yet.
+
+    ``shown`` (with ``total``, see :func:`spend_report`) adds ``groups`` to the total.
+    """
     try:
-        return _grouped_once(conn, selection, dims, top=top, drift=drift, total=total, narrow=True)
+        return _grouped_once(conn, selection, dims, top=top, drift=drift, total=total, narrow=True, shown=shown)
     except duckdb.ConversionException:  # a token sum past 2^63: read it as HUGEINT
-        return _grouped_once(conn, selection, dims, top=top, drift=drift, total=total, narrow=False)
+        return _grouped_once(conn, selection, dims, top=top, drift=drift, total=total, narrow=False, shown=shown)
 
 
 def _grouped_once(
@@ -360,6 +375,7 @@ def _grouped_once(
     drift: bool,
     total: bool,
     narrow: bool,
+    shown: int | None,
 ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
     measures = {**_GROUP_MEASURES, **(_DRIFT_MEASURES if drift else {})}
     if narrow:
@@ -374,12 +390,17 @@ def _grouped_once(
         if dims:
             grouped += f" GROUP BY {', '.join(str(i + 1) for i in range(len(dims)))}"
         ctes, extras = f"g AS MATERIALIZED ({grouped})", {}
-    order = ", ".join(["cost_usd DESC NULLS LAST"] * bool(top) + dims)
+    limit = top or (shown if total else None)
+    order = ", ".join(["cost_usd DESC NULLS LAST"] * bool(limit) + dims)
     # _total comes last, so that zipping a row with the measure names leaves it out
-    groups = f"(SELECT * FROM g ORDER BY {order} LIMIT {int(top)})" if top else "g"
+    groups = f"(SELECT * FROM g ORDER BY {order} LIMIT {int(limit)})" if limit else "g"
     select = f"SELECT *, false AS _total FROM {groups}"
+    counted = ""
+    if limit and not top:  # the total counts the groups; a cut is ordered by cost, as --top is
+        counted = "(SELECT count(*) FROM g) AS groups, "
+        extras = {**extras, "groups": counted}
     if total and "tag" in dims:  # the groups overlap: the total adds up the lists of tags instead
-        select += " UNION ALL BY NAME SELECT *, true AS _total FROM _whole"
+        select += f" UNION ALL BY NAME SELECT *, {counted}true AS _total FROM _whole"
     elif total:
         whole = "::BIGINT" if narrow else ""  # else the union makes every count of the rows a HUGEINT
         sums = ", ".join(
@@ -387,17 +408,20 @@ def _grouped_once(
             for n in measures
             if n in _ADDITIVE
         )
-        select += f" UNION ALL BY NAME SELECT {sums}, true AS _total FROM g"
+        select += f" UNION ALL BY NAME SELECT {sums}, {counted}true AS _total FROM g"
     # money reaches Python as text: Decimal(text) is about three times faster than DuckDB's own conversion
     text = ", ".join(f"{n}::VARCHAR AS {n}" for n in measures if n.endswith("_usd"))
-    ordering = ", ".join(f"u.{o}" for o in ["_total", *(["cost_usd DESC NULLS LAST"] * bool(top)), *dims])
+    by_cost = ["u.cost_usd DESC NULLS LAST"] * bool(top)
+    if counted:  # by cost only when some groups are left out
+        by_cost = [f"CASE WHEN (SELECT count(*) FROM g) > {int(limit)} THEN u.cost_usd END DESC NULLS LAST"]
+    ordering = ", ".join(["u._total", *by_cost, *(f"u.{d}" for d in dims)])
     cursor = conn.execute(
         f"WITH {ctes} SELECT * EXCLUDE (_total) REPLACE ({text}), _total FROM ({select}) AS u ORDER BY {ordering}",
         params,
     )
     names = [d[0] for d in cursor.description][:-1]
-    shown = [n for n in names if n not in extras]  # the total's own measures: no group has them
-    build = _row_builder(selection, names, shown)
+    visible = [n for n in names if n not in extras]  # the total's own measures: no group has them
+    build = _row_builder(selection, names, visible)
     rows: list[dict[str, Any]] = []
     summed = None
     while chunk := cursor.fetchmany(_CHUNK):  # a chunk at a time: fewer Python objects alive at once
@@ -493,6 +517,40 @@ def _tagged_sql(
         whole = ", ".join(p95 if n == "p95_cost_usd" else f"{added(n)} AS {n}" for n in [*measures, *extras])
         ctes.append(f"_whole AS (SELECT {whole} FROM _lists)")
     return ", ".join(ctes), params, extras
+
+
+def group_costs(
+    conn: duckdb.DuckDBPyConnection, by: Sequence[str], selection: Selection
+) -> tuple[list[dict[str, Any]], Decimal | None]:
+    """Only the cost of each group of :func:`spend` over ``selection``, and of the whole selection.
+
+    What ``report --compare`` reads of the previous period: each group's ``cost_usd`` (``Decimal``
+    USD, ``None`` when nothing is priced), equal to :func:`spend`'s, keyed by the dimensions of
+    ``by`` as :func:`spend` shows them; and the total cost (each row once, also with ``tag``),
+    ``None`` when nothing is priced. Sums only: no quantile, no ratio, a third of the time.
+
+    Raises:
+        ValueError: unknown grouping or filter.
+    """
+    dims = [canonical(name) for name in by]
+    keys = selection.group_keys(conn, dims)
+    source, params = selection.rows(dims)
+    grouping = f" GROUP BY {', '.join(str(i + 1) for i in range(len(dims)))}" if dims else ""
+    cursor = conn.execute(
+        f"SELECT {''.join(f'{sql} AS {d}, ' for sql, d in zip(keys, dims, strict=True))}"
+        f"sum(cost_usd)::DECIMAL(38, 12)::VARCHAR AS cost_usd FROM {source}{grouping}",
+        params,
+    )
+    rows = [
+        {**dict(zip(dims, selection.label(dims, found[:-1]), strict=True)), "cost_usd": _money(found[-1])}
+        for found in cursor.fetchall()
+    ]
+    if "tag" in dims:  # the groups overlap: add up the rows once
+        where, params = selection.where()
+        found = conn.execute(f"SELECT sum(cost_usd)::DECIMAL(38, 12)::VARCHAR FROM requests{where}", params).fetchone()
+        return rows, _money(found[0] if found else None)
+    costs = [r["cost_usd"] for r in rows if r["cost_usd"] is not None]
+    return rows, (sum(costs[1:], costs[0]) if costs else None)
 
 
 def _money(text: str | None) -> Decimal | None:

@@ -20,7 +20,11 @@ from tokenward.pricing.budgets import Budget, BudgetStatus
 from tokenward.reports import html_report, progress, queries, render, views, whatif
 from tokenward.reports.cli_common import ledger_options, open_read_only, parse_when, range_options, zone_named
 
-__all__ = ["report"]
+__all__ = ["TABLE_ROWS", "report"]
+
+TABLE_ROWS = 1000
+"""Groups a terminal table shows at most without ``--top``: past that, the dearest, with a line
+saying how many were left out (``--format csv``, ``json``, ``parquet`` and ``markdown`` give every group)."""
 
 
 def _filters(values: tuple[str, ...]) -> dict[str, list[str]]:
@@ -149,17 +153,19 @@ def report(
     notes: list[str] = []
     try:
         with progress.shown(conn):
-            rows, totals = queries.spend_report(conn, dims, selection, top=top, drift=drift)
+            shown = TABLE_ROWS if fmt == "table" and not html_file else None
+            rows, totals = queries.spend_report(conn, dims, selection, top=top, drift=drift, shown=shown)
+            groups = totals.pop("groups", len(rows))
+            if groups > len(rows):
+                notes.append(
+                    f"showing the {len(rows):,} groups that cost the most of {groups:,}, highest first "
+                    "(--top N for another number; --format csv, json or parquet for every group)"
+                )
             if compare and start is not None:
                 before, after = views.previous_range(start, end or now, calendar, tz)
-                previous = queries.spend(conn, dims, since=before, until=after, tz=tz, filters=selection.filters)
+                earlier = queries.Selection(before, after, selection.filters, tz)
+                previous, previous_total = queries.group_costs(conn, dims, earlier)
                 views.add_change(rows, previous, dims)
-                if "tag" in dims:  # tag groups overlap: read the total again
-                    earlier = queries.Selection(before, after, selection.filters, tz)
-                    previous_total = queries.spend_totals(conn, earlier).get("cost_usd")
-                else:
-                    costs = [r["cost_usd"] for r in previous if r["cost_usd"] is not None]
-                    previous_total = sum(costs, Decimal(0)) if costs else None
                 views.add_change([totals], [{"cost_usd": previous_total}], [])
                 notes.append(f"compared with {_span(before, after, zone)}")
             if forecast and calendar is not None:

@@ -244,3 +244,29 @@ def test_group_rows_are_built_exactly(tmp_path):
         ("2026-10-25T02:00+01:00", "c", 1),
     ]
     conn.close()
+
+
+@pytest.mark.parametrize("by", [["key"], ["tag"], ["key", "tag"], ["model", "team"], ["hour"], []])
+def test_group_costs_are_the_costs_of_spend(ledger, by):  # noqa: F811 - the fixture
+    """--compare's previous period reads only the costs: the same groups, values and places as spend()."""
+    conn = open_ledger(ledger, read_only=True)
+    try:
+        for selection in (NOVEMBER, queries.Selection(tz=PARIS), queries.Selection(None, None, {"team": ["ops"]})):
+            dims = [queries.canonical(d) for d in by]
+            full = queries.spend(
+                conn, by, since=selection.since, until=selection.until, tz=selection.tz, filters=selection.filters
+            )
+            rows, total = queries.group_costs(conn, by, selection)
+            assert sorted(repr(r) for r in rows) == sorted(
+                repr({**{d: r[d] for d in dims}, "cost_usd": r["cost_usd"]}) for r in full
+            )
+            assert repr(total) == repr(queries.spend_totals(conn, selection)["cost_usd"])
+        keys, total = queries.group_costs(conn, ["key"], NOVEMBER)
+        assert sorted((r["key"], r["cost_usd"]) for r in keys) == [
+            ("alice", D("0.045000000000")),
+            ("bob", D("0.024500000000")),
+            ("carol", D("0.002000000000")),
+        ]  # A + G + B; C + D; F (E unpriced)
+        assert total == D("0.071500000000")
+    finally:
+        conn.close()

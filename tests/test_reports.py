@@ -768,3 +768,35 @@ def test_table_cells_are_text_not_markup(tmp_path):
     write_rows(path, [row("x", "2026-11-02T09:00:00+00:00", "[red]k[/red]", "t", "gpt-4o", "1")])
     out = CliRunner().invoke(main, ["report", "--db", str(path), "--by", "key"], catch_exceptions=False).output
     assert "[red]k[/red]" in out
+
+
+def test_a_table_of_thousands_of_groups_shows_the_dearest_thousand(tmp_path):
+    """1,002 sessions, s-0000 at $0.001 up to s-1001 at $1.002: the table shows the 1,000 dearest and says so."""
+    path = tmp_path / "sessions.duckdb"
+    rows = [
+        row(
+            f"r{i}",
+            "2026-11-02T09:00:00+00:00",
+            "alice",
+            "t",
+            "gpt-4o",
+            f"{(i + 1) / 1000:.3f}",
+            session_id=f"s-{i:04d}",
+        )
+        for i in range(1002)
+    ]
+    write_rows(path, rows)
+    table = table_at(path, 200, "--by", "session")
+    lines = [line for line in table.splitlines() if line.startswith("│ s-")]
+    assert len(lines) == 1000
+    assert cells(lines[0])[:3] == ["s-1001", "1", "0"] and cells(lines[-1])[0] == "s-0002"  # highest first
+    assert "│ s-0001 " not in table and "│ s-0000 " not in table
+    total = cells(next(line for line in table.splitlines() if line.startswith("│ total")))
+    assert total[1] == "1,002" and "$502.503" in total  # every session: 0.001 x (1 + ... + 1002)
+    assert "showing the 1,000 groups that cost the most of 1,002, highest first" in table.replace("\n", " ")
+    every = report(path, *NOVEMBER, "--by", "session")  # JSON: every group, in key order
+    assert [r["session"] for r in every] == [f"s-{i:04d}" for i in range(1002)]
+    assert every[-1]["cost_usd"] == "1.002000000000"
+    few = table_at(path, 200, "--by", "session", "--where", "session=s-0000,s-0001")  # 2 groups: all, by key
+    assert [cells(line)[0] for line in few.splitlines() if line.startswith("│ s-")] == ["s-0000", "s-0001"]
+    assert "showing the" not in few
