@@ -14,6 +14,7 @@ from decimal import Decimal
 from pathlib import Path
 
 import httpx
+import msgspec
 import pytest
 from aiosmtpd.controller import Controller
 from click.testing import CliRunner
@@ -116,14 +117,15 @@ def run_check(path: Path, budgets, settings, now: str, *, notifier=None, dry_run
         conn.close()
 
 
-MONTHLY = BudgetSettings(
+MONTHLY_SETTINGS = BudgetSettings(
     name="research-monthly",
     limit_usd=100,
     scope={"team": "research"},
     period="month",
     timezone="Europe/Paris",
     notify=["lead@example.com"],
-).to_budget()
+)
+MONTHLY = MONTHLY_SETTINGS.to_budget()
 
 
 def test_threshold_mail_has_the_facts_in_text_and_html(tmp_path, smtp):
@@ -184,14 +186,7 @@ def test_a_limit_the_rate_reaches_only_after_the_reset_is_not_given_a_time(tmp_p
             cost_row("b", "2026-11-18T09:00:00+00:00", "10.50"),
         ],
     )
-    budget = BudgetSettings(
-        name="research-monthly",
-        limit_usd=100,
-        scope={"team": "research"},
-        period="month",
-        timezone="Europe/Paris",
-        notify=["lead@example.com", "ops-hook"],
-    ).to_budget()
+    budget = msgspec.structs.replace(MONTHLY_SETTINGS, notify=["lead@example.com", "ops-hook"]).to_budget()
     settings = settings_for(port, webhooks=[WebhookSettings(name="ops-hook", url="https://hooks.example/x")])
     notifier = Notifier(settings, transport=httpx.MockTransport(hook))
     # 480 h of Paris's 720-hour November gone, $50.50 spent: the forecast is $75.75, under the limit;
