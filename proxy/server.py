@@ -32,6 +32,10 @@ HANGUP_WARNING = (
 """What the log says on SIGHUP (which would otherwise end the process at once, streams and rows cut)."""
 
 
+SHUTDOWN_GRACE_S = 30
+"""How long a stop (SIGTERM, Ctrl-C) waits for requests in flight; then they are cut, their rows ``interrupted``."""
+
+
 def _uvicorn_config(app: Litestar, host: str, port: int, log_level: str, access_log: bool) -> uvicorn.Config:
     return uvicorn.Config(
         front(app),  # /v1 straight to the forwarder, the rest to Litestar (proxy/front.py)
@@ -42,7 +46,7 @@ def _uvicorn_config(app: Litestar, host: str, port: int, log_level: str, access_
         server_header=False,  # the upstream's own Server and Date headers are relayed instead
         date_header=False,
         lifespan="on",
-        timeout_graceful_shutdown=30,
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
         **uvicorn_options(_server_settings(app)),
     )
 
