@@ -497,7 +497,29 @@ def load_catalog(
 
 
 class _DecimalLoader(yaml.SafeLoader):
-    """SafeLoader that reads YAML floats as exact ``Decimal`` values."""
+    """SafeLoader that reads YAML floats as exact ``Decimal`` values and refuses a key given twice in one mapping.
+
+    PyYAML keeps the last of two equal keys: a second ``budgets:`` section appended to a config
+    silently replaced the first one's budgets (a hard limit gone without a word). Keys brought in
+    by a merge (``<<: *defaults``) may still be overridden, as YAML says.
+    """
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        if isinstance(node, yaml.MappingNode):
+            first: dict[tuple[str, str], yaml.Node] = {}
+            for key_node, _ in node.value:
+                if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                earlier = first.setdefault((key_node.tag, key_node.value), key_node)
+                if earlier is not key_node:
+                    raise yaml.constructor.ConstructorError(
+                        None,
+                        None,
+                        f"key {key_node.value!r} appears twice in one mapping (first at line "
+                        f"{earlier.start_mark.line + 1}); only the last would count: merge the two",
+                        key_node.start_mark,
+                    )
+        return super().construct_mapping(node, deep=deep)
 
 
 _SPECIAL = {".inf": "Infinity", "+.inf": "Infinity", "-.inf": "-Infinity", ".nan": "NaN"}

@@ -266,7 +266,7 @@ def create_app(
 
     app = _Litestar(
         route_handlers=budget_routes(forwarder)
-        + build_routes(forwarder, metrics_access=MetricsAccess.from_config(config))
+        + build_routes(forwarder, metrics_access=MetricsAccess.from_config(config, auth))
         + dashboard_routes(dashboard),
         exception_handlers=EXCEPTION_HANDLERS,  # type: ignore[arg-type]
         lifespan=[lifespan],

@@ -21,7 +21,7 @@ from tokenward.pricing.budgets import Budget
 from tokenward.pricing.catalog import load_exact_yaml, yaml_problem
 from tokenward.pricing.runs import RunPolicy, parse_duration
 from tokenward.pricing.settings import BudgetSettings, GuardSettings, PricingSettings, UnpricedPolicy
-from tokenward.proxy.config_errors import explain
+from tokenward.proxy.config_errors import explain, line_of
 from tokenward.proxy.edge import FREE_ENDPOINTS, UnmeteredPolicy, parse_base
 from tokenward.reports.alerts import AlertSettings
 from tokenward.reports.ledger import Ledger
@@ -470,13 +470,15 @@ def load_config(path: str | Path) -> Config:
     """
     path = Path(path)
     try:
-        document = load_exact_yaml(path.read_text(encoding="utf-8"))  # money stays exact: no floats
+        text = path.read_text(encoding="utf-8")
+        document = load_exact_yaml(text)  # money stays exact: no floats
     except (OSError, yaml.YAMLError) as exc:
         raise ConfigError(f"cannot read config {path}: {yaml_problem(exc)}") from exc
     try:
         config = msgspec.convert(document or {}, Config)
     except (msgspec.ValidationError, ValueError) as exc:
-        raise ConfigError(f"{path}: {explain(str(exc), Config)}") from exc
+        line = line_of(text, str(exc))  # `file:line:`, as compilers say it, so an editor can jump there
+        raise ConfigError(f"{path}{f':{line}' if line else ''}: {explain(str(exc), Config)}") from exc
     base = path.resolve().parent
     config.ledger.path = str(base / config.ledger.path)
     config.ledger.url = pick_url(config.ledger.url)

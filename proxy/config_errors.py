@@ -12,8 +12,9 @@ import difflib
 import re
 
 import msgspec.inspect as mi
+import yaml
 
-__all__ = ["explain"]
+__all__ = ["explain", "line_of"]
 
 _AT = re.compile(r" - at `(?P<path>\$[^`]*)`$")
 _STEP = re.compile(r"\.(?P<field>[A-Za-z_][A-Za-z0-9_]*)|\[(?P<index>[^\]]*)\]")
@@ -99,3 +100,39 @@ def _choices(node: mi.Type) -> list[str]:
 def _struct_fields(node: mi.Type) -> list[str]:
     node = _container(node)
     return [f.encode_name for f in node.fields] if isinstance(node, mi.StructType) else []
+
+
+def line_of(text: str, message: str) -> int | None:
+    """The line (1-based) of ``text``, a YAML document, that ``message``'s ``- at `$...``` path names.
+
+    An unknown field's message points at that field's own key, not at its section. ``None`` when
+    the message names no path, the path is the whole document, or the document does not hold it
+    (a missing section). Never raises: a document that does not compose gives ``None``.
+    """
+    at = _AT.search(message)
+    unknown = _UNKNOWN.match(message[: at.start()] if at else message)
+    if at is None and unknown is None:  # an unknown top-level field's message names no path
+        return None
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return None
+    steps: list[str | int] = []
+    for step in _STEP.finditer(at.group("path") if at else "$"):
+        field, index = step.group("field"), step.group("index")
+        steps.append(field if field is not None else int(index) if index.isdigit() else index)
+    if unknown is not None:
+        steps.append(unknown.group("name"))
+    line = None
+    for step in steps:
+        if isinstance(node, yaml.MappingNode):
+            pair = next(((k, v) for k, v in node.value if getattr(k, "value", None) == step), None)
+            if pair is None:
+                return None
+            line, node = pair[0].start_mark.line + 1, pair[1]  # where the field's key is written
+        elif isinstance(node, yaml.SequenceNode) and isinstance(step, int) and step < len(node.value):
+            node = node.value[step]
+            line = node.start_mark.line + 1
+        else:
+            return None
+    return line

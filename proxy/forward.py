@@ -1169,7 +1169,10 @@ class Forwarder:
             outcome = Outcome.CLIENT_DISCONNECTED
         else:
             if not isinstance(exc, Exception):
-                ex.end(Outcome.PROXY_ERROR, 500, f"interrupted: {type(exc).__name__}")
+                if isinstance(exc, asyncio.CancelledError):  # the server stopped before the upstream answered
+                    ex.end(Outcome.INTERRUPTED, error=f"tokenward shut down while the request was in flight ({exc})")
+                else:
+                    ex.end(Outcome.PROXY_ERROR, 500, f"interrupted: {type(exc).__name__}")
                 ex.maybe_billed = ex.maybe_billed or ex.upstream is not None
                 self.recorder.finish(ex)
                 raise exc

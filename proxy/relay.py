@@ -319,7 +319,10 @@ class Relay:
             else:
                 await self._relay_body(send, headers, listener)
         except BaseException as exc:
-            ex.end(Outcome.PROXY_ERROR, error=f"relay failed: {type(exc).__name__}: {exc}")
+            if isinstance(exc, asyncio.CancelledError):  # the server stopped (its grace ran out) mid-reply
+                ex.end(Outcome.INTERRUPTED, error=f"tokenward shut down while the reply was being relayed ({exc})")
+            else:
+                ex.end(Outcome.PROXY_ERROR, error=f"relay failed: {type(exc).__name__}: {exc}")
             if isinstance(exc, Exception):
                 log.exception("relay of %s failed", ex.request_id)
             raise

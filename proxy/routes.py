@@ -24,7 +24,7 @@ from litestar.types import ASGIApp
 from tokenward.proxy.config import Config
 from tokenward.proxy.errors import ProxyError, error_body
 from tokenward.proxy.forward import Forwarder
-from tokenward.proxy.keys import AUTH_HEADERS, presented_key
+from tokenward.proxy.keys import AUTH_HEADERS, Authenticator, presented_key
 
 __all__ = ["MetricsAccess", "build_routes"]
 
@@ -84,32 +84,51 @@ class MetricsAccess:
     """Who may read ``/metrics`` (spend by model): one check per scrape.
 
     Open when no token is configured and auth is ``passthrough`` (anyone who reaches the proxy
-    can send it traffic already). Otherwise a caller needs the metrics token, or, with virtual
-    keys, an admin key; both are presented as ``Authorization: Bearer <secret>`` (or
-    ``x-api-key``) and compared by sha256 digest in constant time.
+    can send it traffic already). Otherwise a caller needs the metrics token, the admin token
+    (``server.admin_token_env``: it opens the dashboard, which shows the same spend) or a live
+    admin key: one of the config or made with ``tokenward keys create --role admin``, not
+    revoked (``keys`` knows both, reloaded every 5 s). Each is presented as
+    ``Authorization: Bearer <secret>`` (or ``x-api-key``) and compared by sha256 digest.
 
     Args:
         open: no credential is required.
         token_sha256: digest of the metrics token; ``None`` when none is usable (not configured,
             or its variable unset: then no token can match, never an open door).
-        admin_sha256: digests of the virtual keys whose ``role`` is ``admin``.
+        admin_sha256: digests of admin keys, used only without ``keys``.
+        admin_token_sha256: digest of the admin token, ``None`` when unset.
+        keys: the proxy's authenticator: its live admin keys (stored ones included, revoked ones
+            not) may read ``/metrics``.
     """
 
     open: bool
     token_sha256: bytes | None = None
     admin_sha256: frozenset[bytes] = frozenset()
+    admin_token_sha256: bytes | None = None
+    keys: Authenticator | None = None
 
     @classmethod
-    def from_config(cls, config: Config) -> MetricsAccess:
-        """The access rule ``config`` sets (``server.metrics_token_env``, ``auth.mode``, admin keys)."""
+    def from_config(cls, config: Config, keys: Authenticator | None = None) -> MetricsAccess:
+        """The access rule ``config`` sets (``server.metrics_token_env``, ``auth.mode``, admin token and keys).
+
+        ``keys``: the running proxy's :class:`~tokenward.proxy.keys.Authenticator` (without it
+        only the config's admin keys count, revocations unseen).
+        """
         env = config.server.metrics_token_env
         token = os.environ.get(env, "") if env else ""
+        admin_env = config.server.admin_token_env
+        admin_token = os.environ.get(admin_env, "") if admin_env else ""
         admins = frozenset(
             hashlib.sha256(k.key.encode()).digest() if k.key is not None else bytes.fromhex(k.key_sha256 or "")
             for k in config.virtual_keys
             if getattr(k, "role", "user") == "admin"  # `role: admin` keys come with the admin views
         )
-        return cls(env is None and config.auth.mode == "passthrough", _digest(token) if token else None, admins)
+        return cls(
+            env is None and config.auth.mode == "passthrough",
+            _digest(token) if token else None,
+            admins,
+            _digest(admin_token) if admin_token else None,
+            keys,
+        )
 
     def refusal(self, headers: list[tuple[bytes, bytes]]) -> ProxyError | None:
         """Why a request with these headers may not read ``/metrics`` (``None``: it may)."""
@@ -118,14 +137,18 @@ class MetricsAccess:
         presented = next((presented_key(name, value) for name, value in headers if name in AUTH_HEADERS), None)
         if presented:
             digest = _digest(presented)
-            if self.token_sha256 is not None and hmac.compare_digest(digest, self.token_sha256):
-                return None
-            if any(hmac.compare_digest(digest, admin) for admin in self.admin_sha256):
+            for token in (self.token_sha256, self.admin_token_sha256):
+                if token is not None and hmac.compare_digest(digest, token):
+                    return None
+            if self.keys is not None:
+                if self.keys.admin_with_digest(digest.hex()) is not None:  # a dict lookup by digest
+                    return None
+            elif any(hmac.compare_digest(digest, admin) for admin in self.admin_sha256):
                 return None
         return ProxyError(
             401,
-            "/metrics reveals spend: send the metrics token (server.metrics_token_env) or an admin key "
-            "as 'Authorization: Bearer <secret>'.",
+            "/metrics reveals spend: send the metrics token (server.metrics_token_env), the admin token "
+            "or an admin key as 'Authorization: Bearer <secret>'.",
             "invalid_api_key",
             "authentication_error",
         )

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import faulthandler
 import gc
+import logging
+import signal
 import socket
 import threading
 import time
@@ -18,7 +20,20 @@ from tokenward.proxy.front import front
 from tokenward.proxy.limits import return_large_buffers, uvicorn_options
 from tokenward.reports.sanitize import escape_log_lines
 
-__all__ = ["GEN0_THRESHOLD", "run", "running_in_thread", "settle_collector"]
+__all__ = ["GEN0_THRESHOLD", "HANGUP_WARNING", "ignore_hangup", "run", "running_in_thread", "settle_collector"]
+
+log = logging.getLogger("tokenward.proxy")
+
+HANGUP_WARNING = (
+    "SIGHUP received and ignored: tokenward does not reload its configuration; restart it to apply "
+    "config changes (SIGTERM lets requests in flight finish). Keys made or revoked with `tokenward keys` "
+    "apply within 5 s without a restart."
+)
+"""What the log says on SIGHUP (which would otherwise end the process at once, streams and rows cut)."""
+
+
+SHUTDOWN_GRACE_S = 30
+"""How long a stop (SIGTERM, Ctrl-C) waits for requests in flight; then they are cut, their rows ``interrupted``."""
 
 
 def _uvicorn_config(app: Litestar, host: str, port: int, log_level: str, access_log: bool) -> uvicorn.Config:
@@ -31,7 +46,7 @@ def _uvicorn_config(app: Litestar, host: str, port: int, log_level: str, access_
         server_header=False,  # the upstream's own Server and Date headers are relayed instead
         date_header=False,
         lifespan="on",
-        timeout_graceful_shutdown=30,
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
         **uvicorn_options(_server_settings(app)),
     )
 
@@ -70,6 +85,7 @@ def run(
     """Serve ``app`` until interrupted; on SIGINT/SIGTERM in-flight requests finish and the ledger is flushed.
 
     ``sock``: a socket from :func:`listening_socket` (else uvicorn binds ``host``:``port`` itself).
+    SIGHUP (a config reload elsewhere, a closed terminal) is logged and ignored: see :func:`ignore_hangup`.
     Control characters in log lines (client-supplied paths, model names) are escaped on every
     handler configured by then (see :mod:`tokenward.reports.sanitize`), and large freed buffers
     go back to the OS (:func:`tokenward.proxy.limits.return_large_buffers`).
@@ -77,8 +93,21 @@ def run(
     config = _uvicorn_config(app, host, port, log_level, access_log)  # configures uvicorn's log handlers
     escape_log_lines()
     return_large_buffers()
+    ignore_hangup()
     settle_collector()
     uvicorn.Server(config).run(sockets=[sock] if sock is not None else None)
+
+
+def ignore_hangup() -> None:
+    """Make SIGHUP log :data:`HANGUP_WARNING` instead of ending the process (main thread only; a no-op elsewhere).
+
+    SIGHUP's default action kills the process on the spot: no graceful shutdown, open streams cut
+    mid-reply, their rows left for the next start to record as ``interrupted``. Operators send it
+    to reload a config (``systemctl reload``, ``kill -HUP``); tokenward has no reload, so it says so.
+    """
+    if not hasattr(signal, "SIGHUP") or threading.current_thread() is not threading.main_thread():
+        return
+    signal.signal(signal.SIGHUP, lambda signum, frame: log.warning("%s", HANGUP_WARNING))
 
 
 GEN0_THRESHOLD = 7000

@@ -290,6 +290,13 @@ def _budget_alert(
     )
     money = usd
     runs_out = status.runs_out_at
+    if runs_out is not None and budget.period.kind in CALENDAR_PERIODS and runs_out >= status.end:
+        runs_out = None  # the period resets first: no instant to name (the dashboard says the same)
+    runs_out_shown = (
+        runs_out.astimezone(zone).isoformat()
+        if runs_out is not None
+        else ("not before the reset" if status.runs_out_at is not None else "n/a")
+    )
     ended = budget.period.kind in CALENDAR_PERIODS and status.at >= status.end - dt.timedelta(microseconds=1)
     headline = {
         "threshold": f"crossed {', '.join(f'{t}%' for t in thresholds)}"
@@ -310,7 +317,7 @@ def _budget_alert(
         ),
         ("Resets", resets),
         ("Forecast for the period", money(status.forecast) if status.forecast is not None else "n/a"),
-        ("Limit reached at this rate", runs_out.astimezone(zone).isoformat() if runs_out else "n/a"),
+        ("Limit reached at this rate", runs_out_shown),
         ("At the limit", "requests are refused (429)" if budget.blocking else "alerts only"),
     ]
     sections = [

@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -95,6 +96,13 @@ class CountingUpstream:
         await reply.write(b"data: [DONE]\n\n")
         await reply.write_eof()
         return reply
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for a proxy subprocess to listen on."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def write_config(directory: Path, upstream_url: str, port: int, extra: str = "") -> Path:

@@ -14,6 +14,7 @@ from decimal import Decimal
 from pathlib import Path
 
 import httpx
+import msgspec
 import pytest
 from aiosmtpd.controller import Controller
 from click.testing import CliRunner
@@ -116,14 +117,15 @@ def run_check(path: Path, budgets, settings, now: str, *, notifier=None, dry_run
         conn.close()
 
 
-MONTHLY = BudgetSettings(
+MONTHLY_SETTINGS = BudgetSettings(
     name="research-monthly",
     limit_usd=100,
     scope={"team": "research"},
     period="month",
     timezone="Europe/Paris",
     notify=["lead@example.com"],
-).to_budget()
+)
+MONTHLY = MONTHLY_SETTINGS.to_budget()
 
 
 def test_threshold_mail_has_the_facts_in_text_and_html(tmp_path, smtp):
@@ -166,6 +168,37 @@ def test_threshold_mail_has_the_facts_in_text_and_html(tmp_path, smtp):
     # nothing more to say at the next evaluation
     assert run_check(path, [MONTHLY], settings_for(port), "2026-11-12T11:00:00+00:00") == []
     assert len(inbox.wait_for(3, timeout=0.3)) == 2
+
+
+def test_a_limit_the_rate_reaches_only_after_the_reset_is_not_given_a_time(tmp_path, smtp):
+    inbox, port = smtp
+    posted: list[dict] = []
+
+    def hook(request: httpx.Request) -> httpx.Response:
+        posted.append(json.loads(request.content))
+        return httpx.Response(200)
+
+    path = tmp_path / "l.duckdb"
+    seed(
+        path,
+        [
+            cost_row("a", "2026-11-10T09:00:00+00:00", "40.00"),
+            cost_row("b", "2026-11-18T09:00:00+00:00", "10.50"),
+        ],
+    )
+    budget = msgspec.structs.replace(MONTHLY_SETTINGS, notify=["lead@example.com", "ops-hook"]).to_budget()
+    settings = settings_for(port, webhooks=[WebhookSettings(name="ops-hook", url="https://hooks.example/x")])
+    notifier = Notifier(settings, transport=httpx.MockTransport(hook))
+    # 480 h of Paris's 720-hour November gone, $50.50 spent: the forecast is $75.75, under the limit;
+    # at that rate $100 is reached 480 x 100 / 50.50 = 950.5 h in, 9 days after the reset. The mail
+    # said "Limit reached at this rate: 2026-12-10T14:29:42+01:00", and the webhook the same
+    sent = run_check(path, [budget], settings, "2026-11-20T23:00:00+00:00", notifier=notifier)
+    assert [(a.kind, a.threshold) for a, _ in sent] == [("threshold", 50)]
+    text = inbox.wait_for(1)[0].get_body(("plain",)).get_content()
+    assert "Forecast for the period: $75.75" in text
+    assert "Limit reached at this rate: not before the reset" in text
+    [message] = posted
+    assert message["tokenward"]["forecast_usd"] == "75.750000" and message["tokenward"]["runs_out_at"] is None
 
 
 def test_two_thresholds_crossed_by_one_request_make_one_mail_each_threshold_once(tmp_path, smtp):

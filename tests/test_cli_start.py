@@ -68,36 +68,36 @@ UP = "upstreams: [{name: a, base_url: 'http://127.0.0.1:9/v1'}]\n"
             {},
             "Error: Invalid value for '--log-level': 'loud' is not one of 'critical', 'error', 'warning', 'info', 'debug'.",
         ),
-        ([], f"{UP}server: {{port: 86540}}", {}, "Expected `int` <= 65535 - at `$.server.port`"),
+        ([], f"{UP}server: {{port: 86540}}", {}, ":2: Expected `int` <= 65535 - at `$.server.port`"),
         (  # before: accepted, then every request was a 500
             [],
             "upstreams: [{name: a, base_url: 'http://127.0.0.1:9/v1', retries: -3}]",
             {},
-            "Expected `int` >= 0 - at `$.upstreams[0].retries`",
+            ":1: Expected `int` >= 0 - at `$.upstreams[0].retries`",
         ),
         (
             [],
             "upstreams: [{name: a, base_url: 'http://127.0.0.1:9/v1', read_timeout_s: 0}]",
             {},
-            "Expected `float` > 0.0 - at `$.upstreams[0].read_timeout_s`",
+            ":1: Expected `float` > 0.0 - at `$.upstreams[0].read_timeout_s`",
         ),
         (
             [],
             "upstreams: [{name: a, base_url: 'http://127.0.0.1:9/v1', connect_timeout_s: -2}]",
             {},
-            "Expected `float` > 0.0 - at `$.upstreams[0].connect_timeout_s`",
+            ":1: Expected `float` > 0.0 - at `$.upstreams[0].connect_timeout_s`",
         ),
         (
             [],
             f"{UP}virtual_keys: [{{name: a, key: tw-one}}, {{name: b, key: tw-one}}]",
             {},
-            "virtual keys 'a' and 'b' have the same key - at `$.virtual_keys[1]`",
+            ":2: virtual keys 'a' and 'b' have the same key - at `$.virtual_keys[1]`",
         ),
         (
             [],
             f"{UP}alerts: {{smtp: {{host: 127.0.0.1, username_env: TW_TEST_SMTP_USER, password_env: TW_TEST_SMTP_PW}}}}",
             {"TW_TEST_SMTP_PW": "secret"},
-            "alerts.smtp.username_env: environment variable TW_TEST_SMTP_USER is not set "
+            ": alerts.smtp.username_env: environment variable TW_TEST_SMTP_USER is not set "
             "(alert mail could not log in to the SMTP server)",
         ),
         (
@@ -105,7 +105,7 @@ UP = "upstreams: [{name: a, base_url: 'http://127.0.0.1:9/v1'}]\n"
             f"{UP}alerts: {{webhooks: [{{name: ops, url_env: TW_TEST_HOOK}}]}}\n"
             "budgets: [{name: b, limit_usd: 5, notify: [ops]}]",
             {},
-            "alerts.webhooks[0].url_env: environment variable TW_TEST_HOOK is not set "
+            ": alerts.webhooks[0].url_env: environment variable TW_TEST_HOOK is not set "
             "(alerts to webhook 'ops' would be lost)",
         ),
     ],
@@ -118,7 +118,7 @@ def test_bad_starts_fail_with_one_line(tmp_path, args, config, env, expected):
         path = tmp_path / "c.yaml"
         path.write_text(config)
         args = ["--config", str(path), *args]
-        expected = f"Error: {path}: {expected}"
+        expected = f"Error: {path}{expected}"  # schema errors with the line: `c.yaml:2: ...`
     error = one_line_error(tokenward("serve", "--db", str(tmp_path / "l.duckdb"), *args, env=env))
     assert error == expected
     assert not (tmp_path / "l.duckdb").exists()  # refused before anything was opened
@@ -354,8 +354,8 @@ def test_config_mistakes_say_what_to_write(tmp_path, config, prices, expected):
     if prices is not None:
         (tmp_path / "prices.yaml").write_text(prices)
     expected = expected.format(dir=tmp_path)
-    if not expected.startswith(str(tmp_path)):  # schema errors name the config file
-        expected = f"{path}: {expected}"
+    if not expected.startswith(str(tmp_path)):  # schema errors name the config file and the line (all on 2)
+        expected = f"{path}:2: {expected}"
     check = tokenward("config", "check", "--config", str(path))
     assert one_line_error(check) == f"Error: {expected}"
     serve = tokenward("serve", "--config", str(path), "--db", str(tmp_path / "l.duckdb"), "--port", str(free_port()))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 
 import pytest
 
@@ -130,3 +131,55 @@ def test_duplicate_key_errors_do_not_show_the_key(tmp_path):
     with pytest.raises(ConfigError) as info:
         load_config(path)
     assert "tw-secret-1" not in str(info.value)
+
+
+def test_a_section_given_twice_is_refused_with_both_lines_not_silently_replaced(tmp_path):
+    # an operator appends a second `budgets:` to the file: PyYAML kept only the last one, so the
+    # blocking team budget vanished and `config check` said "ok (1 budgets)"
+    text = (
+        UP
+        + "budgets:\n"
+        + "  - {name: eng-daily, limit_usd: 10, scope: {team: eng}, period: day, action: block}\n"
+        + "auth: {mode: passthrough}\n"
+        + "budgets:\n"
+        + "  - {name: all-monthly, limit_usd: 500, period: month}\n"
+    )
+    with pytest.raises(ConfigError) as refused:
+        load_config(write(tmp_path, text))
+    assert str(refused.value) == (
+        f"cannot read config {tmp_path / 'config.yaml'}: not valid YAML at line 5, column 1: key 'budgets' "
+        "appears twice in one mapping (first at line 2); only the last would count: merge the two"
+    )
+    with pytest.raises(ConfigError, match="key 'limit_usd' appears twice in one mapping \\(first at line 4\\)"):
+        load_config(write(tmp_path, UP + "budgets:\n  - name: b\n    limit_usd: 10\n    limit_usd: 1000\n"))
+
+
+def test_a_merge_key_may_still_be_overridden(tmp_path):
+    text = (
+        "upstreams:\n"
+        "  - &base {name: a, base_url: 'http://x', connect_timeout_s: 3}\n"
+        "  - {<<: *base, name: b, models: ['b-*']}\n"
+    )
+    config = load_config(write(tmp_path, text))
+    assert [(u.name, u.connect_timeout_s) for u in config.upstreams] == [("a", 3), ("b", 3)]
+
+
+def test_a_schema_error_names_the_line_of_the_field(tmp_path):
+    # a block-style file as an operator writes it: the message said only `$.budgets[1].limit_usd`,
+    # and counting list items by hand in a 250-line file is how typos survive
+    head = "upstreams:\n  - name: a\n    base_url: http://x\nbudgets:\n  - name: ok\n    limit_usd: 5\n  - name: eng\n"
+    cases = {
+        "    limit_usd: ten\n": (8, "Invalid decimal string - at `$.budgets[1].limit_usd`"),
+        "    limit_usd: 5\n    period: daily\n": (9, "Invalid enum value 'daily' - at `$.budgets[1].period`"),
+        "    limit_usd: 5\n    scope:\n      teams: eng\n": (7, "unknown scope 'teams'"),
+        "    limit_usd: 5\n    notfy: [a@example.com]\n": (9, "unknown field `notfy` - at `$.budgets[1]`"),
+    }
+    for tail, (line, message) in cases.items():
+        path = write(tmp_path, head + tail)
+        with pytest.raises(ConfigError) as refused:
+            load_config(path)
+        assert str(refused.value).startswith(f"{path}:{line}: "), str(refused.value)
+        assert message in str(refused.value)
+    path = write(tmp_path, head + "    limit_usd: 5\nbudget: []\n")  # top level: the misspelt section's line
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}:9: Object contains unknown field `budget`"):
+        load_config(path)

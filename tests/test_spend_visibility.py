@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
+import time
 from decimal import Decimal
 
 import httpx
 import pytest
+from click.testing import CliRunner
 
 from tokenward.pricing.settings import BudgetSettings
+from tokenward.proxy.cli import main
 from tokenward.proxy.config import UpstreamConfig, VirtualKeyConfig
 from tokenward.proxy.routes import MetricsAccess
 from tokenward.proxy.simulator import RECORD_HEADER
+from tokenward.reports.cli_common import ledger_named
+from tokenward.reports.keys import revoke_key
 
 CHAT = "tests/models/cassettes/test_openai/test_extra_headers.yaml#0"
 KEYS = [
@@ -87,6 +93,43 @@ def test_an_admin_key_may_read_metrics():
     assert access.refusal([(b"x-api-key", b"tw-admin-secret")]) is None
     assert access.refusal([(b"authorization", b"Bearer tw-team-a-secret")]).status == 401
     assert access.refusal([]).status == 401
+
+
+def _keys_cli(*args: str) -> str:
+    result = CliRunner().invoke(main, ["keys", *args], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def _until(proxy, done, what: str) -> None:
+    """Bring the stored-key reload (every 5 s) forward until ``done()`` holds (at most 20 s)."""
+    deadline = time.monotonic() + 20
+    while not done():
+        assert time.monotonic() < deadline, f"not seen within 20 s: {what}"
+        proxy.app.state.scheduler.get_job("keys").modify(next_run_time=dt.datetime.now(dt.UTC))
+        time.sleep(0.05)
+
+
+def test_stored_admin_keys_and_the_admin_token_read_metrics_and_a_revoked_admin_key_does_not(
+    start_proxy, upstream, monkeypatch
+):
+    # the operator's first week: `keys create --role admin` for the Prometheus scrape, as the README says
+    monkeypatch.setenv("TW_ADMIN_TOKEN", "admin-token-1")
+    keys = [*KEYS, VirtualKeyConfig(name="ops-admin", key="tw-ops-admin-secret", role="admin")]
+    proxy = start_proxy(upstreams=upstream, auth="virtual_keys", keys=keys, server={"admin_token_env": "TW_ADMIN_TOKEN"})
+    db = str(proxy.ledger)
+    assert metrics(proxy, "tw-ops-admin-secret").status_code == 200
+    assert metrics(proxy, "admin-token-1").status_code == 200  # the token that opens the dashboard
+    oncall = _keys_cli("create", "oncall", "--role", "admin", "--db", db).splitlines()[0]
+    _until(proxy, lambda: metrics(proxy, oncall).status_code == 200, "a stored admin key reads /metrics")
+    assert "tokenward_requests_total" in metrics(proxy, oncall).text
+    assert metrics(proxy, "tw-team-a-secret").status_code == 401  # a plain key still does not
+    configured = {"ops-admin": hashlib.sha256(b"tw-ops-admin-secret").hexdigest()}  # `keys revoke --config`
+    assert revoke_key(ledger_named(db, None).state, "ops-admin", now=dt.datetime.now(dt.UTC), configured=configured)
+    _until(proxy, lambda: metrics(proxy, "tw-ops-admin-secret").status_code == 401, "the revoked key is refused")
+    _keys_cli("revoke", "oncall", "--db", db)
+    _until(proxy, lambda: metrics(proxy, oncall).status_code == 401, "the revoked stored key is refused")
+    assert metrics(proxy, "admin-token-1").status_code == 200
 
 
 def test_a_token_variable_that_is_unset_opens_nothing(start_proxy, monkeypatch):
