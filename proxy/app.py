@@ -110,6 +110,8 @@ def create_app(
     runs_on = runs_allowed(config)
     scheduler = create_scheduler()
     ledger = config.open_ledger()
+    if isinstance(ledger, DuckLedger):  # DuckDB's work in a child: the serving process never imports it
+        ledger.use_mover()
     books: PgBooks | None = None  # shared budget books (Postgres); None: in this process's memory
     blocking = any(b.blocking for b in [*budgets, *templates])
     if ledger.shared and (blocking or runs_on):
@@ -256,6 +258,8 @@ def create_app(
             try:
                 await recorder.stop()
             finally:
+                if isinstance(ledger, DuckLedger):
+                    await asyncio.to_thread(ledger.close)
                 if isolation is not None:
                     isolation.owners.close()
                 if books is not None:

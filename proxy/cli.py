@@ -127,7 +127,7 @@ def serve(
         app = create_app(config, proxy_lock=lock)
     except CatalogError as exc:
         raise click.ClickException(str(exc)) from exc
-    store = config.open_ledger()
+    store = app.state.ledger  # a DuckDB file: migrated by the app's mover child (serving never loads DuckDB)
     try:
         store.migrate()
     except (LedgerError, OSError) as exc:

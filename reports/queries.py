@@ -15,15 +15,16 @@ import datetime as dt
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from zoneinfo import ZoneInfo
-
-import duckdb
 
 from tokenward.pricing.budgets import SNAPSHOT_SUFFIX, model_base
 from tokenward.pricing.usage import TOKEN_FIELDS
 from tokenward.reports.ledger import ROW_COLUMNS
 from tokenward.reports.localtime import local_hour_start_sql, local_timestamp_sql
+
+if TYPE_CHECKING:
+    import duckdb
 
 __all__ = [
     "ALIASES",
@@ -345,6 +346,8 @@ def _grouped(
     total: bool,
 ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
     """Groups (ordered, cut to ``top``) and, with ``total``, every group's measures added up (no ratios yet)."""
+    import duckdb
+
     try:
         return _grouped_once(conn, selection, dims, top=top, drift=drift, total=total, narrow=True)
     except duckdb.ConversionException:  # a token sum past 2^63: read it as HUGEINT
