@@ -243,8 +243,12 @@ def create_app(
             if guard is not None:
                 loaders = [loader.load for loader in (dynamic, velocity) if loader]
                 await asyncio.to_thread(load_books, ledger, guard, recorder.wal, loaders=loaders)
+            if isinstance(ledger, DuckLedger):  # start-up's DuckDB work is done: an idle proxy holds none
+                await asyncio.to_thread(ledger.close)
             scheduler.start()
         except BaseException:
+            if isinstance(ledger, DuckLedger):
+                ledger.close()
             if lock is not None:
                 lock.close()
             if books is not None:

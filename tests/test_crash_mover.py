@@ -121,10 +121,13 @@ def _rows_in(path) -> int | None:
     return row[0] if row else None
 
 
-def test_a_serving_proxy_never_loads_duckdb_and_its_mover_stops_when_idle(tmp_path):
+def test_a_serving_proxy_never_loads_duckdb_and_its_mover_stops_when_idle(tmp_path, monkeypatch):
+    monkeypatch.setenv("TOKENWARD_MOVER_IDLE_S", "3")  # the proxy's mover stops 3 s after its last move
     port = free_port()
     with CountingUpstream(wait_s=0.0) as upstream:
         proxy = ProxyProcess(write_config(tmp_path, upstream.url, port), port).start()
+        assert proxy.process is not None
+        assert children(proxy.process.pid) == []  # start-up's DuckDB work done: an idle proxy has no mover
         try:
             body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
             with httpx.Client(timeout=10) as client:
@@ -176,19 +179,22 @@ def test_the_proxy_restarts_a_killed_mover_logs_it_and_loses_no_row(tmp_path):
 
 @pytest.mark.parametrize("moving", [False, True])
 def test_the_mover_dies_with_the_proxy_and_leaves_the_file_free(tmp_path, moving):
+    # killed mid-load (the mover busy moving), or a second after the load (the mover waiting for the next move)
     port = free_port()
     with CountingUpstream(wait_s=0.01) as upstream:
         proxy = ProxyProcess(write_config(tmp_path, upstream.url, port), port).start()
         assert proxy.process is not None
         pid = proxy.process.pid
-        load = Load(proxy.url, clients=16).start() if moving else None
+        load = Load(proxy.url, clients=16).start()
         try:
             child = _wait_for(lambda: children(pid), timeout=30)[0]
-            if moving:
-                time.sleep(1.5)  # moves under way
-            proxy.kill()
-            _wait_for(lambda: not _alive(child), timeout=5)  # killed with its parent, not left moving
-        finally:
-            if load is not None:
+            time.sleep(1.5)  # moves under way
+            if not moving:
                 load.stop()
+                time.sleep(1.5)  # the last move done; the mover waits (it stops after 30 s idle)
+                assert _alive(child)
+            proxy.kill()
+            _wait_for(partial(_dead, child), timeout=5)  # killed with its parent, not left behind
+        finally:
+            load.stop()
     duckdb.connect(str(tmp_path / "ledger.duckdb")).close()  # nobody holds the file's lock
