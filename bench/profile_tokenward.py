@@ -669,6 +669,12 @@ def serving(tmp: Path) -> None:
         time.sleep(2.5)  # the last rows moved into the ledger
         _mapping_table(proxy.pid, f"after {load.requests} requests at c=64 and their moves")
         print(f"  peak (VmHWM) so far: {floor.memory_mb(proxy.pid, 'VmHWM'):.1f} MB")
+        for child in floor.tree_pids(proxy.pid)[1:]:  # the mover, until it stops after 30 s without a move
+            print(
+                f"  child {child}: RSS {floor.memory_mb(child, 'VmRSS'):.1f} MB "
+                f"[{floor.memory_mb(child, 'RssAnon'):.1f} private], peak {floor.memory_mb(child, 'VmHWM'):.1f}"
+            )
+        print(f"  the tree's PSS: {floor.pss_mb(proxy.pid):.1f} MB")
     finally:
         procs.stop()
 
