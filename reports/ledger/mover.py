@@ -47,6 +47,9 @@ memory back within half a minute of the last move.
 """
 
 
+_IN_SESSION = ("spend", "read_close")  # requests that need the connection an earlier request opened
+
+
 class MoverDied(LedgerError):
     """The mover child ended before it answered (killed, out of memory); the work is retried."""
 
@@ -81,6 +84,9 @@ class Mover:
             OSError: no child could be started.
         """
         with self._lock:
+            if self._proc is not None and self._proc.poll() is not None and request["op"] in _IN_SESSION:
+                code = self._reap()  # died since the session's last call: its connection is gone with it
+                raise MoverDied(f"the ledger's mover process ended (exit status {code}) during a read")
             if self._proc is None or self._proc.poll() is not None:
                 self._start()
             assert self._conn is not None
