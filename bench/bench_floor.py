@@ -85,19 +85,60 @@ def pinned(cpu: int, argv: list[str]) -> list[str]:
     return ["taskset", "-c", str(cpu), *argv] if two_cores() else argv
 
 
-def cpu_seconds(pid: int) -> float:
-    """CPU seconds of ``pid`` and every process under it: live ones, and those it has reaped.
-
-    A gateway that hands work to a child process (a ledger writer) is charged for it.
-    """
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    total = sum(int(f) for f in fields[11:15]) / TICKS  # utime, stime, cutime, cstime
-    for task in Path(f"/proc/{pid}/task").glob("*/children"):
-        for child in task.read_text().split():
+def tree_pids(pid: int) -> list[int]:
+    """``pid`` and its live descendants (tokenward's mover child, say), from ``/proc``."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
             try:
-                total += cpu_seconds(int(child))
-            except (FileNotFoundError, ProcessLookupError):
-                pass  # it exited between the two reads; its parent reaps it into cutime
+                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            parents.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        found.append(current)
+        todo += parents.get(current, [])
+    return found
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds of ``pid`` and its descendants: live ones, and those it has reaped (cutime, cstime)."""
+    total = 0
+    for member in tree_pids(pid):
+        try:
+            fields = Path(f"/proc/{member}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += sum(int(fields[i]) for i in (11, 12, 13, 14))
+    return total / TICKS
+
+
+def tree_memory_mb(pid: int, field_name: str) -> float:
+    """``field_name`` (``VmRSS``, ``RssAnon``, ``VmHWM``) added over ``pid`` and its live descendants.
+
+    For ``VmHWM`` the sum is an upper bound of the tree's peak (each member's own peak, whenever it came).
+    """
+    total = 0.0
+    for member in tree_pids(pid):
+        try:
+            total += memory_mb(member, field_name)
+        except OSError:
+            pass
+    return total
+
+
+def pss_mb(pid: int) -> float:
+    """Proportional set size of ``pid`` and its live descendants (shared pages split between their users)."""
+    total = 0.0
+    for member in tree_pids(pid):
+        try:
+            for line in Path(f"/proc/{member}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
+                    total += int(line.split()[1]) / 1024
+        except OSError:
+            pass
     return total
 
 
@@ -303,8 +344,8 @@ def start_gateways(procs: Processes, tmp: Path, names: list[str], pg_url: str | 
     time.sleep(1.0)  # let start-up work (scheduler, first ledger flush) settle before reading idle RSS
     for gateway in gateways:
         if gateway.pid is not None:
-            gateway.rss_idle = memory_mb(gateway.pid, "VmRSS")
-            gateway.anon_idle = memory_mb(gateway.pid, "RssAnon")
+            gateway.rss_idle = tree_memory_mb(gateway.pid, "VmRSS")  # with tokenward's mover child, if running
+            gateway.anon_idle = tree_memory_mb(gateway.pid, "RssAnon")
     return gateways
 
 
@@ -491,8 +532,8 @@ def measure(run_load, tmp: Path, gateway: Gateway, mock_pid: int, scenario: str,
         count = max(result.requests, 1)
     if gateway.pid:
         sample.cpu_ms = (cpu_seconds(gateway.pid) - before) / count * 1000
-        sample.rss_mb = memory_mb(gateway.pid, "VmRSS")
-        sample.anon_mb = memory_mb(gateway.pid, "RssAnon")
+        sample.rss_mb = tree_memory_mb(gateway.pid, "VmRSS")
+        sample.anon_mb = tree_memory_mb(gateway.pid, "RssAnon")
     sample.mock_cpu_ms = (cpu_seconds(mock_pid) - before_mock) / count * 1000
     after_cores = core_busy()
     sample.core_busy = [
@@ -562,7 +603,12 @@ def rows(results: Results, gateways: list[Gateway]) -> list[tuple[str, str, Call
         ),
         ("100 streams: merged events (reads > 1 event)", ",.0f", lambda g, r: stream(g, r).merged, True),
         ("RSS idle (MB)", ".0f", lambda g, r: peak[g].rss_idle, False),
-        ("RSS peak (MB)", ".0f", lambda g, r: memory_mb(peak[g].pid, "VmHWM") if peak[g].pid else float("nan"), False),
+        (
+            "RSS peak (MB)",
+            ".0f",
+            lambda g, r: tree_memory_mb(peak[g].pid, "VmHWM") if peak[g].pid else float("nan"),
+            False,
+        ),
         ("private RSS idle (MB, RssAnon)", ".0f", lambda g, r: peak[g].anon_idle, False),
         (
             "private RSS, largest after a scenario (MB)",

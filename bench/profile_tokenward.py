@@ -462,19 +462,28 @@ def ab(args: argparse.Namespace) -> None:
         gateways = [("relay", bench.gateway("relay"))]
         gateways += [(name, bench.tree(9600 + i, name, path, args.budget)) for i, (name, path) in enumerate(trees)]
         time.sleep(1.0)
-        idle = {name: floor.memory_mb(g.pid, "VmRSS") for name, g in gateways}
-        private = {name: floor.memory_mb(g.pid, "RssAnon") for name, g in gateways}
+        # the serving process and its live children (tokenward's mover): RSS, private, PSS, and the parent alone
+        idle = {name: floor.tree_memory_mb(g.pid, "VmRSS") for name, g in gateways}
+        private = {name: floor.tree_memory_mb(g.pid, "RssAnon") for name, g in gateways}
+        idle_pss = {name: floor.pss_mb(g.pid) for name, g in gateways}
+        idle_own = {name: floor.memory_mb(g.pid, "VmRSS") for name, g in gateways}
         for _, gateway in gateways:
             bench.warm(gateway)
         results: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
+        loaded: dict[str, float] = {}
         for repeat in range(args.repeat):
             for scenario in scenarios:
                 order = gateways[repeat % len(gateways) :] + gateways[: repeat % len(gateways)]
                 for name, gateway in order:  # a different gateway first in each repeat
                     load, cpu_ms = bench.load(gateway, scenario, args.seconds)
                     results.setdefault((name, scenario), []).append((cpu_ms, load.rps, load.p99_ms))
-        peak = {name: floor.memory_mb(g.pid, "VmHWM") for name, g in gateways}
-        private_end = {name: floor.memory_mb(g.pid, "RssAnon") for name, g in gateways}
+                    loaded[name] = max(loaded.get(name, 0.0), floor.tree_memory_mb(gateway.pid, "VmRSS"))
+        peak = {name: floor.tree_memory_mb(g.pid, "VmHWM") for name, g in gateways}
+        peak_own = {name: floor.memory_mb(g.pid, "VmHWM") for name, g in gateways}
+        private_end = {name: floor.tree_memory_mb(g.pid, "RssAnon") for name, g in gateways}
+        end_pss = {name: floor.pss_mb(g.pid) for name, g in gateways}
+        time.sleep(args.settle)  # tokenward's mover stops after 5 s without a move
+        settled = {name: floor.tree_memory_mb(g.pid, "VmRSS") for name, g in gateways}
     print(f"median of {args.repeat} [min..max]; /relay = median of the per-repeat ratios to the relay\n")
     for scenario in scenarios:
         print(f"{scenario}: {'CPU ms/request':>28} {'/relay':>7} {'requests/s':>20} {'p99 ms':>22}")
@@ -487,11 +496,14 @@ def ab(args: argparse.Namespace) -> None:
                 f"  {name:<12} {floor.spread(cpu, '.3f'):>24} {ratios:6.2f}x {floor.spread(rps, ',.0f'):>20} "
                 f"{floor.spread(p99, '.1f'):>22}"
             )
-    print("\nRSS (MB; private RssAnon in brackets): ")
+    print("\nRSS (MB) of the process and its children (the mover); private RssAnon in brackets, PSS, the parent alone:")
     for name, _ in gateways:
         print(
-            f"  {name}: idle {idle[name]:.0f} [{private[name]:.0f}], peak {peak[name]:.0f}, "
-            f"[{private_end[name]:.0f}] at the end"
+            f"  {name}: idle {idle[name]:.0f} [{private[name]:.0f}] PSS {idle_pss[name]:.0f} "
+            f"(parent {idle_own[name]:.0f}); "
+            f"largest after a load {loaded[name]:.0f}; peak <= {peak[name]:.0f} (sum of each one's VmHWM; parent "
+            f"{peak_own[name]:.0f}); end [{private_end[name]:.0f}] PSS {end_pss[name]:.0f}; "
+            f"{args.settle:.0f} s later {settled[name]:.0f}"
         )
 
 
@@ -657,6 +669,12 @@ def serving(tmp: Path) -> None:
         time.sleep(2.5)  # the last rows moved into the ledger
         _mapping_table(proxy.pid, f"after {load.requests} requests at c=64 and their moves")
         print(f"  peak (VmHWM) so far: {floor.memory_mb(proxy.pid, 'VmHWM'):.1f} MB")
+        for child in floor.tree_pids(proxy.pid)[1:]:  # the mover, until it stops after 30 s without a move
+            print(
+                f"  child {child}: RSS {floor.memory_mb(child, 'VmRSS'):.1f} MB "
+                f"[{floor.memory_mb(child, 'RssAnon'):.1f} private], peak {floor.memory_mb(child, 'VmHWM'):.1f}"
+            )
+        print(f"  the tree's PSS: {floor.pss_mb(proxy.pid):.1f} MB")
     finally:
         procs.stop()
 
@@ -1070,6 +1088,7 @@ def main() -> None:
     p.add_argument("--budget", action="store_true", help="with one blocking budget over all traffic")
     p.add_argument("--seconds", type=float, default=5)
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--settle", type=float, default=7.0, help="seconds after the loads before the last RSS reading")
     sub.add_parser("micro")
     p = sub.add_parser("serve")
     p.add_argument("--config", required=True)

@@ -110,6 +110,8 @@ def create_app(
     runs_on = runs_allowed(config)
     scheduler = create_scheduler()
     ledger = config.open_ledger()
+    if isinstance(ledger, DuckLedger):  # DuckDB's work in a child: the serving process never imports it
+        ledger.use_mover()
     books: PgBooks | None = None  # shared budget books (Postgres); None: in this process's memory
     blocking = any(b.blocking for b in [*budgets, *templates])
     if ledger.shared and (blocking or runs_on):
@@ -241,8 +243,12 @@ def create_app(
             if guard is not None:
                 loaders = [loader.load for loader in (dynamic, velocity) if loader]
                 await asyncio.to_thread(load_books, ledger, guard, recorder.wal, loaders=loaders)
+            if isinstance(ledger, DuckLedger):  # start-up's DuckDB work is done: an idle proxy holds none
+                await asyncio.to_thread(ledger.close)
             scheduler.start()
         except BaseException:
+            if isinstance(ledger, DuckLedger):
+                ledger.close()
             if lock is not None:
                 lock.close()
             if books is not None:
@@ -256,6 +262,8 @@ def create_app(
             try:
                 await recorder.stop()
             finally:
+                if isinstance(ledger, DuckLedger):
+                    await asyncio.to_thread(ledger.close)
                 if isolation is not None:
                     isolation.owners.close()
                 if books is not None:

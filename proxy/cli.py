@@ -127,7 +127,8 @@ def serve(
         app = create_app(config, proxy_lock=lock)
     except CatalogError as exc:
         raise click.ClickException(str(exc)) from exc
-    store = config.open_ledger()
+    # a DuckDB file is migrated by the app's own mover child (the serving process never loads DuckDB)
+    store = app.state.ledger if isinstance(app.state.ledger, DuckLedger) else config.open_ledger()
     try:
         store.migrate()
     except (LedgerError, OSError) as exc:

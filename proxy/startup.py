@@ -22,13 +22,15 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from tokenward.proxy.config import Config
 from tokenward.proxy.guard import BudgetGuard
 from tokenward.reports.ledger import DuckLedger, Ledger, LedgerBusy, LedgerError, WriteAheadLog
-from tokenward.reports.ledger.legacy import import_legacy_state as _import
-from tokenward.reports.ledger.spend import DuckSpend
+from tokenward.reports.ledger.mover import MoverDied
+
+if TYPE_CHECKING:
+    from tokenward.reports.ledger.spend import DuckSpend
 
 __all__ = [
     "LOCAL_REFRESH_S",
@@ -101,7 +103,7 @@ def import_legacy_state(ledger: Ledger) -> None:
     if not isinstance(ledger, DuckLedger):
         return  # a Postgres ledger never had them
     try:
-        copied = ledger.session(lambda conn: _import(conn, ledger.state), read_only=True)
+        copied = ledger.import_legacy()  # in the mover child when the proxy serves
     except LedgerError as exc:
         log.debug("earlier state not imported this time: %s", exc)
         return
@@ -139,11 +141,13 @@ def load_books(
         try:
             unflushed = ledger.unflushed_rows(wal)
             now = dt.datetime.now(dt.UTC)
-            ledger.session(partial(_load_duck, guard, now, unflushed, loaders), read_only=True)
+            ledger.read_spend(partial(_load_duck, guard, now, unflushed, loaders))
             if unflushed:
                 log.info("budget books count %d rows not yet in the ledger", len(unflushed))
             return
-        except LedgerBusy:
+        except (LedgerBusy, MoverDied) as exc:
+            if isinstance(exc, MoverDied):
+                log.error("%s; reading the budget books again", exc)
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.1)
@@ -202,9 +206,8 @@ def _load(
 
 
 def _load_duck(
-    guard: BudgetGuard, now: dt.datetime, unflushed: list[dict[str, Any]], loaders: Sequence[Loader], conn: Any
+    guard: BudgetGuard, now: dt.datetime, unflushed: list[dict[str, Any]], loaders: Sequence[Loader], spend: Any
 ) -> None:
-    spend = DuckSpend(conn)
     _load(guard, now, not_in_ledger(spend, unflushed), loaders, spend)
 
 

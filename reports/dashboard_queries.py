@@ -11,14 +11,15 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Sequence
 from decimal import Decimal
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from zoneinfo import ZoneInfo
-
-import duckdb
 
 from tokenward.reports.ledger.state import ClaimRecord, StateStore
 from tokenward.reports.queries import Selection, spend, spend_totals
 from tokenward.reports.views import calendar_range
+
+if TYPE_CHECKING:
+    import duckdb
 
 __all__ = ["RANGES", "history", "range_start", "sent_alerts"]
 

@@ -15,15 +15,16 @@ import datetime as dt
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from zoneinfo import ZoneInfo
-
-import duckdb
 
 from tokenward.pricing.budgets import SNAPSHOT_SUFFIX, model_base
 from tokenward.pricing.usage import TOKEN_FIELDS
 from tokenward.reports.ledger import ROW_COLUMNS
 from tokenward.reports.localtime import local_hour_start_sql, local_timestamp_sql
+
+if TYPE_CHECKING:
+    import duckdb
 
 __all__ = [
     "ALIASES",
@@ -360,6 +361,8 @@ def _grouped(
 
     ``shown`` (with ``total``, see :func:`spend_report`) adds ``groups`` to the total.
     """
+    import duckdb
+
     try:
         return _grouped_once(conn, selection, dims, top=top, drift=drift, total=total, narrow=True, shown=shown)
     except duckdb.ConversionException:  # a token sum past 2^63: read it as HUGEINT

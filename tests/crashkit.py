@@ -224,3 +224,23 @@ def ledger_rows(path: Path) -> list[dict[str, Any]]:
         return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
     finally:
         conn.close()
+
+
+def children(pid: int) -> list[int]:
+    """The process ids whose parent is ``pid`` (from ``/proc``)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            found.append(int(entry))
+    return found
+
+
+def maps_duckdb(pid: int) -> bool:
+    """Whether process ``pid`` has DuckDB's library mapped."""
+    return "duckdb" in Path(f"/proc/{pid}/maps").read_text()

@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import datetime as dt
+import os
+import signal
 from decimal import Decimal
 
 import pytest
@@ -142,3 +144,40 @@ def test_a_move_between_the_reads_counts_unpriced_rows_once_for_the_admins_alert
     assert {key: seen["count"] for key, seen in recorder.unpriced_seen.items()} == {
         ("openai", "mystery-1", "unpriced"): 3
     }
+
+
+class KilledMoverLedger(MovingLedger):
+    """:class:`MovingLedger` reading through its mover child, which is killed (SIGKILL) as the books are read."""
+
+    kills = reads = 0
+
+    def read_spend(self, work):
+        self.reads += 1  # the first read asks which dead writer's rows are in the file; the second opens the books
+
+        def killed_first(spend):
+            if self.reads == 2 and not self.kills and self.mover is not None and self.mover.pid:
+                self.kills += 1
+                pid = self.mover.pid
+                os.kill(pid, signal.SIGKILL)
+                os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)  # dead (reaped by the mover's next call)
+            return work(spend)
+
+        return super().read_spend(killed_first)
+
+
+@pytest.mark.parametrize("killed", [False, True])
+def test_the_books_read_through_the_mover_child_are_the_same(tmp_path, killed, caplog):
+    """The first test's $4 + $3 + $2 of $10 read by the mover child ($1 left), and again after the child is killed mid-read."""
+    path = tmp_path / "l.duckdb"
+    seed(path, [cost_row("a", "2026-10-25T09:00:00+01:00", "4.00")])
+    ledger = (KilledMoverLedger if killed else MovingLedger)(path)
+    ledger.use_mover()
+    _killed_writer(ledger, cost_row("b", "2026-10-25T10:00:00+01:00", "3.00"), _at_upstream("c", "2.00"))
+    guard = BudgetGuard([CAP], NOW)
+    load_books(ledger, guard, None)
+    ledger.close()
+    assert ledger.moved == 2
+    assert guard.tightest({"team": "research"}, NOW) == (CAP, Decimal("1.00"))
+    if killed:
+        assert ledger.kills == 1
+        assert "the ledger's mover process ended" in caplog.text  # logged, then read again by a new child

@@ -33,16 +33,12 @@ import logging
 import os
 import tempfile
 import threading
-import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
-
-import duckdb
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from tokenward.reports.ledger import spooled
 from tokenward.reports.ledger.base import Ledger
-from tokenward.reports.ledger.duck import apply_prices, insert_lines, open_ledger
 from tokenward.reports.ledger.errors import LedgerBusy, LedgerError
 from tokenward.reports.ledger.schema import ROW_COLUMNS, SPEND_EXPRESSION
 from tokenward.reports.ledger.state import SqliteState, StateStore
@@ -61,8 +57,23 @@ __all__ = [
     "write_rows",
 ]
 
+if TYPE_CHECKING:
+    import duckdb
+
+    from tokenward.reports.ledger.duck import open_ledger
+    from tokenward.reports.ledger.mover import Mover
+
 log = logging.getLogger("tokenward.ledger")
 T = TypeVar("T")
+
+
+def __getattr__(name: str) -> Any:
+    """``open_ledger``, imported with DuckDB on first use (a serving proxy never imports DuckDB)."""
+    if name == "open_ledger":
+        from tokenward.reports.ledger.duck import open_ledger
+
+        return open_ledger
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class DuckLedger:
@@ -87,6 +98,8 @@ class DuckLedger:
         self._migrated_file: tuple[int, int] | None = None  # (device, inode) this process last migrated
         # own segments whose move failed part way: their rows may be in the file already
         self._unsure: set[Path] = set()
+        self.mover: Mover | None = None
+        """The child running migrations, moves and the state import (:meth:`use_mover`); ``None``: this process."""
 
     def _migrated(self) -> bool:
         """Whether this process has opened the file now at :attr:`path` read-write (so migrated it) before.
@@ -103,16 +116,28 @@ class DuckLedger:
 
     def connect(self, *, read_only: bool, wait_s: float = 0.0) -> duckdb.DuckDBPyConnection:
         """See :meth:`Ledger.connect`: the file itself."""
+        from tokenward.reports.ledger.duck import open_ledger
+
         return open_ledger(self.path, read_only=read_only, wait_s=wait_s)
 
     def read_spend(self, work: Callable[[Any], T]) -> T:
-        """See :meth:`Ledger.read_spend`: :class:`~tokenward.reports.ledger.spend.DuckSpend` on the file."""
+        """See :meth:`Ledger.read_spend`: :class:`~tokenward.reports.ledger.spend.DuckSpend` on the file.
+
+        With a mover child, ``work`` gets a :class:`~tokenward.reports.ledger.mover.RemoteSpend`:
+        the same methods, answered by the child on one read-only connection held for the call.
+        """
+        if self.mover is not None:
+            from tokenward.reports.ledger.mover import RemoteSpend
+
+            with self._lock:
+                with RemoteSpend(self.mover, self.path) as spend:
+                    return work(spend)
         from tokenward.reports.ledger.spend import DuckSpend
 
         return self.session(lambda conn: work(DuckSpend(conn)), read_only=True)
 
     def migrate(self, wait_s: float = 10.0) -> list[str]:
-        """See :meth:`Ledger.migrate`.
+        """See :meth:`Ledger.migrate` (:func:`~tokenward.reports.ledger.moves.migrate_file`; in the mover child if set).
 
         While a reader (``tokenward report``, ``top``, a notebook) holds the file, a file whose
         schema is current needs nothing: ``[]`` at once, and the proxy starts with its rows
@@ -123,33 +148,44 @@ class DuckLedger:
             LedgerBusy: the file needs migrations and stayed held for ``wait_s`` seconds.
             LedgerError: the file cannot be opened or migrated.
         """
-        from tokenward.reports.ledger import migrations
+        if self.mover is not None:
+            applied = self._in_child({"op": "migrate", "path": self.path, "wait_s": wait_s})
+        else:
+            from tokenward.reports.ledger.moves import migrate_file
 
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                conn = open_ledger(self.path, migrate_schema=False)
-                break
-            except LedgerBusy:
-                if self._schema_current():
-                    return []
-                if time.monotonic() >= deadline:
-                    raise
-                time.sleep(0.1)
-        try:
-            applied = migrations.migrate(conn)
-            self._migrated_file = _identity(self.path)
-            return applied
-        finally:
-            conn.close()
+            applied = migrate_file(self.path, wait_s)
+        self._migrated_file = _identity(self.path)
+        return applied
 
-    def _schema_current(self) -> bool:
-        """Whether the file opens read-only with no migration pending (a reader may hold it meanwhile)."""
-        try:
-            open_ledger(self.path, read_only=True).close()
-        except LedgerError:
-            return False
-        return True
+    def import_legacy(self) -> int:
+        """Copy an earlier version's keys and alert claims from the file into :attr:`state` (in the mover if set).
+
+        Raises:
+            LedgerError: the file cannot be read now.
+        """
+        if self.mover is not None:
+            return self._in_child({"op": "legacy", "path": self.path, "state_path": str(self.state.path)})
+        from tokenward.reports.ledger.moves import import_legacy
+
+        with self._lock:
+            return import_legacy(self.path, str(self.state.path))
+
+    def use_mover(self, mover: Mover | None = None) -> Mover:
+        """Run migrations, moves and the state import in a mover child from now on (a serving proxy); the mover."""
+        from tokenward.reports.ledger.mover import Mover
+
+        self.mover = mover or Mover()
+        return self.mover
+
+    def close(self) -> None:
+        """Stop the mover child, if any (the next move would start another)."""
+        if self.mover is not None:
+            self.mover.close()
+
+    def _in_child(self, request: dict[str, Any]) -> Any:
+        assert self.mover is not None
+        kind, value, _ = self.mover.call(request)
+        return _answer(kind, value)
 
     def write_rows(self, rows: Iterable[Mapping[str, Any]]) -> int:
         """See :meth:`Ledger.write_rows` (:func:`write_rows` on the file, de-duplicated)."""
@@ -157,6 +193,8 @@ class DuckLedger:
 
     def apply_prices(self, conn: duckdb.DuckDBPyConnection, updates: list[dict[str, Any]]) -> None:
         """See :meth:`Ledger.apply_prices`: an UPDATE of the file behind ``conn``."""
+        from tokenward.reports.ledger.duck import apply_prices
+
         apply_prices(conn, updates)
 
     @property
@@ -171,6 +209,8 @@ class DuckLedger:
             LedgerBusy: another process holds the file.
             LedgerError: the file cannot be opened.
         """
+        from tokenward.reports.ledger.duck import open_ledger
+
         with self._lock:
             conn = open_ledger(self.path, read_only=read_only)
             try:
@@ -198,43 +238,38 @@ class DuckLedger:
             wal.rotate()
         with self._lock:  # one flush at a time in this process: each segment is taken once
             own = wal.closed_rows() if wal is not None else []
-            dead = dead_writers(self.spool_dir, own=wal.writer_id if wal is not None else None)
-            try:
-                if not own and not dead:
-                    return 0
-                conn = open_ledger(self.path, migrate_schema=not self._migrated())
-                try:
-                    # One DuckDB thread: a move is a few appends and a checkpoint beside the event loop; a
-                    # second thread took ~10% more CPU and a few MB more at the peak (profile_tokenward.py moves).
-                    conn.execute("SET threads = 1")
-                    self._migrated_file = _identity(self.path)
-                    inserted = 0
-                    for path in own:  # one statement per segment: read_json holds one segment at a time
-                        # A move that failed may have put the segment's rows in the file all the same (a
-                        # COMMIT can fail after it was durable, in the checkpoint it starts; the removal can
-                        # fail after the insert): such a segment is moved again with de-duplication.
-                        dedupe = path in self._unsure
-                        self._unsure.add(path)
-                        inserted += insert_lines(
-                            conn, [path], dedupe=dedupe, quarantine=self.quarantine, scratch=self.spool_dir
-                        )
-                        path.unlink()
-                        self._unsure.discard(path)
-                    for writer in dead:
-                        recovered = writer.recovered_file()
-                        inserted += insert_lines(
-                            conn, [recovered], dedupe=True, quarantine=self.quarantine, scratch=self.spool_dir
-                        )
-                        writer.remove()
-                        log.info("recovered the log of a stopped writer (%s)", writer.writer_id)
-                    return inserted
-                finally:
-                    conn.close()
-            except duckdb.Error as exc:  # the file itself failed (a full disk at the COMMIT): rows wait in the log
-                raise LedgerError(f"cannot write ledger {self.path}: {exc}") from exc
-            finally:
-                for writer in dead:
-                    writer.release()
+            writer = wal.writer_id if wal is not None else None
+            if self.mover is None:
+                from tokenward.reports.ledger.moves import move_segments
+
+                moved = move_segments(
+                    self.path, self.spool_dir, own, writer, self._unsure, migrate_schema=not self._migrated()
+                )
+            else:
+                moved = self._move_in_child(own, writer)
+            if own or moved:  # the file was opened read-write, so migrated
+                self._migrated_file = _identity(self.path)
+            return moved
+
+    def _move_in_child(self, own: list[Path], writer: str | None) -> int:
+        """:meth:`flush`'s move, done by the mover child (``self._lock`` held)."""
+        assert self.mover is not None
+        if not own and not _dead_waiting(self.spool_dir, writer):
+            self.mover.retire_if_idle()
+            return 0
+        request = {
+            "op": "move",
+            "path": self.path,
+            "spool_dir": str(self.spool_dir),
+            "own": [str(p) for p in own],
+            "writer": writer,
+            "unsure": [str(p) for p in self._unsure],
+            "migrate": not self._migrated(),
+        }
+        self._unsure.update(own)  # a child killed mid-move may have committed any of them
+        kind, value, unsure = self.mover.call(request)  # MoverDied: they all stay unsure
+        self._unsure = {Path(p) for p in unsure}
+        return _answer(kind, value)
 
     def waiting_segments(self, wal: WriteAheadLog | None = None) -> int:
         """Log files waiting to go into the ledger: ``wal``'s closed rows files and dead writers' files."""
@@ -248,8 +283,23 @@ class DuckLedger:
         out when the file can be read.
         """
         return spooled.unflushed_rows(
-            self.spool_dir, wal, lambda ids: self.session(lambda conn: _present(conn, ids), read_only=True)
+            self.spool_dir, wal, lambda ids: self.read_spend(lambda spend: spend.present(ids))
         )
+
+
+def _answer(kind: str, value: Any) -> Any:
+    """A mover reply's value, or its error raised (``busy``: :class:`LedgerBusy`, else :class:`LedgerError`)."""
+    if kind == "ok":
+        return value
+    raise (LedgerBusy if kind == "busy" else LedgerError)(value)
+
+
+def _dead_waiting(spool_dir: Path, own: str | None) -> bool:
+    """Whether a dead writer left files in ``spool_dir`` (their locks are taken and given back at once)."""
+    dead = dead_writers(spool_dir, own=own)
+    for writer in dead:
+        writer.release()
+    return bool(dead)
 
 
 def _identity(path: str) -> tuple[int, int] | None:
@@ -258,12 +308,6 @@ def _identity(path: str) -> tuple[int, int] | None:
     except OSError:
         return None
     return found.st_dev, found.st_ino
-
-
-def _present(conn: duckdb.DuckDBPyConnection, ids: list[str]) -> set[str]:
-    from tokenward.reports.ledger.spend import DuckSpend
-
-    return DuckSpend(conn).present(ids)
 
 
 def write_rows(path: str | Path, rows: Iterable[Mapping[str, Any]], *, dedupe: bool = False) -> int:
@@ -283,6 +327,8 @@ def write_rows(path: str | Path, rows: Iterable[Mapping[str, Any]], *, dedupe: b
     handle, name = tempfile.mkstemp(suffix=".rows.tmp", dir=directory)
     with os.fdopen(handle, "wb") as out:
         out.write(data)
+    from tokenward.reports.ledger.duck import insert_lines, open_ledger
+
     try:
         conn = open_ledger(path)
         try:

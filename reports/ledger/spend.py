@@ -14,13 +14,14 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Sequence
 from decimal import Decimal
-from typing import Any, Protocol
-
-import duckdb
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tokenward.pricing.budgets import Budget
 from tokenward.reports.ledger.schema import SPEND_EXPRESSION
 from tokenward.reports.queries import bare_models, model_condition, plain_models
+
+if TYPE_CHECKING:
+    import duckdb
 
 __all__ = ["DuckSpend", "SpendSource", "UnpricedModel", "scope_clause"]
 

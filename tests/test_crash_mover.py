@@ -1,0 +1,200 @@
+"""The mover child: a serving proxy never loads DuckDB, and no kill of the proxy or its mover loses or doubles a row.
+
+Real processes and signals: ``tokenward serve`` as a subprocess, its mover child
+(``python -m tokenward.reports.ledger.mover``) found in ``/proc`` and killed with SIGKILL, a real
+DuckDB file read back here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import os
+import signal
+import threading
+import time
+from decimal import Decimal
+from functools import partial
+from pathlib import Path
+
+import duckdb
+import httpx
+import pytest
+
+from tokenward.reports.ledger import DuckLedger, WriteAheadLog
+from tokenward.reports.ledger.mover import MoverDied
+from tokenward.reports.ledger.wal import encode_row
+
+from .crashkit import CountingUpstream, Load, ProxyProcess, children, ledger_rows, maps_duckdb, write_config
+from .test_crash import COST, free_port
+from .test_ledger import make_row
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _dead(pid: int) -> bool:
+    return not _alive(pid)
+
+
+def _wait_for(check, timeout: float = 20.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.01)
+    raise AssertionError("timed out")
+
+
+def test_a_mover_killed_mid_move_leaves_each_row_once(tmp_path):
+    # 40 segments of 300 rows, each $0.000001234567: the kill lands after the first segments were
+    # committed and removed and before the last; the next move (a new child) inserts the rest, and
+    # de-duplicates the segment the kill interrupted (its rows may be committed already)
+    ledger = DuckLedger(tmp_path / "l.duckdb")
+    mover = ledger.use_mover()
+    ledger.migrate()
+    wal = WriteAheadLog(ledger.spool_dir)
+
+    async def fill():
+        wal.open(asyncio.get_running_loop())
+        for segment in range(40):
+            rows = [make_row(f"r{segment}-{n}") for n in range(300)]
+            await wal.commit([r["request_id"] for r in rows], b"".join(encode_row(r) for r in rows))
+            wal.rotate()
+
+    asyncio.run(fill())
+    assert len(wal.closed_rows()) == 40
+    outcome: list[BaseException | int] = []
+    mover_thread = threading.Thread(target=lambda: outcome.append(_flush(ledger, wal)))
+    mover_thread.start()
+    child = _wait_for(lambda: mover.pid)
+    _wait_for(lambda: len(wal.closed_rows()) <= 38, timeout=60)  # two segments in and removed
+    os.kill(child, signal.SIGKILL)
+    mover_thread.join(60)
+    left = len(wal.closed_rows())
+    assert isinstance(outcome[0], MoverDied), outcome  # the kill came mid-move
+    assert 0 < left <= 38
+    before = _count(ledger)[0]
+    assert 600 <= before < 12_000
+    assert ledger.flush(wal) == 12_000 - before  # a new child; what the killed one committed is not inserted again
+    wal.close()
+    count, distinct, total = _count(ledger)
+    assert (count, distinct, total) == (12_000, 12_000, Decimal("0.014814804000"))
+    assert wal.closed_rows() == [] and mover.pid != child
+    ledger.close()
+
+
+def _flush(ledger: DuckLedger, wal: WriteAheadLog) -> BaseException | int:
+    try:
+        return ledger.flush(wal)
+    except MoverDied as exc:
+        return exc
+
+
+def _count(ledger: DuckLedger) -> tuple[int, int, Decimal]:
+    conn = duckdb.connect(ledger.path, read_only=True)
+    try:
+        row = conn.execute("SELECT count(*), count(DISTINCT request_id), sum(cost_usd) FROM requests").fetchone()
+    finally:
+        conn.close()
+    assert row is not None
+    return row[0], row[1], row[2]
+
+
+def _rows_in(path) -> int | None:
+    try:
+        conn = duckdb.connect(str(path), read_only=True)
+    except duckdb.Error:  # not made yet, or the mover holds it
+        return None
+    try:
+        row = conn.execute("SELECT count(*) FROM requests").fetchone()
+    except duckdb.Error:
+        return None
+    finally:
+        conn.close()
+    return row[0] if row else None
+
+
+def test_a_serving_proxy_never_loads_duckdb_and_its_mover_stops_when_idle(tmp_path, monkeypatch):
+    monkeypatch.setenv("TOKENWARD_MOVER_IDLE_S", "3")  # the proxy's mover stops 3 s after its last move
+    port = free_port()
+    with CountingUpstream(wait_s=0.0) as upstream:
+        proxy = ProxyProcess(write_config(tmp_path, upstream.url, port), port).start()
+        assert proxy.process is not None
+        assert children(proxy.process.pid) == []  # start-up's DuckDB work done: an idle proxy has no mover
+        try:
+            body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
+            with httpx.Client(timeout=10) as client:
+                for _ in range(20):
+                    reply = client.post(
+                        f"{proxy.url}/v1/chat/completions", json=body, headers={"authorization": "Bearer sk"}
+                    )
+                    assert reply.status_code == 200
+            assert proxy.process is not None
+            pid = proxy.process.pid
+            # the rows reach the file (the mover moved them), while the proxy itself never mapped DuckDB
+            _wait_for(lambda: _rows_in(tmp_path / "ledger.duckdb") == 20, timeout=30)
+            _wait_for(lambda: not children(pid), timeout=30)  # idle: the mover has stopped
+            assert not maps_duckdb(pid)
+            rows = ledger_rows(tmp_path / "ledger.duckdb")
+            assert len(rows) == 20 and sum(r["cost_usd"] for r in rows) == 20 * COST
+        finally:
+            proxy.stop()
+
+
+def test_the_proxy_restarts_a_killed_mover_logs_it_and_loses_no_row(tmp_path):
+    port = free_port()
+    with CountingUpstream(wait_s=0.01) as upstream:
+        proxy = ProxyProcess(write_config(tmp_path, upstream.url, port), port).start()
+        assert proxy.process is not None
+        pid = proxy.process.pid
+        load = Load(proxy.url, clients=16).start()
+        kills = 0
+        try:
+            for _ in range(5):
+                child = _wait_for(lambda: children(pid), timeout=30)[0]
+                os.kill(child, signal.SIGKILL)
+                kills += 1
+                _wait_for(partial(_dead, child))
+                time.sleep(0.3)
+            time.sleep(1.5)
+            assert httpx.get(f"{proxy.url}/healthz", timeout=5).status_code == 200  # not hung
+        finally:
+            load.stop()
+            proxy.stop()
+    rows = ledger_rows(tmp_path / "ledger.duckdb")
+    by_client = collections.Counter(r["client_request_id"] for r in rows)
+    assert kills == 5 and len(load.completed) > 50
+    assert [rid for rid, count in by_client.items() if count > 1] == []
+    assert [rid for rid in load.completed if rid not in by_client] == []
+    assert all(r["cost_usd"] == COST for r in rows if r["client_request_id"] in load.completed)
+    assert "the ledger's mover process ended" in proxy.log()
+
+
+@pytest.mark.parametrize("moving", [False, True])
+def test_the_mover_dies_with_the_proxy_and_leaves_the_file_free(tmp_path, moving):
+    # killed mid-load (the mover busy moving), or a second after the load (the mover waiting for the next move)
+    port = free_port()
+    with CountingUpstream(wait_s=0.01) as upstream:
+        proxy = ProxyProcess(write_config(tmp_path, upstream.url, port), port).start()
+        assert proxy.process is not None
+        pid = proxy.process.pid
+        load = Load(proxy.url, clients=16).start()
+        try:
+            child = _wait_for(lambda: children(pid), timeout=30)[0]
+            time.sleep(1.5)  # moves under way
+            if not moving:
+                load.stop()
+                time.sleep(1.5)  # the last move done; the mover waits (it stops after 30 s idle)
+                assert _alive(child)
+            proxy.kill()
+            _wait_for(partial(_dead, child), timeout=5)  # killed with its parent, not left behind
+        finally:
+            load.stop()
+    duckdb.connect(str(tmp_path / "ledger.duckdb")).close()  # nobody holds the file's lock
