@@ -19,6 +19,7 @@ import datetime as dt
 import json
 import sqlite3
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -104,12 +105,14 @@ class StateStore(Protocol):
         """Mark a claim ``sent``, ``pending`` (to be retried) or ``failed``, counting one attempt; ends its lease."""
         ...
 
-    def lease(self, keys: Sequence[AlertKey], holder: str, until: float, now: float) -> list[AlertKey]:
-        """Lease pending claims to ``holder`` until ``until`` (epoch seconds); returns the keys leased.
+    def lease(self, keys: Sequence[AlertKey], holder: str, for_s: float) -> list[AlertKey]:
+        """Lease pending claims to ``holder`` for ``for_s`` seconds from now; returns the keys leased.
 
-        A claim is leased if it is ``pending`` and not leased to another holder until after
-        ``now``; ``holder`` may renew its own lease. Whoever holds the lease is the one process
-        delivering the claim; a holder that dies leaves it to whoever evaluates after ``until``.
+        A claim is leased if it is ``pending`` and not leased to another holder beyond now;
+        ``holder`` may renew its own lease. Whoever holds the lease is the one process delivering
+        the claim; a holder that dies leaves it to whoever evaluates once the lease has run out.
+        "Now" is the store's clock, not the caller's (Postgres: the database server's
+        ``clock_timestamp()``), so replicas whose clocks disagree still agree on who holds a lease.
         """
         ...
 
@@ -362,8 +365,10 @@ class SqliteState:
             [status, error, key.budget, _iso(key.period_start), key.kind, key.threshold],
         )
 
-    def lease(self, keys: Sequence[AlertKey], holder: str, until: float, now: float) -> list[AlertKey]:
-        """See :meth:`StateStore.lease`."""
+    def lease(self, keys: Sequence[AlertKey], holder: str, for_s: float) -> list[AlertKey]:
+        """See :meth:`StateStore.lease` (the clock of the one host the SQLite file lives on)."""
+        now = time.time()
+        until = now + for_s
         return self._each_once(
             "UPDATE alert_claims SET lease_holder = ?, lease_until = ? WHERE budget = ? AND period_start = ? "
             "AND kind = ? AND threshold = ? AND status = 'pending' "
