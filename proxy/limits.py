@@ -42,7 +42,7 @@ from litestar.types import Receive
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from tokenward.proxy.config import ServerConfig
-from tokenward.proxy.errors import ProxyError, error_body
+from tokenward.proxy.errors import ProxyError, reply_error_body
 
 __all__ = [
     "CONNECTION_SCOPE_KEY",
@@ -498,7 +498,9 @@ class LimitedHttpTools(HttpToolsProtocol):
     def _refuse(self, status: int, reason: str, code: str, message: str) -> None:
         self._in_head = False
         self._disarm()
-        body = error_body(message, "invalid_request_error", code)
+        # what of the head arrived decides the shape: an Anthropic client gets Anthropic's error document
+        path = getattr(self, "url", None) or b""
+        body = reply_error_body(path, self.headers or [], status, message, "invalid_request_error", code)
         log.warning("refused a connection from %s: %s", _peer(self.client), message)
         head = (
             f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
@@ -512,7 +514,10 @@ _HEAD_TOO_LARGE = "The request head is larger than server.max_header_kib allows.
 
 
 async def _head_too_large(scope: Any, receive: Any, send: Any) -> None:
-    body = error_body(_HEAD_TOO_LARGE, "invalid_request_error", "request_header_too_large")
+    raw_path = scope.get("raw_path") or scope["path"].encode()
+    body = reply_error_body(
+        raw_path, scope["headers"], 431, _HEAD_TOO_LARGE, "invalid_request_error", "request_header_too_large"
+    )
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *_CLOSE]
     log.warning("refused a request from %s: %s", _peer(scope.get("client")), _HEAD_TOO_LARGE)
     await send({"type": "http.response.start", "status": 431, "headers": headers})
