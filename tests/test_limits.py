@@ -334,6 +334,15 @@ def anthropic_head(length: int, extra: str = "") -> bytes:
     return head("/v1/messages", length, "anthropic-version: 2023-06-01\r\nx-api-key: sk-ant-test\r\n" + extra)
 
 
+def document_of(reply: bytes) -> dict:
+    return json.loads(reply.partition(b"\r\n\r\n")[2])
+
+
+def anthropic_error(message: str, code: str) -> dict:
+    """Anthropic's error document for a 4xx (https://docs.anthropic.com/en/api/errors, 2026-12-02)."""
+    return {"type": "error", "error": {"type": "invalid_request_error", "message": message, "param": None, "code": code}}
+
+
 def test_head_refusals_answer_an_anthropic_client_in_anthropic_s_shape(start_proxy):
     """408 and 431 come before the app, and were in OpenAI's shape whoever asked; the Anthropic SDK reads
     ``{"type": "error", "error": {...}}``."""
@@ -342,34 +351,22 @@ def test_head_refusals_answer_an_anthropic_client_in_anthropic_s_shape(start_pro
         sock.sendall(anthropic_head(2, "x-padding: " + "p" * 9000 + "\r\n"))
         reply, closed = read_reply(sock)
     assert status_of(reply) == 431 and closed
-    assert json.loads(reply.partition(b"\r\n\r\n")[2]) == {
-        "type": "error",
-        "error": {
-            "type": "invalid_request_error",
-            "message": "The request head is larger than server.max_header_kib allows.",
-            "param": None,
-            "code": "request_header_too_large",
-        },
-    }
+    assert document_of(reply) == anthropic_error(
+        "The request head is larger than server.max_header_kib allows.", "request_header_too_large"
+    )
     with socket.create_connection(address(proxy.url)) as sock:  # a head that never ends
         sock.sendall(anthropic_head(2)[:-2] + b"x-endless: " + b"e" * 20_000)
         reply, closed = read_reply(sock)
     assert status_of(reply) == 431 and closed
-    document = json.loads(reply.partition(b"\r\n\r\n")[2])
+    document = document_of(reply)
     assert document["type"] == "error" and document["error"]["code"] == "request_header_too_large"
     with socket.create_connection(address(proxy.url)) as sock:  # a head whose blank line never comes
         sock.sendall(anthropic_head(10)[:-2])
         reply, closed = read_reply(sock)
     assert status_of(reply) == 408 and closed
-    assert json.loads(reply.partition(b"\r\n\r\n")[2]) == {
-        "type": "error",
-        "error": {
-            "type": "invalid_request_error",
-            "message": "The request head did not arrive within 0.5 s (server.header_timeout_s).",
-            "param": None,
-            "code": "request_timeout",
-        },
-    }
+    assert document_of(reply) == anthropic_error(
+        "The request head did not arrive within 0.5 s (server.header_timeout_s).", "request_timeout"
+    )
     assert proxy.rows() == []  # no request ever arrived
 
 
