@@ -257,3 +257,31 @@ async def test_a_reservation_whose_reply_was_lost_is_given_back_once_the_databas
         finally:
             await a.stop()
         assert _books(pg_url) == [(REAL, 0)]
+
+
+async def test_pooled_connections_survive_a_postgres_restart(tmp_path, pg_cluster):
+    """Postgres restarts while the pools' connections sit idle; the next statement on each is served.
+
+    Before: the first use of each pooled connection failed (``OperationalError``: the server had
+    closed it), so the first reservation after a restart was refused (503 ``budget_books_unavailable``)
+    and the first state-store read raised ``LedgerError``.
+    """
+    import uuid
+
+    url = pg_cluster.create_database(f"t_{uuid.uuid4().hex[:12]}")
+    ledger = pg(tmp_path, url)
+    books = PgBooks(url, "a", lease_s=30)
+    await books.start()
+    try:
+        assert ledger.state.claimed("hard", START) == set()  # a connection of each pool, now idle
+        first = await books.reserve([Ask(BOOK, D("1"), WORST)], request_id="req-6", started=START)
+        books.settle(first, [(BOOK, REAL)], "req-6", START)
+        await asyncio.gather(*books._tasks)
+        assert _books(url) == [(REAL, 0)] and books.queued == 0
+        pg_cluster.restart()
+        assert ledger.state.claimed("hard", START) == set()  # the sync pool: no LedgerError
+        hold = await books.reserve([Ask(BOOK, D("1"), WORST)], request_id="req-7", started=START)  # the async pool
+        assert hold.amounts == [(BOOK, WORST)]
+        assert _books(url) == [(REAL, WORST)]
+    finally:
+        await books.stop()
