@@ -17,6 +17,7 @@ from zoneinfo import ZoneInfo
 
 import click
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
@@ -26,6 +27,7 @@ from tokenward.reports.budget_check import evaluate_and_notify, status_of, usd, 
 from tokenward.reports.cli_common import existing_state, ledger_named, open_named, parse_when, writable_state
 from tokenward.reports.keys import create_key, list_keys, revoke_key
 from tokenward.reports.ledger.spend import DuckSpend
+from tokenward.reports.render import output_width
 
 __all__ = ["alerts", "budgets", "keys"]
 
@@ -33,7 +35,32 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _console() -> Console:
-    return Console(width=None if sys.stdout.isatty() else 150)
+    """A console as wide as the terminal; piped, 80 columns (or ``COLUMNS``), as ``tokenward report``'s tables."""
+    return Console(width=output_width())
+
+
+def _period_text(s: Any) -> str:
+    """A status's window in its budget's time zone (``total`` for a budget over all time)."""
+    if s.budget.period.kind == "total":
+        return "total"
+    zone = ZoneInfo(s.budget.period.timezone)
+    return f"{s.start.astimezone(zone):%Y-%m-%d %H:%M} to {s.end.astimezone(zone):%Y-%m-%d %H:%M} {zone.key}"
+
+
+def _status_block(s: Any) -> Text:
+    """One budget's status as lines that fit a narrow terminal or a pipe (``budgets status`` below its table's width).
+
+    The first line names the budget with its spend, limit and share; the other figures follow, indented.
+    """
+    lines = [
+        f"{s.budget.name}: {_spent_usd(s.spent)} of {usd(s.budget.limit_usd)} ({s.percent}%)",
+        f"  left      {_spent_usd(s.remaining)}",
+        f"  forecast  {'-' if s.forecast is None else usd(s.forecast)}",
+        f"  at limit  {s.budget.action}",
+        f"  scope     {s.budget.describe_scope()}",
+        f"  period    {_period_text(s)}",
+    ]
+    return Text("\n".join(lines))  # a per-user budget's name holds a client's value: never rich markup
 
 
 def load_sections(config: str | None) -> tuple[list[Budget], AlertSettings]:
@@ -127,16 +154,10 @@ def status(config: str | None, db: str | None, wait: float, at_text: str | None,
         conn.close()
     table = Table("budget", "scope", "period", "spent", "limit", "%", "left", "forecast", "at limit", title="budgets")
     for i, s in enumerate(statuses):
-        zone = ZoneInfo(s.budget.period.timezone)
-        period = (
-            "total"
-            if s.budget.period.kind == "total"
-            else (f"{s.start.astimezone(zone):%Y-%m-%d %H:%M} to {s.end.astimezone(zone):%Y-%m-%d %H:%M} {zone.key}")
-        )
         table.add_row(
             Text(s.budget.name),  # a per-user budget's name holds a client's value: never rich markup
             Text(s.budget.describe_scope()),
-            period,
+            _period_text(s),
             _spent_usd(s.spent),
             usd(s.budget.limit_usd),
             f"{s.percent}",
@@ -145,7 +166,12 @@ def status(config: str | None, db: str | None, wait: float, at_text: str | None,
             s.budget.action,
             end_section=i + 1 < len(statuses) and (s.budget.group or s.budget.name) != statuses[i + 1].budget.group,
         )
-    _console().print(table)
+    console = _console()
+    if Measurement.get(console, console.options.update_width(10_000), table).maximum <= console.width:
+        console.print(table)
+    else:  # a table of nine columns cut into slivers is unreadable: one block per budget instead
+        for s in statuses:
+            console.print(_status_block(s), soft_wrap=False)
     for budget, rate in rates:
         click.echo(f"{budget.name}: {'ALERTING ' if rate.firing else ''}{rate.describe()}")
 

@@ -28,8 +28,9 @@ alerts: {smtp: {host: 127.0.0.1, port: 2525, security: none}}
 """
 
 
-def invoke(*args: str) -> str:
-    result = CliRunner().invoke(main, list(args), catch_exceptions=False)
+def invoke(*args: str, columns: int = 200) -> str:
+    """Run the CLI, its output piped as on a terminal ``columns`` wide (``COLUMNS``)."""
+    result = CliRunner().invoke(main, list(args), catch_exceptions=False, env={"COLUMNS": str(columns)})
     assert result.exit_code == 0, result.output
     return result.output
 
@@ -56,6 +57,33 @@ def test_budgets_status_shows_spend_limit_and_forecast(tmp_path):
     # only "a" is the agent's, and it was on 2026-11-10: the UTC day of 2026-11-12 has $0 so far
     for figure in ("key=agent", "$0.0000", "$20.00", "0.00", "$20.0000", "block"):
         assert figure in daily, figure
+
+
+def test_budgets_status_piped_fits_80_columns_one_block_per_budget(tmp_path):
+    """Piped, the table was printed 150 columns wide; cut to 80 its nine columns were slivers of "resea…"."""
+    config = tmp_path / "c.yaml"
+    config.write_text(CONFIG)
+    db = tmp_path / "l.duckdb"
+    seed(db, [cost_row("a", "2026-11-10T09:00:00+00:00", "40.00"), cost_row("b", "2026-11-12T09:00:00+00:00", "15.50")])
+    at = "2026-11-12T10:00:00+00:00"
+    output = invoke("budgets", "status", "--config", str(config), "--db", str(db), "--at", at, columns=80)
+    assert max(len(line) for line in output.splitlines()) <= 80
+    # $55.50 of $100 in the Paris month, forecast 55.50 x 720 h / 275 h = $145.31; the agent's
+    # $15.50 of its UTC day, forecast 15.50 x 24 h / 10 h = $37.20
+    assert output.splitlines() == [
+        "research-monthly: $55.5000 of $100.00 (55.50%)",
+        "  left      $44.5000",
+        "  forecast  $145.31",
+        "  at limit  alert",
+        "  scope     team=research",
+        "  period    2026-11-01 00:00 to 2026-12-01 00:00 Europe/Paris",
+        "agent-daily: $15.5000 of $20.00 (77.50%)",
+        "  left      $4.5000",
+        "  forecast  $37.20",
+        "  at limit  block",
+        "  scope     key=agent",
+        "  period    2026-11-12 00:00 to 2026-11-13 00:00 UTC",
+    ]
 
 
 def test_budgets_status_at_a_past_instant_ignores_later_spend(tmp_path):
