@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import re
 import sys
 from collections.abc import Callable
 from decimal import Decimal
@@ -269,10 +270,28 @@ def keys() -> None:
     show_default=True,
     help="admin: the key also opens the dashboard and its API, and reaches every key's provider objects.",
 )
+@click.option(
+    "--expires",
+    help="When the key stops working: a duration from now (30m, 12h, 30d, 2w) or an ISO date/datetime (UTC if naive).",
+)
 def create(
-    config: str | None, db: str | None, wait: float, name: str, team: str | None, project: str | None, role: str
+    config: str | None,
+    db: str | None,
+    wait: float,
+    name: str,
+    team: str | None,
+    project: str | None,
+    role: str,
+    expires: str | None,
 ) -> None:
-    """Create a key NAME and print it (shown this once; only its sha256 is stored)."""
+    """Create a key NAME and print it (shown this once; only its sha256 is stored).
+
+    With ``--expires`` a proxy refuses it from then on with 401 ``key_expired`` (and a row).
+    """
+    now = dt.datetime.now(dt.UTC)
+    expires_at = parse_when(expires, ZoneInfo("UTC"), now)  # a duration reads back from now: this one counts on
+    if expires_at is not None and re.fullmatch(r"\d+\s*[mhdw]", expires.strip()):
+        expires_at = now + (now - expires_at)
     if config:
         from tokenward.proxy.config import ConfigError, load_config
 
@@ -284,7 +303,7 @@ def create(
             raise click.ClickException(f"the config already has a key named {name!r}; choose another name")
     state = writable_state(db, config)
     try:
-        key = create_key(state, name, team=team, project=project, role=role, now=dt.datetime.now(dt.UTC))
+        key = create_key(state, name, team=team, project=project, role=role, now=now, expires_at=expires_at)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(key)
@@ -301,15 +320,22 @@ def create(
 def list_command(config: str | None, db: str | None, wait: float) -> None:
     """Stored keys (names, attribution, state; never the keys)."""
     rows = list_keys(existing_state(db, config))
-    table = Table("name", "team", "project", "role", "created", "state")
+    table = Table("name", "team", "project", "role", "created", "expires", "state")
+    now = dt.datetime.now(dt.UTC)
     for key in rows:
+        state = "live"
+        if key.revoked_at:
+            state = f"revoked {key.revoked_at.isoformat(timespec='seconds')}"
+        elif key.expires_at is not None and key.expires_at <= now:
+            state = "expired"
         table.add_row(
-            key.name,
+            Text(key.name),
             key.team or "",
             key.project or "",
             key.role,
             key.created_at.isoformat(timespec="seconds"),
-            f"revoked {key.revoked_at.isoformat(timespec='seconds')}" if key.revoked_at else "live",
+            key.expires_at.isoformat(timespec="seconds") if key.expires_at else "never",
+            state,
         )
     _console().print(table if rows else "no stored keys")
 

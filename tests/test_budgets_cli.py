@@ -139,11 +139,60 @@ def test_budgets_status_needs_budgets(tmp_path):
     assert result.exit_code == 1 and "no budgets configured" in result.output
 
 
-def test_keys_created_on_the_command_line_work_in_the_running_proxy(start_proxy, simulator):
+def keys_proxy(start_proxy, simulator, recording: str):
+    """A proxy in virtual_keys mode with an $5 ops budget, and a chat request recorded as 17 in / 5 out tokens."""
     request = long_prompt_request(10, 5)
-    register(simulator, "keys", request, prompt_tokens=17, completion_tokens=5)
+    register(simulator, recording, request, prompt_tokens=17, completion_tokens=5)
     budget = BudgetSettings(name="ops-daily", limit_usd=5, scope={"team": "ops"}, period="day")
-    proxy = budget_proxy(start_proxy, simulator, [budget])
+    return request, budget_proxy(start_proxy, simulator, [budget])
+
+
+def test_a_key_created_with_an_expiry_is_refused_once_it_has_expired(start_proxy, simulator):
+    """``keys create --expires`` (a key for a contractor, a CI run): past it, 401 ``key_expired`` and the refusal's row."""
+    request, proxy = keys_proxy(start_proxy, simulator, "expiring")
+    db = str(proxy.ledger)
+    later = invoke("keys", "create", "contractor", "--team", "ops", "--expires", "30d", "--db", db).splitlines()[0]
+    # a key that has expired already (as a 30 d key is a month on), stored through the same state store
+    from tokenward.reports.keys import create_key
+
+    created = dt.datetime.now(dt.UTC) - dt.timedelta(days=31)
+    expired = create_key(
+        DuckLedger(proxy.ledger).state,
+        "old-ci",
+        team="ops",
+        project=None,
+        now=created,
+        expires_at=created + dt.timedelta(days=30),
+    )
+    job = proxy.app.state.scheduler.get_job("keys")  # the proxy re-reads stored keys every 5 s: now
+    job.modify(next_run_time=dt.datetime.now(dt.UTC))
+    headers = {RECORD_HEADER: "expiring"}
+
+    def call(key: str) -> httpx.Response:
+        return httpx.post(
+            f"{proxy.url}/v1/chat/completions", json=request, headers={**headers, "authorization": f"Bearer {key}"}
+        )
+
+    deadline = time.monotonic() + 10
+    while call(later).status_code == 401 and time.monotonic() < deadline:  # until the reload has run
+        time.sleep(0.1)
+    refused = call(expired)
+    assert refused.status_code == 401
+    message = refused.json()["error"]
+    assert message["code"] == "key_expired" and message["type"] == "invalid_request_error"
+    assert message["message"].startswith("The tokenward virtual key 'old-ci' expired at ")
+    (row,) = proxy.rows(expect=1, where="WHERE http_status = 401 AND error LIKE '%old-ci%'")
+    assert (row["outcome"], row["cost_usd"], row["upstream"]) == ("unauthorized", 0, None)  # never sent
+    listing = invoke("keys", "list", "--db", db)
+    contractor = next(line for line in listing.splitlines() if "contractor" in line)
+    assert "live" in contractor and "never" not in contractor
+    assert "expired" in next(line for line in listing.splitlines() if "old-ci" in line)
+    past = CliRunner().invoke(main, ["keys", "create", "late", "--expires", "2020-01-01", "--db", db])
+    assert past.exit_code == 1 and "has passed already" in past.output
+
+
+def test_keys_created_on_the_command_line_work_in_the_running_proxy(start_proxy, simulator):
+    request, proxy = keys_proxy(start_proxy, simulator, "keys")
     db = str(proxy.ledger)
 
     def call(key: str) -> httpx.Response:

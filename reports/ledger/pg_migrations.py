@@ -635,3 +635,9 @@ def m013_settle_once_without_hold(conn: Any) -> None:
         END $$;
         """
     )
+
+
+@migration
+def m014_key_expiry(conn: Any) -> None:
+    """``virtual_keys.expires_at``: when a key made by ``tokenward keys create --expires`` stops working."""
+    conn.execute("ALTER TABLE virtual_keys ADD COLUMN expires_at timestamptz")

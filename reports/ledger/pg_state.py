@@ -184,13 +184,15 @@ class PgState:
     # -- keys --------------------------------------------------------------------------------
 
     def create_key(
-        self, name: str, key_sha256: str, *, team: str | None, project: str | None, role: str, now: dt.datetime
+        self, name: str, key_sha256: str, *, team: str | None, project: str | None, role: str, now: dt.datetime,
+        expires_at: dt.datetime | None = None,
     ) -> None:
         """See :meth:`StateStore.create_key`."""
         try:
             self._run(
-                "INSERT INTO virtual_keys VALUES (%s, %s, %s, %s, %s, %s, NULL)",
-                [name, key_sha256, team, project, role, now],
+                "INSERT INTO virtual_keys (name, key_sha256, team, project, role, created_at, expires_at) "
+                "VALUES (%s, %s, %s, %s, %s, %s, %s)",
+                [name, key_sha256, team, project, role, now, expires_at],
             )
         except psycopg.errors.UniqueViolation:
             found = self._run("SELECT revoked_at FROM virtual_keys WHERE name = %s", [name])
@@ -216,7 +218,7 @@ class PgState:
     def keys(self) -> list[StoredKey]:
         """See :meth:`StateStore.keys`."""
         rows = self._run(
-            "SELECT name, key_sha256, team, project, role, created_at, revoked_at FROM virtual_keys "
+            "SELECT name, key_sha256, team, project, role, created_at, revoked_at, expires_at FROM virtual_keys "
             "ORDER BY created_at, name"
         )
         return [StoredKey(*row) for row in rows]
