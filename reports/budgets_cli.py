@@ -22,7 +22,7 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
-from tokenward.pricing.budgets import Budget
+from tokenward.pricing.budgets import Budget, Period
 from tokenward.reports.alerts import Alert, AlertSettings, Notifier, html_text
 from tokenward.reports.budget_check import evaluate_and_notify, status_of, usd, velocity_of
 from tokenward.reports.cli_common import existing_state, ledger_named, open_named, parse_when, writable_state
@@ -318,10 +318,21 @@ def create(
 @keys.command(name="list")
 @_options
 def list_command(config: str | None, db: str | None, wait: float) -> None:
-    """Stored keys (names, attribution, state; never the keys)."""
+    """Stored keys (names, attribution, expiry, spend this UTC month, state; never the keys)."""
     rows = list_keys(existing_state(db, config))
-    table = Table("name", "team", "project", "role", "created", "expires", "state")
     now = dt.datetime.now(dt.UTC)
+    month = Budget("keys", Decimal(1), period=Period("month"))  # every request, the UTC calendar month
+    start, end = month.period.window(now)
+    try:
+        conn = open_named(db, config, wait, read_only=True)
+    except click.ClickException:  # no ledger yet: no request has been made with any key
+        spent: dict[str, Decimal] = {}
+    else:
+        try:
+            spent = dict(DuckSpend(conn).spend_by(month, start, end, "key"))
+        finally:
+            conn.close()
+    table = Table("name", "team", "project", "role", "created", "expires", f"spent {start:%Y-%m}", "state")
     for key in rows:
         state = "live"
         if key.revoked_at:
@@ -335,6 +346,7 @@ def list_command(config: str | None, db: str | None, wait: float) -> None:
             key.role,
             key.created_at.isoformat(timespec="seconds"),
             key.expires_at.isoformat(timespec="seconds") if key.expires_at else "never",
+            _spent_usd(spent.get(key.name, Decimal(0))),
             state,
         )
     _console().print(table if rows else "no stored keys")

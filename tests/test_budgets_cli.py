@@ -221,6 +221,8 @@ def test_keys_created_on_the_command_line_work_in_the_running_proxy(start_proxy,
     assert row["key_id"] == "vk-" + hashlib.sha256(key.encode()).hexdigest()[:12]  # the key is never stored
     listing = invoke("keys", "list", "--db", db)
     assert "bot" in listing and "ops" in listing and "live" in listing and key not in listing
+    # spend this UTC month beside each key: the one request's $0.0000925
+    assert "$0.0000925" in next(line for line in listing.splitlines() if "bot" in line)
     assert "revoked" in invoke("keys", "revoke", "bot", "--db", db)
     reload_now()
     refused = call(key)
