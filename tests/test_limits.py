@@ -405,6 +405,17 @@ def test_connections_beyond_the_limit_get_503(start_proxy):
                 break
             time.sleep(0.05)
         assert status_of(reply) == 503
+        # was uvicorn's text/plain "Service Unavailable": now an error document an SDK can read
+        assert error_of(reply) == {
+            "message": "tokenward has as many connections open as server.max_connections allows: try again shortly.",
+            "type": "server_error",
+            "param": None,
+            "code": "too_many_connections",
+        }
+        with socket.create_connection(address(proxy.url)) as third:  # an Anthropic client: Anthropic's shape
+            third.sendall(b"GET /v1/messages HTTP/1.1\r\nhost: tokenward\r\nconnection: close\r\n\r\n")
+            reply, _ = read_reply(third, timeout=5)
+        assert status_of(reply) == 503 and document_of(reply)["error"]["type"] == "api_error"
     finally:
         first.close()
         second.close()
