@@ -156,6 +156,7 @@ _OUTCOME_BY_CODE = {
     "invalid_request": Outcome.CLIENT_ERROR,
     "budget_exceeded": Outcome.REJECTED,
     "endpoint_not_allowed": Outcome.REJECTED,
+    "endpoint_not_metered": Outcome.REJECTED,
     "attribution_refused": Outcome.REJECTED,
     "isolation_refused": Outcome.REJECTED,
     "list_not_filtered": Outcome.UPSTREAM_ERROR,
@@ -404,6 +405,10 @@ class Forwarder:
                         inbound.headers = _as_identity(inbound.headers, len(body))
                     await plan.check_body(body, scope["headers"])
             self._attach(ex, route, inbound)
+            if found.method == "POST" and found.tail.lower() == _TEXT_COMPLETIONS and self.guard is not None:
+                if body is None and has_body:
+                    body = await read_body(request.receive, scope["headers"], self.limits)
+                self._refuse_unmeterable(ex, body or b"")
             if plan is not None:
                 input_file = plan.batch_input(body)
                 if input_file is not None:  # the requests it runs may name objects too
@@ -424,6 +429,37 @@ class Forwarder:
         except BaseException as exc:
             # an upload that broke off over a limit: the client hears why, not what the upstream made of it
             return self._refuse(ex, content.error if content is not None and content.error is not None else exc)
+
+    def _refuse_unmeterable(self, ex: Exchange, body: bytes) -> None:
+        """Refuse Anthropic's legacy Text Completions (``POST /v1/complete``) under a blocking budget.
+
+        Its reply carries no usage (``{"type": "completion", "completion": ..., "stop_reason": ...}``,
+        https://docs.anthropic.com/en/api/complete, read 2026-12-02), so tokenward can neither
+        bound it before nor price it after: a blocking budget in its scope (the body's ``model``
+        included) refuses it with 403 ``endpoint_not_metered``, naming the Messages API, which
+        is metered. Without one it is forwarded unmetered, as any endpoint tokenward does not
+        meter in passthrough mode.
+
+        Raises:
+            ProxyError: 403 ``endpoint_not_metered`` when a blocking budget covers the request.
+        """
+        assert self.guard is not None
+        try:
+            model = msgspec.json.decode(body).get("model") if body else None
+        except (msgspec.DecodeError, AttributeError):
+            model = None
+        ex.requested_model = model if isinstance(model, str) else None
+        blocking = self.guard.in_scope(_attributes(ex), blocking_only=True)
+        if blocking:
+            names = ", ".join(b.name for b in blocking)
+            raise ProxyError(
+                403,
+                f"tokenward cannot meter POST /v1/complete (Anthropic's legacy Text Completions: its reply "
+                f"carries no usage), and budget {names} blocks requests it cannot meter: use the Messages API, "
+                "POST /v1/messages.",
+                "endpoint_not_metered",
+                "permission_error",
+            )
 
     async def _file_content(self, route: Route, file_id: str, ex: Exchange) -> UpstreamReply:
         """The upstream's reply to ``GET files/{file_id}/content``, asked with tokenward's credential alone.
@@ -1395,6 +1431,10 @@ def _settle_attribution(ex: Exchange, identity: Identity, claimed: dict[bytes, s
     attribution = identity.attribution
     if not attribution.open:
         ex.end_user, ex.tags, ex.session_id = attribution.settle(ex.end_user, ex.tags, ex.session_id, claimed)
+
+
+_TEXT_COMPLETIONS = "complete"
+"""Anthropic's legacy Text Completions endpoint below ``/v1``: unmetered (its reply has no usage)."""
 
 
 def _attributes(ex: Exchange) -> dict[str, Any]:

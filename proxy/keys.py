@@ -15,6 +15,7 @@ or held to an allowlist or a prefix).
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -236,6 +237,8 @@ class Identity:
     org: str | None = None
     pool: str | None = None
     runs: RunPolicy = _RUNS
+    expires_at: dt.datetime | None = None
+    """When a stored key stops working (UTC); ``None``: never."""
 
 
 _ANONYMOUS = Identity("anonymous")
@@ -294,15 +297,17 @@ class Authenticator:
     ) -> None:
         """Accept the keys created with ``tokenward keys`` too, and refuse revoked ones.
 
-        ``stored`` holds ``(name, key_sha256, team, project[, role])`` for each key not revoked
-        (``role``: ``user``, the default, or ``admin``); it replaces the stored keys known before.
+        ``stored`` holds ``(name, key_sha256, team, project[, role[, expires_at]])`` for each key not
+        revoked (``role``: ``user``, the default, or ``admin``; ``expires_at``: a UTC datetime after
+        which it gets 401 ``key_expired``); it replaces the stored keys known before.
         ``revoked`` holds the sha256 of revoked keys: a configured key among them is refused too
         (``tokenward keys revoke`` works on config keys, no restart), as a virtual key and as an
         admin credential (:meth:`admin_with_digest`).
         """
         default = self._default
         by_hash: dict[str, Identity] = {}
-        for name, digest, team, project, *role in stored:
+        for name, digest, team, project, *rest in stored:
+            role, expires = (list(rest) + ["user", None])[:2]
             by_hash[digest.lower()] = Identity(
                 name,
                 key_id(digest.lower()),
@@ -310,8 +315,9 @@ class Authenticator:
                 project,
                 unmetered=default.unmetered,
                 attribution=default.attribution,
-                admin=bool(role) and role[0] == "admin",
+                admin=role == "admin",
                 runs=default.runs,
+                expires_at=expires,
             )
         by_hash.update(self._configured)
         for digest in revoked:
@@ -345,7 +351,8 @@ class Authenticator:
         """Name the caller presenting ``key``.
 
         Raises:
-            ProxyError: 401 in ``virtual_keys`` mode when the key is missing or unknown.
+            ProxyError: 401 in ``virtual_keys`` mode when the key is missing or unknown, or 401
+                ``key_expired`` past a stored key's ``expires_at``.
         """
         if self.passthrough:
             if not key:
@@ -363,5 +370,12 @@ class Authenticator:
             shown = key[:4] + "***" + key[-4:] if len(key) > 12 else "***"
             raise ProxyError(
                 401, f"Incorrect API key provided: {shown}. It is not a tokenward virtual key.", "invalid_api_key"
+            )
+        if identity.expires_at is not None and dt.datetime.now(dt.UTC) >= identity.expires_at:
+            raise ProxyError(
+                401,
+                f"The tokenward virtual key {identity.principal!r} expired at "
+                f"{identity.expires_at.isoformat(timespec='seconds')}: ask your admin for a new one.",
+                "key_expired",
             )
         return identity

@@ -42,7 +42,7 @@ from litestar.types import Receive
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from tokenward.proxy.config import ServerConfig
-from tokenward.proxy.errors import ProxyError, error_body
+from tokenward.proxy.errors import ProxyError, reply_error_body
 
 __all__ = [
     "CONNECTION_SCOPE_KEY",
@@ -459,6 +459,9 @@ class LimitedHttpTools(HttpToolsProtocol):
         self._head_bytes = 0
         self._disarm()
         size = len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
+        if size <= self.max_header_bytes and self._over_limit():  # uvicorn's is plain text: a JSON error instead
+            self._answer_with(_over_connection_limit)
+            return
         if size <= self.max_header_bytes:
             scope = self.scope
             super().on_headers_complete()
@@ -466,12 +469,21 @@ class LimitedHttpTools(HttpToolsProtocol):
             if cycle is not None and cycle.scope is scope:  # not an upgrade: the request's task runs later
                 scope[CONNECTION_SCOPE_KEY] = ClientConnection(self, cycle)  # type: ignore[literal-required]
             return
-        app = self.app
-        self.app = _head_too_large
+        self._answer_with(_head_too_large)
+
+    def _over_limit(self) -> bool:
+        """Whether uvicorn would answer this request 503 (``limit_concurrency``, server.max_connections)."""
+        limit = self.limit_concurrency
+        return limit is not None and (len(self.connections) >= limit or len(self.tasks) >= limit)
+
+    def _answer_with(self, app: Any) -> None:
+        """Let uvicorn run the small ASGI ``app`` for this request in place of tokenward's."""
+        kept, limit = self.app, self.limit_concurrency
+        self.app, self.limit_concurrency = app, None
         try:
             super().on_headers_complete()
         finally:
-            self.app = app
+            self.app, self.limit_concurrency = kept, limit
 
     def _arm(self) -> None:
         sweeper = _sweeper(self.loop, self.header_timeout_s)
@@ -510,7 +522,9 @@ class LimitedHttpTools(HttpToolsProtocol):
     def _refuse(self, status: int, reason: str, code: str, message: str) -> None:
         self._in_head = False
         self._disarm()
-        body = error_body(message, "invalid_request_error", code)
+        # what of the head arrived decides the shape: an Anthropic client gets Anthropic's error document
+        path = getattr(self, "url", None) or b""
+        body = reply_error_body(path, self.headers or [], status, message, "invalid_request_error", code)
         log.warning("refused a connection from %s: %s", _peer(self.client), message)
         head = (
             f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
@@ -524,10 +538,26 @@ _HEAD_TOO_LARGE = "The request head is larger than server.max_header_kib allows.
 
 
 async def _head_too_large(scope: Any, receive: Any, send: Any) -> None:
-    body = error_body(_HEAD_TOO_LARGE, "invalid_request_error", "request_header_too_large")
+    raw_path = scope.get("raw_path") or scope["path"].encode()
+    body = reply_error_body(
+        raw_path, scope["headers"], 431, _HEAD_TOO_LARGE, "invalid_request_error", "request_header_too_large"
+    )
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *_CLOSE]
     log.warning("refused a request from %s: %s", _peer(scope.get("client")), _HEAD_TOO_LARGE)
     await send({"type": "http.response.start", "status": 431, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+_OVER_LIMIT = "tokenward has as many connections open as server.max_connections allows: try again shortly."
+
+
+async def _over_connection_limit(scope: Any, receive: Any, send: Any) -> None:
+    """The 503 beyond ``server.max_connections``, in OpenAI's (or Anthropic's) error shape, not uvicorn's plain text."""
+    raw_path = scope.get("raw_path") or scope["path"].encode()
+    body = reply_error_body(raw_path, scope["headers"], 503, _OVER_LIMIT, "server_error", "too_many_connections")
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *_CLOSE]
+    log.warning("refused a request from %s: %s", _peer(scope.get("client")), _OVER_LIMIT)
+    await send({"type": "http.response.start", "status": 503, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
 

@@ -233,7 +233,7 @@ async def reload_keys(state: StateStore, auth: Authenticator) -> None:
     except Exception:
         log.warning("stored keys not reloaded this time", exc_info=True)
         return
-    live = [(k.name, k.key_sha256, k.team, k.project, k.role) for k in keys if k.revoked_at is None]
+    live = [(k.name, k.key_sha256, k.team, k.project, k.role, k.expires_at) for k in keys if k.revoked_at is None]
     auth.use_stored(live, revoked)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import re
 import sys
 from collections.abc import Callable
 from decimal import Decimal
@@ -17,15 +18,17 @@ from zoneinfo import ZoneInfo
 
 import click
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
-from tokenward.pricing.budgets import Budget
+from tokenward.pricing.budgets import Budget, Period
 from tokenward.reports.alerts import Alert, AlertSettings, Notifier, html_text
 from tokenward.reports.budget_check import evaluate_and_notify, status_of, usd, velocity_of
 from tokenward.reports.cli_common import existing_state, ledger_named, open_named, parse_when, writable_state
 from tokenward.reports.keys import create_key, list_keys, revoke_key
 from tokenward.reports.ledger.spend import DuckSpend
+from tokenward.reports.render import output_width
 
 __all__ = ["alerts", "budgets", "keys"]
 
@@ -33,7 +36,32 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _console() -> Console:
-    return Console(width=None if sys.stdout.isatty() else 150)
+    """A console as wide as the terminal; piped, 80 columns (or ``COLUMNS``), as ``tokenward report``'s tables."""
+    return Console(width=output_width())
+
+
+def _period_text(s: Any) -> str:
+    """A status's window in its budget's time zone (``total`` for a budget over all time)."""
+    if s.budget.period.kind == "total":
+        return "total"
+    zone = ZoneInfo(s.budget.period.timezone)
+    return f"{s.start.astimezone(zone):%Y-%m-%d %H:%M} to {s.end.astimezone(zone):%Y-%m-%d %H:%M} {zone.key}"
+
+
+def _status_block(s: Any) -> Text:
+    """One budget's status as lines that fit a narrow terminal or a pipe (``budgets status`` below its table's width).
+
+    The first line names the budget with its spend, limit and share; the other figures follow, indented.
+    """
+    lines = [
+        f"{s.budget.name}: {_spent_usd(s.spent)} of {usd(s.budget.limit_usd)} ({s.percent}%)",
+        f"  left      {_spent_usd(s.remaining)}",
+        f"  forecast  {'-' if s.forecast is None else usd(s.forecast)}",
+        f"  at limit  {s.budget.action}",
+        f"  scope     {s.budget.describe_scope()}",
+        f"  period    {_period_text(s)}",
+    ]
+    return Text("\n".join(lines))  # a per-user budget's name holds a client's value: never rich markup
 
 
 def load_sections(config: str | None) -> tuple[list[Budget], AlertSettings]:
@@ -127,16 +155,10 @@ def status(config: str | None, db: str | None, wait: float, at_text: str | None,
         conn.close()
     table = Table("budget", "scope", "period", "spent", "limit", "%", "left", "forecast", "at limit", title="budgets")
     for i, s in enumerate(statuses):
-        zone = ZoneInfo(s.budget.period.timezone)
-        period = (
-            "total"
-            if s.budget.period.kind == "total"
-            else (f"{s.start.astimezone(zone):%Y-%m-%d %H:%M} to {s.end.astimezone(zone):%Y-%m-%d %H:%M} {zone.key}")
-        )
         table.add_row(
             Text(s.budget.name),  # a per-user budget's name holds a client's value: never rich markup
             Text(s.budget.describe_scope()),
-            period,
+            _period_text(s),
             _spent_usd(s.spent),
             usd(s.budget.limit_usd),
             f"{s.percent}",
@@ -145,7 +167,12 @@ def status(config: str | None, db: str | None, wait: float, at_text: str | None,
             s.budget.action,
             end_section=i + 1 < len(statuses) and (s.budget.group or s.budget.name) != statuses[i + 1].budget.group,
         )
-    _console().print(table)
+    console = _console()
+    if Measurement.get(console, console.options.update_width(10_000), table).maximum <= console.width:
+        console.print(table)
+    else:  # a table of nine columns cut into slivers is unreadable: one block per budget instead
+        for s in statuses:
+            console.print(_status_block(s), soft_wrap=False)
     for budget, rate in rates:
         click.echo(f"{budget.name}: {'ALERTING ' if rate.firing else ''}{rate.describe()}")
 
@@ -243,10 +270,28 @@ def keys() -> None:
     show_default=True,
     help="admin: the key also opens the dashboard and its API, and reaches every key's provider objects.",
 )
+@click.option(
+    "--expires",
+    help="When the key stops working: a duration from now (30m, 12h, 30d, 2w) or an ISO date/datetime (UTC if naive).",
+)
 def create(
-    config: str | None, db: str | None, wait: float, name: str, team: str | None, project: str | None, role: str
+    config: str | None,
+    db: str | None,
+    wait: float,
+    name: str,
+    team: str | None,
+    project: str | None,
+    role: str,
+    expires: str | None,
 ) -> None:
-    """Create a key NAME and print it (shown this once; only its sha256 is stored)."""
+    """Create a key NAME and print it (shown this once; only its sha256 is stored).
+
+    With ``--expires`` a proxy refuses it from then on with 401 ``key_expired`` (and a row).
+    """
+    now = dt.datetime.now(dt.UTC)
+    expires_at = parse_when(expires, ZoneInfo("UTC"), now)  # a duration reads back from now: this one counts on
+    if expires_at is not None and re.fullmatch(r"\d+\s*[mhdw]", expires.strip()):
+        expires_at = now + (now - expires_at)
     if config:
         from tokenward.proxy.config import ConfigError, load_config
 
@@ -258,7 +303,7 @@ def create(
             raise click.ClickException(f"the config already has a key named {name!r}; choose another name")
     state = writable_state(db, config)
     try:
-        key = create_key(state, name, team=team, project=project, role=role, now=dt.datetime.now(dt.UTC))
+        key = create_key(state, name, team=team, project=project, role=role, now=now, expires_at=expires_at)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(key)
@@ -273,17 +318,36 @@ def create(
 @keys.command(name="list")
 @_options
 def list_command(config: str | None, db: str | None, wait: float) -> None:
-    """Stored keys (names, attribution, state; never the keys)."""
+    """Stored keys (names, attribution, expiry, spend this UTC month, state; never the keys)."""
     rows = list_keys(existing_state(db, config))
-    table = Table("name", "team", "project", "role", "created", "state")
+    now = dt.datetime.now(dt.UTC)
+    month = Budget("keys", Decimal(1), period=Period("month"))  # every request, the UTC calendar month
+    start, end = month.period.window(now)
+    try:
+        conn = open_named(db, config, wait, read_only=True)
+    except click.ClickException:  # no ledger yet: no request has been made with any key
+        spent: dict[str, Decimal] = {}
+    else:
+        try:
+            spent = dict(DuckSpend(conn).spend_by(month, start, end, "key"))
+        finally:
+            conn.close()
+    table = Table("name", "team", "project", "role", "created", "expires", f"spent {start:%Y-%m}", "state")
     for key in rows:
+        state = "live"
+        if key.revoked_at:
+            state = f"revoked {key.revoked_at.isoformat(timespec='seconds')}"
+        elif key.expires_at is not None and key.expires_at <= now:
+            state = "expired"
         table.add_row(
-            key.name,
+            Text(key.name),
             key.team or "",
             key.project or "",
             key.role,
             key.created_at.isoformat(timespec="seconds"),
-            f"revoked {key.revoked_at.isoformat(timespec='seconds')}" if key.revoked_at else "live",
+            key.expires_at.isoformat(timespec="seconds") if key.expires_at else "never",
+            _spent_usd(spent.get(key.name, Decimal(0))),
+            state,
         )
     _console().print(table if rows else "no stored keys")
 

@@ -25,16 +25,21 @@ def create_key(
     project: str | None,
     now: dt.datetime,
     role: str = "user",
+    expires_at: dt.datetime | None = None,
 ) -> str:
-    """Create a key named ``name`` and return it (the only time it is visible).
+    """Create a key named ``name`` and return it (the only time it is visible); ``expires_at``: when it stops working.
 
     Raises:
-        ValueError: an empty name, or a key (live or revoked) already has that name.
+        ValueError: an empty name, a key (live or revoked) already has that name, or ``expires_at``
+            is not after ``now``.
     """
     if not name.strip():
         raise ValueError("a key needs a name")
+    if expires_at is not None and expires_at <= now:
+        raise ValueError(f"the expiry {expires_at.isoformat(timespec='seconds')} has passed already")
     key = "tw-" + secrets.token_urlsafe(32)
-    state.create_key(name, hashlib.sha256(key.encode()).hexdigest(), team=team, project=project, role=role, now=now)
+    digest = hashlib.sha256(key.encode()).hexdigest()
+    state.create_key(name, digest, team=team, project=project, role=role, now=now, expires_at=expires_at)
     return key
 
 

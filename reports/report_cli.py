@@ -19,6 +19,7 @@ from rich.console import Console
 from tokenward.pricing.budgets import Budget, BudgetStatus
 from tokenward.reports import html_report, progress, queries, render, views, whatif
 from tokenward.reports.cli_common import ledger_options, open_read_only, parse_when, range_options, zone_named
+from tokenward.reports.sanitize import printable
 
 __all__ = ["TABLE_ROWS", "report"]
 
@@ -362,7 +363,20 @@ def _budget_forecasts(db: str | None, config: str | None, wait: float, now: dt.d
         render.Column("forecast", "forecast", "usd", "fcst"),
         render.Column("share", "forecast/limit", "dim", "fcst/limit"),
     ]
-    render.to_table(rows, None, columns, Console(width=render.output_width()), "budgets")
+    width = render.output_width()
+    texts = {c.key: render.column_texts(c, [row[c.key] for row in rows]) for c in columns}
+    natural = sum(max([len(c.heading), *map(len, texts[c.key])]) + 3 for c in columns) + 1
+    if natural <= width:
+        render.to_table(rows, None, columns, Console(width=width), "budgets")
+        return
+    # narrower than the table: names folded into slivers are unreadable, so one block per budget
+    click.echo("\nbudgets")
+    for i, row in enumerate(rows):
+        share = "" if row["share"] == "-" else f", {row['share']} of the limit"
+        click.echo(f"{printable(row['budget'])}: {texts['spent'][i]} of {texts['limit'][i]}")
+        click.echo(f"  forecast  {texts['forecast'][i]}{share}")
+        click.echo(f"  scope     {printable(row['scope'])}")
+        click.echo(f"  period    {row['period']}")
 
 
 def _statuses(conn: Any, budgets: list[Budget], now: dt.datetime) -> list[BudgetStatus]:

@@ -83,6 +83,10 @@ class Cluster:
         """Start the server again after :meth:`halt`."""
         self._run("pg_ctl", "-D", str(self.data), "-l", str(self.root / "log"), "-w", "-t", "60", "start")
 
+    def restart(self) -> None:
+        """Restart the server as an operator does (fast shutdown: sessions ended, a checkpoint), and wait."""
+        self._run("pg_ctl", "-D", str(self.data), "-l", str(self.root / "log"), "-m", "fast", "-w", "-t", "60", "restart")
+
 
 def start_cluster() -> Cluster | None:
     """Init and start a cluster in a new temp dir; ``None`` without Postgres binaries.

@@ -124,6 +124,61 @@ def test_two_checks_at_once_against_a_slow_mail_server_mail_each_threshold_once(
         server.stop()
 
 
+SKEWED_CLOCK = """
+import time
+
+_real = time.time
+time.time = lambda: _real() + {skew_s}  # this host's clock runs {skew_s} s ahead
+"""
+
+
+def test_a_replica_whose_clock_runs_ahead_does_not_take_over_a_lease_in_flight(tmp_path, request):
+    """Replicas' clocks 2 minutes apart: the database's clock decides when a delivery lease runs out.
+
+    The first evaluator leases the claim for 35 s (one attempt at the 30 s SMTP timeout, 5 s
+    margin) by its own clock; a second one whose clock ran 120 s ahead took that lease for run
+    out at once and mailed the same thresholds a second time.
+    """
+    from .test_pg_ledger import pg
+
+    inbox = SlowInbox(delay_s=6.0)
+    server = Controller(inbox, hostname="127.0.0.1", port=free_port())
+    server.start()
+    try:
+        ledger = request.getfixturevalue("pg_url")
+        pg(tmp_path, ledger).write_rows([cost_row("a", "2026-11-10T09:00:00+00:00", "85.00")])
+        homes = [tmp_path / "one", tmp_path / "two"]
+        configs = [write_config(home_dir, server.port) for home_dir in homes]
+        skewed = tmp_path / "skewed"
+        skewed.mkdir()
+        (skewed / "sitecustomize.py").write_text(SKEWED_CLOCK.format(skew_s=120), encoding="utf-8")
+        ahead = {**home(homes[1]), "PYTHONPATH": str(skewed)}
+        probe = subprocess.run(
+            [sys.executable, "-c", "import time; print(time.time())"],
+            env=ahead,
+            text=True,
+            capture_output=True,
+            check=True,
+        )
+        assert float(probe.stdout) - time.time() > 110  # the second replica's clock is 2 minutes ahead
+        first = subprocess.Popen(
+            check_command(configs[0], ledger), stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=home(homes[0])
+        )
+        assert inbox.receiving.wait(30)  # the first replica's mail is in flight, under its lease
+        second = subprocess.run(
+            check_command(configs[1], ledger), capture_output=True, text=True, timeout=60, env=ahead
+        )
+        out, err = first.communicate(timeout=60)
+        assert first.returncode == 0 and second.returncode == 0, (err, second.stderr)
+        assert [m["Subject"] for m in inbox.messages] == [
+            "[tokenward] budget research: 85.00% of $100.00 (crossed 50%, 80%)"
+        ]
+        assert second.stdout.strip() == "no alerts due"
+        assert "(email lead@example.com: ok)" in out.decode()
+    finally:
+        server.stop()
+
+
 def test_sigkill_after_the_mail_server_accepted_resends_once_with_the_same_message_id(tmp_path):
     """The README promises at least once: a crash between 250 and the record resends, once, recognisably."""
     inbox = KillingInbox()
@@ -284,13 +339,13 @@ def test_leases_and_re_arming_in_each_state_store(engine, tmp_path, request):
     key = AlertKey("team", at, "threshold", 50)
     assert state.claim([key], {"payload": {"limit_usd": "100"}}, at) == [key]
     # one holder at a time; the holder renews; another takes over once the lease has run out
-    assert state.lease([key], "one", 1000.0, 900.0) == [key]
-    assert state.lease([key], "two", 1100.0, 950.0) == []
-    assert state.lease([key], "one", 1200.0, 990.0) == [key]
-    assert state.lease([key], "two", 1300.0, 1200.0) == [key]
+    assert state.lease([key], "one", 600.0) == [key]
+    assert state.lease([key], "two", 600.0) == []
+    assert state.lease([key], "one", -1.0) == [key]  # renewed, to a lease that has run out already
+    assert state.lease([key], "two", 600.0) == [key]
     state.record_delivery(DeliveryRecord(key, "email", "lead@example.com", True, 1, None, at))
     state.set_status(key, "sent")  # ends the lease; a sent claim is never leased again
-    assert state.lease([key], "three", 9999.0, 9000.0) == []
+    assert state.lease([key], "three", -1.0) == []
     # re-arming for an edited limit: the claim made at $100 is kept at $100, forgotten at $200
     state.rearm("team", at, [], False, limit="100")
     assert state.claimed("team", at) == {("threshold", 50)}
@@ -337,7 +392,10 @@ def test_a_recipient_the_mail_server_refuses_for_good_is_not_asked_again_at_ever
         ]
         assert "550" in (sent[0][1][0].error or "")
         state = DuckLedger(path).state
-        assert [(c.key.kind, c.status) for c in state.claims()] == [("threshold", "failed"), ("delivery_failed", "sent")]
+        assert [(c.key.kind, c.status) for c in state.claims()] == [
+            ("threshold", "failed"),
+            ("delivery_failed", "sent"),
+        ]
         for minute in range(1, 4):  # later evaluations leave the refused address alone
             assert run_check(path, [budget], settings, f"2026-11-10T10:0{minute}:00+00:00") == []
         assert inbox.refusals == 1

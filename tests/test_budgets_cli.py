@@ -28,8 +28,9 @@ alerts: {smtp: {host: 127.0.0.1, port: 2525, security: none}}
 """
 
 
-def invoke(*args: str) -> str:
-    result = CliRunner().invoke(main, list(args), catch_exceptions=False)
+def invoke(*args: str, columns: int = 200) -> str:
+    """Run the CLI, its output piped as on a terminal ``columns`` wide (``COLUMNS``)."""
+    result = CliRunner().invoke(main, list(args), catch_exceptions=False, env={"COLUMNS": str(columns)})
     assert result.exit_code == 0, result.output
     return result.output
 
@@ -56,6 +57,33 @@ def test_budgets_status_shows_spend_limit_and_forecast(tmp_path):
     # only "a" is the agent's, and it was on 2026-11-10: the UTC day of 2026-11-12 has $0 so far
     for figure in ("key=agent", "$0.0000", "$20.00", "0.00", "$20.0000", "block"):
         assert figure in daily, figure
+
+
+def test_budgets_status_piped_fits_80_columns_one_block_per_budget(tmp_path):
+    """Piped, the table was printed 150 columns wide; cut to 80 its nine columns were slivers of "resea…"."""
+    config = tmp_path / "c.yaml"
+    config.write_text(CONFIG)
+    db = tmp_path / "l.duckdb"
+    seed(db, [cost_row("a", "2026-11-10T09:00:00+00:00", "40.00"), cost_row("b", "2026-11-12T09:00:00+00:00", "15.50")])
+    at = "2026-11-12T10:00:00+00:00"
+    output = invoke("budgets", "status", "--config", str(config), "--db", str(db), "--at", at, columns=80)
+    assert max(len(line) for line in output.splitlines()) <= 80
+    # $55.50 of $100 in the Paris month, forecast 55.50 x 720 h / 275 h = $145.31; the agent's
+    # $15.50 of its UTC day, forecast 15.50 x 24 h / 10 h = $37.20
+    assert output.splitlines() == [
+        "research-monthly: $55.5000 of $100.00 (55.50%)",
+        "  left      $44.5000",
+        "  forecast  $145.31",
+        "  at limit  alert",
+        "  scope     team=research",
+        "  period    2026-11-01 00:00 to 2026-12-01 00:00 Europe/Paris",
+        "agent-daily: $15.5000 of $20.00 (77.50%)",
+        "  left      $4.5000",
+        "  forecast  $37.20",
+        "  at limit  block",
+        "  scope     key=agent",
+        "  period    2026-11-12 00:00 to 2026-11-13 00:00 UTC",
+    ]
 
 
 def test_budgets_status_at_a_past_instant_ignores_later_spend(tmp_path):
@@ -111,11 +139,60 @@ def test_budgets_status_needs_budgets(tmp_path):
     assert result.exit_code == 1 and "no budgets configured" in result.output
 
 
-def test_keys_created_on_the_command_line_work_in_the_running_proxy(start_proxy, simulator):
+def keys_proxy(start_proxy, simulator, recording: str):
+    """A proxy in virtual_keys mode with an $5 ops budget, and a chat request recorded as 17 in / 5 out tokens."""
     request = long_prompt_request(10, 5)
-    register(simulator, "keys", request, prompt_tokens=17, completion_tokens=5)
+    register(simulator, recording, request, prompt_tokens=17, completion_tokens=5)
     budget = BudgetSettings(name="ops-daily", limit_usd=5, scope={"team": "ops"}, period="day")
-    proxy = budget_proxy(start_proxy, simulator, [budget])
+    return request, budget_proxy(start_proxy, simulator, [budget])
+
+
+def test_a_key_created_with_an_expiry_is_refused_once_it_has_expired(start_proxy, simulator):
+    """``keys create --expires`` (a key for a contractor, a CI run): past it, 401 ``key_expired`` and the refusal's row."""
+    request, proxy = keys_proxy(start_proxy, simulator, "expiring")
+    db = str(proxy.ledger)
+    later = invoke("keys", "create", "contractor", "--team", "ops", "--expires", "30d", "--db", db).splitlines()[0]
+    # a key that has expired already (as a 30 d key is a month on), stored through the same state store
+    from tokenward.reports.keys import create_key
+
+    created = dt.datetime.now(dt.UTC) - dt.timedelta(days=31)
+    expired = create_key(
+        DuckLedger(proxy.ledger).state,
+        "old-ci",
+        team="ops",
+        project=None,
+        now=created,
+        expires_at=created + dt.timedelta(days=30),
+    )
+    job = proxy.app.state.scheduler.get_job("keys")  # the proxy re-reads stored keys every 5 s: now
+    job.modify(next_run_time=dt.datetime.now(dt.UTC))
+    headers = {RECORD_HEADER: "expiring"}
+
+    def call(key: str) -> httpx.Response:
+        return httpx.post(
+            f"{proxy.url}/v1/chat/completions", json=request, headers={**headers, "authorization": f"Bearer {key}"}
+        )
+
+    deadline = time.monotonic() + 10
+    while call(later).status_code == 401 and time.monotonic() < deadline:  # until the reload has run
+        time.sleep(0.1)
+    refused = call(expired)
+    assert refused.status_code == 401
+    message = refused.json()["error"]
+    assert message["code"] == "key_expired" and message["type"] == "invalid_request_error"
+    assert message["message"].startswith("The tokenward virtual key 'old-ci' expired at ")
+    (row,) = proxy.rows(expect=1, where="WHERE http_status = 401 AND error LIKE '%old-ci%'")
+    assert (row["outcome"], row["cost_usd"], row["upstream"]) == ("unauthorized", 0, None)  # never sent
+    listing = invoke("keys", "list", "--db", db)
+    contractor = next(line for line in listing.splitlines() if "contractor" in line)
+    assert "live" in contractor and "never" not in contractor
+    assert "expired" in next(line for line in listing.splitlines() if "old-ci" in line)
+    past = CliRunner().invoke(main, ["keys", "create", "late", "--expires", "2020-01-01", "--db", db])
+    assert past.exit_code == 1 and "has passed already" in past.output
+
+
+def test_keys_created_on_the_command_line_work_in_the_running_proxy(start_proxy, simulator):
+    request, proxy = keys_proxy(start_proxy, simulator, "keys")
     db = str(proxy.ledger)
 
     def call(key: str) -> httpx.Response:
@@ -144,6 +221,8 @@ def test_keys_created_on_the_command_line_work_in_the_running_proxy(start_proxy,
     assert row["key_id"] == "vk-" + hashlib.sha256(key.encode()).hexdigest()[:12]  # the key is never stored
     listing = invoke("keys", "list", "--db", db)
     assert "bot" in listing and "ops" in listing and "live" in listing and key not in listing
+    # spend this UTC month beside each key: the one request's $0.0000925
+    assert "$0.0000925" in next(line for line in listing.splitlines() if "bot" in line)
     assert "revoked" in invoke("keys", "revoke", "bot", "--db", db)
     reload_now()
     refused = call(key)

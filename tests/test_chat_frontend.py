@@ -133,7 +133,7 @@ def test_budgets_status_lists_the_largest_per_user_budgets(tmp_path):
         ],
     )
     args = ["budgets", "status", "--config", str(config), "--db", str(db), "--at", "2026-11-12T00:00:00+00:00"]
-    result = CliRunner().invoke(main, [*args, "--top", "2"])
+    result = CliRunner().invoke(main, [*args, "--top", "2"], env={"COLUMNS": "200"})  # the table, as on a wide terminal
     assert result.exit_code == 0, result.output
     lines = [line for line in result.output.splitlines() if "chat-user[" in line]
     assert len(lines) == 2 and "bob@example.com" in lines[0] and "alice@example.com" in lines[1]

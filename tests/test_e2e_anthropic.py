@@ -87,3 +87,45 @@ def test_anthropic_bytes_pass_through_unchanged(start_proxy, sample, simulator):
             direct.headers["content-type"],
             direct.content,
         )
+
+
+
+def test_legacy_text_completions_are_refused_under_a_blocking_budget(start_proxy):
+    """``POST /v1/complete`` replies carry no usage: under a blocking budget it went upstream unmetered, outside it.
+
+    (The Anthropic SDK has dropped ``completions.create``; this is the request it sent.) It now gets
+    403 ``endpoint_not_metered`` in Anthropic's shape, and the refusal its row; a blocking budget
+    scoped on another model leaves it alone.
+    """
+    from tokenward.pricing.settings import BudgetSettings
+
+    budgets = [
+        BudgetSettings(name="claude-2", limit_usd=5, scope={"model": "claude-2.1"}, period="month", action="block")
+    ]
+    proxy = start_proxy(budgets=budgets)
+    headers = {"anthropic-version": "2023-06-01", "x-api-key": "sk-ant-test"}
+
+    def complete(model: str) -> httpx.Response:
+        body = {"model": model, "prompt": "\n\nHuman: Hi\n\nAssistant:", "max_tokens_to_sample": 50}
+        return httpx.post(f"{proxy.url}/v1/complete", json=body, headers=headers, timeout=30)
+
+    refused = complete("claude-2.1")
+    assert refused.status_code == 403
+    assert refused.json() == {
+        "type": "error",
+        "error": {
+            "type": "permission_error",
+            "message": "tokenward cannot meter POST /v1/complete (Anthropic's legacy Text Completions: its reply "
+            "carries no usage), and budget claude-2 blocks requests it cannot meter: use the Messages API, "
+            "POST /v1/messages.",
+            "param": None,
+            "code": "endpoint_not_metered",
+        },
+    }
+    forwarded = complete("claude-instant-1.2")  # outside the budget's scope: forwarded unmetered, as before
+    assert forwarded.status_code == 404  # the simulator's answer: it reached the upstream
+    rows = proxy.rows(expect=2)
+    assert [(r["endpoint"], r["outcome"], r["http_status"], r["requested_model"], r["cost_usd"]) for r in rows] == [
+        ("passthrough", "rejected", 403, "claude-2.1", None),
+        ("passthrough", "upstream_error", 404, "claude-instant-1.2", None),
+    ]

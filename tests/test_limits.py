@@ -329,6 +329,47 @@ def test_a_head_over_the_size_limit_is_431(start_proxy):
     assert status_of(reply) == 431 and closed
 
 
+def anthropic_head(length: int, extra: str = "") -> bytes:
+    """An Anthropic SDK's request head: ``/v1/messages`` with ``anthropic-version`` and ``x-api-key``."""
+    return head("/v1/messages", length, "anthropic-version: 2023-06-01\r\nx-api-key: sk-ant-test\r\n" + extra)
+
+
+def document_of(reply: bytes) -> dict:
+    return json.loads(reply.partition(b"\r\n\r\n")[2])
+
+
+def anthropic_error(message: str, code: str) -> dict:
+    """Anthropic's error document for a 4xx (https://docs.anthropic.com/en/api/errors, 2026-12-02)."""
+    return {"type": "error", "error": {"type": "invalid_request_error", "message": message, "param": None, "code": code}}
+
+
+def test_head_refusals_answer_an_anthropic_client_in_anthropic_s_shape(start_proxy):
+    """408 and 431 come before the app, and were in OpenAI's shape whoever asked; the Anthropic SDK reads
+    ``{"type": "error", "error": {...}}``."""
+    proxy = start_proxy(server={"max_header_kib": 8, "header_timeout_s": 0.5})
+    with socket.create_connection(address(proxy.url)) as sock:  # a whole head over the limit
+        sock.sendall(anthropic_head(2, "x-padding: " + "p" * 9000 + "\r\n"))
+        reply, closed = read_reply(sock)
+    assert status_of(reply) == 431 and closed
+    assert document_of(reply) == anthropic_error(
+        "The request head is larger than server.max_header_kib allows.", "request_header_too_large"
+    )
+    with socket.create_connection(address(proxy.url)) as sock:  # a head that never ends
+        sock.sendall(anthropic_head(2)[:-2] + b"x-endless: " + b"e" * 20_000)
+        reply, closed = read_reply(sock)
+    assert status_of(reply) == 431 and closed
+    document = document_of(reply)
+    assert document["type"] == "error" and document["error"]["code"] == "request_header_too_large"
+    with socket.create_connection(address(proxy.url)) as sock:  # a head whose blank line never comes
+        sock.sendall(anthropic_head(10)[:-2])
+        reply, closed = read_reply(sock)
+    assert status_of(reply) == 408 and closed
+    assert document_of(reply) == anthropic_error(
+        "The request head did not arrive within 0.5 s (server.header_timeout_s).", "request_timeout"
+    )
+    assert proxy.rows() == []  # no request ever arrived
+
+
 def test_idle_keep_alive_connections_close_and_crlf_trickles_do_not_keep_them(start_proxy):
     proxy = start_proxy(server={"keep_alive_s": 0.4, "header_timeout_s": 0.8})
     request = b"GET /healthz HTTP/1.1\r\nhost: tokenward\r\n\r\n"
@@ -364,6 +405,17 @@ def test_connections_beyond_the_limit_get_503(start_proxy):
                 break
             time.sleep(0.05)
         assert status_of(reply) == 503
+        # was uvicorn's text/plain "Service Unavailable": now an error document an SDK can read
+        assert error_of(reply) == {
+            "message": "tokenward has as many connections open as server.max_connections allows: try again shortly.",
+            "type": "server_error",
+            "param": None,
+            "code": "too_many_connections",
+        }
+        with socket.create_connection(address(proxy.url)) as third:  # an Anthropic client: Anthropic's shape
+            third.sendall(b"GET /v1/messages HTTP/1.1\r\nhost: tokenward\r\nconnection: close\r\n\r\n")
+            reply, _ = read_reply(third, timeout=5)
+        assert status_of(reply) == 503 and document_of(reply)["error"]["type"] == "api_error"
     finally:
         first.close()
         second.close()

@@ -170,6 +170,9 @@ def test_state_claims_are_unique_across_processes(tmp_path, pg_url):
         first.create_key("ci", "cd" * 32, team=None, project=None, role="user", now=T0)
     assert first.revoke("ci", None, T0) and not first.revoke("ci", None, T0)
     assert first.revoked_hashes() == {"ab" * 32}
+    ends = T0 + dt.timedelta(days=30)  # a key made with --expires: the expiry is kept (m014)
+    second.create_key("contractor", "ef" * 32, team=None, project=None, role="user", now=T0, expires_at=ends)
+    assert [(k.name, k.expires_at) for k in first.keys()] == [("ci", None), ("contractor", ends)]
     first.record_objects([("file-1", "file", "vk-1", T0), ("file-1", "file", "vk-2", T0)])
     assert second.owners(["file-1", "file-2"]) == {"file-1": "vk-1"}
     assert second.owned("vk-1", "file") == {"file-1"}

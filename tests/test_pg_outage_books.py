@@ -102,6 +102,36 @@ async def test_a_settlement_sent_twice_counts_once(tmp_path, pg_url):
         await a.stop()
 
 
+async def test_a_settlement_without_a_hold_sent_twice_counts_once(tmp_path, pg_url):
+    """Nothing was held for the request (a blocking budget in scope, no reservation); its settlement is sent twice.
+
+    Before: $0.12 + $0.12 = $0.24 spent for one $0.12 request, until the next reconciliation.
+    Another request's settlement still counts: $0.12 + $0.05 = $0.17.
+    """
+    ledger = pg(tmp_path, pg_url)
+    a = PgBooks(pg_url, "a", lease_s=3)
+    await a.start()
+    try:
+        a.settle(None, [(BOOK, REAL)], "req-4", START)
+        await asyncio.gather(*a._tasks)
+        assert _books(pg_url) == [(REAL, 0)]
+        a._queued.append((None, "req-4", START, ["hard"], [START], [REAL]))  # its reply was lost: sent again
+        await a._send_queued()
+        assert _books(pg_url) == [(REAL, 0)]
+        a.settle(None, [(BOOK, D("0.05"))], "req-5", START)
+        await asyncio.gather(*a._tasks)
+        assert _books(pg_url) == [(D("0.17"), 0)]
+        assert _settled(pg_url) == [("req-4", REAL), ("req-5", D("0.05"))]
+        # a reconciliation keeps what is remembered for two days: the same settlement still counts once
+        budget = Budget("hard", D("1"), period=Period("day"))
+        assert reconcile(ledger.pool, [(budget, BOOK, START, START + dt.timedelta(days=1))]) == 1
+        a._queued.append((None, "req-4", START, ["hard"], [START], [REAL]))
+        await a._send_queued()
+        assert _books(pg_url) == [(D("0.17"), 0)]
+    finally:
+        await a.stop()
+
+
 async def test_a_settlement_after_the_row_arrived_and_was_reconciled_is_not_counted_again(tmp_path, pg_url):
     """The row reached the ledger and a reconciliation counted it before the queued settlement got through.
 
@@ -227,3 +257,31 @@ async def test_a_reservation_whose_reply_was_lost_is_given_back_once_the_databas
         finally:
             await a.stop()
         assert _books(pg_url) == [(REAL, 0)]
+
+
+async def test_pooled_connections_survive_a_postgres_restart(tmp_path, pg_cluster):
+    """Postgres restarts while the pools' connections sit idle; the next statement on each is served.
+
+    Before: the first use of each pooled connection failed (``OperationalError``: the server had
+    closed it), so the first reservation after a restart was refused (503 ``budget_books_unavailable``)
+    and the first state-store read raised ``LedgerError``.
+    """
+    import uuid
+
+    url = pg_cluster.create_database(f"t_{uuid.uuid4().hex[:12]}")
+    ledger = pg(tmp_path, url)
+    books = PgBooks(url, "a", lease_s=30)
+    await books.start()
+    try:
+        assert ledger.state.claimed("hard", START) == set()  # a connection of each pool, now idle
+        first = await books.reserve([Ask(BOOK, D("1"), WORST)], request_id="req-6", started=START)
+        books.settle(first, [(BOOK, REAL)], "req-6", START)
+        await asyncio.gather(*books._tasks)
+        assert _books(url) == [(REAL, 0)] and books.queued == 0
+        pg_cluster.restart()
+        assert ledger.state.claimed("hard", START) == set()  # the sync pool: no LedgerError
+        hold = await books.reserve([Ask(BOOK, D("1"), WORST)], request_id="req-7", started=START)  # the async pool
+        assert hold.amounts == [(BOOK, WORST)]
+        assert _books(url) == [(REAL, WORST)]
+    finally:
+        await books.stop()

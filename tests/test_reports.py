@@ -443,6 +443,30 @@ def test_forecast_next_to_the_budgets(ledger, tmp_path):
     assert "$0.0470" in budget and "$0.10" in budget and "$0.403" in budget and "402.9% (over)" in budget
 
 
+def test_forecast_budgets_at_80_columns_are_blocks_not_slivers(ledger, tmp_path):
+    """At 80 columns the budgets' seven-column table folded names into 10-character slivers ("research-t", "eam-monthl")."""
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        f"ledger: {{path: {ledger}}}\nupstreams: [{{name: a, base_url: 'http://x'}}]\n"
+        "budgets: [{name: research-team-monthly-engineering, limit_usd: 0.1, scope: {team: research}, "
+        "period: month, timezone: Europe/Paris}]\n"
+    )
+    args = ["--config", str(config), "--period", "this-month", "--tz", "Europe/Paris"]
+    args += ["--at", "2026-11-04T12:00:00+01:00", "--by", "key", "--forecast"]
+    output = CliRunner().invoke(
+        main, ["report", "--db", str(ledger), *args], catch_exceptions=False, env={"COLUMNS": "80"}
+    ).output
+    assert max(len(line) for line in output.splitlines()) <= 80
+    # research spent A + G + B + F = $0.047; 0.047 x 720 / 84 = $0.402857, 402.9 % of the $0.10 limit
+    assert output.splitlines()[-5:] == [
+        "budgets",
+        "research-team-monthly-engineering: $0.0470 of $0.100",  # as the table writes it
+        "  forecast  $0.403, 402.9% (over) of the limit",
+        "  scope     team=research",
+        "  period    month",
+    ]
+
+
 def test_what_if_another_model(ledger):
     rows = {r["key"]: r for r in report(ledger, *NOVEMBER, "--by", "key", "--as-model", "gpt-4o-mini")}
     # gpt-4o-mini, 0.15 in / 0.075 cached / 0.60 out per 1M tokens:

@@ -166,7 +166,9 @@ def test_status_shows_the_windows_together_and_alerts_follow_each_windows_thresh
         ],
     )
     result = CliRunner().invoke(
-        main, ["budgets", "status", "--config", str(config), "--db", str(db), "--at", "2026-11-12T09:30:00+00:00"]
+        main,
+        ["budgets", "status", "--config", str(config), "--db", str(db), "--at", "2026-11-12T09:30:00+00:00"],
+        env={"COLUMNS": "200"},  # the table, as on a wide terminal
     )
     assert result.exit_code == 0, result.output
     lines = [line for line in result.output.splitlines() if "agents/" in line]

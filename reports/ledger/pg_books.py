@@ -336,6 +336,10 @@ class PgBooks:
         return len(self._queued)
 
 
+SETTLE_ONCE_DAYS = 2
+"""Days a request id settled without a hold is remembered, so that the same settlement sent again counts once."""
+
+
 def reconcile(pool: SyncPool, windows: Sequence[tuple[Budget, BookKey, dt.datetime, dt.datetime]]) -> int:
     """Set each book's ``spent`` from the ledger, and ``held`` from the open holds (blocking; a worker thread).
 
@@ -343,7 +347,8 @@ def reconcile(pool: SyncPool, windows: Sequence[tuple[Budget, BookKey, dt.dateti
     window whose rows count (a calendar period, or a rolling budget's last hours). ``spent``
     becomes the rows in scope and window (by ``SPEND_EXPRESSION``) plus the settlements of
     requests not in the ledger yet; settlements whose rows have arrived are dropped. One book per
-    transaction, its row locked first, so no settlement is counted twice or missed.
+    transaction, its row locked first, so no settlement is counted twice or missed. Request ids
+    settled without a hold are forgotten after :data:`SETTLE_ONCE_DAYS` days (m013).
 
     Returns:
         The number of books reconciled.
@@ -356,6 +361,10 @@ def reconcile(pool: SyncPool, windows: Sequence[tuple[Budget, BookKey, dt.dateti
         return done
     try:
         with pool.connection() as conn:
+            conn.execute(
+                "DELETE FROM budget_settle_once WHERE settled_at < now() - make_interval(days => %s)",
+                [SETTLE_ONCE_DAYS],
+            )
             for budget, (book, period_start), start, end in windows:
                 where, params = pg_scope_clause(budget)
                 with conn.transaction():

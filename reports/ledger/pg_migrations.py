@@ -600,3 +600,44 @@ def m012_settle_once(conn: Any) -> None:
         END $$;
         """
     )
+
+
+@migration
+def m013_settle_once_without_hold(conn: Any) -> None:
+    """A settlement without a hold counts once per request id, however often it is sent.
+
+    A settlement that committed as the database went away is queued and sent again. With a
+    hold, the hold being gone already tells (:func:`m012_settle_once`); without one (a blocking
+    budget in scope and nothing held for the request) the second call added the request's cost
+    again, until the next reconciliation. ``budget_settle_once`` remembers each request id
+    settled without a hold: a second settlement of it changes nothing. Its entries are dropped
+    two days on (:func:`~tokenward.reports.ledger.pg_books.reconcile`): a queued settlement lives
+    only as long as its replica's process. The function of :func:`m012_settle_once` is kept as
+    ``tw_settle_counted``; ``tw_settle`` checks first, then calls it.
+    """
+    conn.execute(
+        """
+        CREATE TABLE budget_settle_once (request_id text PRIMARY KEY, settled_at timestamptz NOT NULL DEFAULT now());
+        ALTER FUNCTION tw_settle(bigint, text, timestamptz, text[], timestamptz[], numeric[])
+            RENAME TO tw_settle_counted;
+        CREATE FUNCTION tw_settle(
+            p_hold bigint, p_request text, p_started timestamptz, p_books text[], p_starts timestamptz[],
+            p_amounts numeric[]
+        ) RETURNS void LANGUAGE plpgsql AS $$
+        BEGIN
+            IF p_hold IS NULL AND p_request IS NOT NULL AND coalesce(array_length(p_books, 1), 0) > 0 THEN
+                INSERT INTO budget_settle_once (request_id) VALUES (p_request) ON CONFLICT DO NOTHING;
+                IF NOT FOUND THEN
+                    RETURN;  -- settled already: this is the same settlement sent again
+                END IF;
+            END IF;
+            PERFORM tw_settle_counted(p_hold, p_request, p_started, p_books, p_starts, p_amounts);
+        END $$;
+        """
+    )
+
+
+@migration
+def m014_key_expiry(conn: Any) -> None:
+    """``virtual_keys.expires_at``: when a key made by ``tokenward keys create --expires`` stops working."""
+    conn.execute("ALTER TABLE virtual_keys ADD COLUMN expires_at timestamptz")

@@ -105,16 +105,22 @@ class PgState:
             [status, error, key.budget, key.period_start, key.kind, key.threshold],
         )
 
-    def lease(self, keys: Sequence[AlertKey], holder: str, until: float, now: float) -> list[AlertKey]:
-        """See :meth:`StateStore.lease`."""
+    def lease(self, keys: Sequence[AlertKey], holder: str, for_s: float) -> list[AlertKey]:
+        """See :meth:`StateStore.lease`: the database server's clock decides, never a replica's own.
+
+        ``lease_until`` (epoch seconds) is ``clock_timestamp()`` plus ``for_s``, and a lease has
+        run out when ``clock_timestamp()`` has passed it: two replicas whose clocks are minutes
+        apart still see one lease holder at a time.
+        """
         won = []
         with self._connection() as conn, conn.transaction():
             for key in keys:
                 cursor = conn.execute(
-                    "UPDATE alert_claims SET lease_holder = %s, lease_until = %s WHERE budget = %s "
-                    "AND period_start = %s AND kind = %s AND threshold = %s AND status = 'pending' "
-                    "AND (lease_holder IS NULL OR lease_holder = %s OR lease_until <= %s)",
-                    [holder, until, key.budget, key.period_start, key.kind, key.threshold, holder, now],
+                    "UPDATE alert_claims SET lease_holder = %s, lease_until = extract(epoch FROM clock_timestamp()) "
+                    "+ %s WHERE budget = %s AND period_start = %s AND kind = %s AND threshold = %s "
+                    "AND status = 'pending' AND (lease_holder IS NULL OR lease_holder = %s "
+                    "OR lease_until <= extract(epoch FROM clock_timestamp()))",
+                    [holder, for_s, key.budget, key.period_start, key.kind, key.threshold, holder],
                 )
                 if cursor.rowcount:
                     won.append(key)
@@ -178,13 +184,15 @@ class PgState:
     # -- keys --------------------------------------------------------------------------------
 
     def create_key(
-        self, name: str, key_sha256: str, *, team: str | None, project: str | None, role: str, now: dt.datetime
+        self, name: str, key_sha256: str, *, team: str | None, project: str | None, role: str, now: dt.datetime,
+        expires_at: dt.datetime | None = None,
     ) -> None:
         """See :meth:`StateStore.create_key`."""
         try:
             self._run(
-                "INSERT INTO virtual_keys VALUES (%s, %s, %s, %s, %s, %s, NULL)",
-                [name, key_sha256, team, project, role, now],
+                "INSERT INTO virtual_keys (name, key_sha256, team, project, role, created_at, expires_at) "
+                "VALUES (%s, %s, %s, %s, %s, %s, %s)",
+                [name, key_sha256, team, project, role, now, expires_at],
             )
         except psycopg.errors.UniqueViolation:
             found = self._run("SELECT revoked_at FROM virtual_keys WHERE name = %s", [name])
@@ -210,7 +218,7 @@ class PgState:
     def keys(self) -> list[StoredKey]:
         """See :meth:`StateStore.keys`."""
         rows = self._run(
-            "SELECT name, key_sha256, team, project, role, created_at, revoked_at FROM virtual_keys "
+            "SELECT name, key_sha256, team, project, role, created_at, revoked_at, expires_at FROM virtual_keys "
             "ORDER BY created_at, name"
         )
         return [StoredKey(*row) for row in rows]

@@ -19,6 +19,7 @@ import datetime as dt
 import json
 import sqlite3
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -83,6 +84,8 @@ class StoredKey:
     role: str
     created_at: dt.datetime
     revoked_at: dt.datetime | None
+    expires_at: dt.datetime | None = None
+    """When the key stops working (UTC; ``None``: never); a proxy refuses it from then on with 401 ``key_expired``."""
 
 
 class StateStore(Protocol):
@@ -104,12 +107,14 @@ class StateStore(Protocol):
         """Mark a claim ``sent``, ``pending`` (to be retried) or ``failed``, counting one attempt; ends its lease."""
         ...
 
-    def lease(self, keys: Sequence[AlertKey], holder: str, until: float, now: float) -> list[AlertKey]:
-        """Lease pending claims to ``holder`` until ``until`` (epoch seconds); returns the keys leased.
+    def lease(self, keys: Sequence[AlertKey], holder: str, for_s: float) -> list[AlertKey]:
+        """Lease pending claims to ``holder`` for ``for_s`` seconds from now; returns the keys leased.
 
-        A claim is leased if it is ``pending`` and not leased to another holder until after
-        ``now``; ``holder`` may renew its own lease. Whoever holds the lease is the one process
-        delivering the claim; a holder that dies leaves it to whoever evaluates after ``until``.
+        A claim is leased if it is ``pending`` and not leased to another holder beyond now;
+        ``holder`` may renew its own lease. Whoever holds the lease is the one process delivering
+        the claim; a holder that dies leaves it to whoever evaluates once the lease has run out.
+        "Now" is the store's clock, not the caller's (Postgres: the database server's
+        ``clock_timestamp()``), so replicas whose clocks disagree still agree on who holds a lease.
         """
         ...
 
@@ -136,9 +141,10 @@ class StateStore(Protocol):
         ...
 
     def create_key(
-        self, name: str, key_sha256: str, *, team: str | None, project: str | None, role: str, now: dt.datetime
+        self, name: str, key_sha256: str, *, team: str | None, project: str | None, role: str, now: dt.datetime,
+        expires_at: dt.datetime | None = None,
     ) -> None:
-        """Store a new key. Raises ``ValueError`` when the name is taken (live or revoked)."""
+        """Store a new key (``expires_at``: when it stops working). Raises ``ValueError`` when the name is taken."""
         ...
 
     def revoke(self, name: str, key_sha256: str | None, now: dt.datetime) -> bool:
@@ -201,15 +207,17 @@ CREATE INDEX IF NOT EXISTS objects_by_key ON objects (key_id, kind);
 
 
 def _add_leases(conn: sqlite3.Connection) -> None:
-    """Give a state file made before delivery leases its two lease columns (once; another process may race)."""
+    """Give an older state file the lease columns and ``virtual_keys.expires_at`` (once; processes may race)."""
     columns = {row[1] for row in conn.execute("PRAGMA table_info(alert_claims)")}
-    for column, kind in (("lease_holder", "TEXT"), ("lease_until", "REAL")):
-        if column not in columns:
-            try:
-                conn.execute(f"ALTER TABLE alert_claims ADD COLUMN {column} {kind}")
-            except sqlite3.OperationalError as exc:
-                if "duplicate column" not in str(exc):
-                    raise
+    added = [("alert_claims", c, k) for c, k in (("lease_holder", "TEXT"), ("lease_until", "REAL")) if c not in columns]
+    if "expires_at" not in {row[1] for row in conn.execute("PRAGMA table_info(virtual_keys)")}:
+        added.append(("virtual_keys", "expires_at", "TEXT"))  # keys that stop working (keys create --expires)
+    for table, column, kind in added:
+        try:
+            conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
+        except sqlite3.OperationalError as exc:
+            if "duplicate column" not in str(exc):
+                raise
 
 
 def _iso(moment: dt.datetime) -> str:
@@ -362,8 +370,10 @@ class SqliteState:
             [status, error, key.budget, _iso(key.period_start), key.kind, key.threshold],
         )
 
-    def lease(self, keys: Sequence[AlertKey], holder: str, until: float, now: float) -> list[AlertKey]:
-        """See :meth:`StateStore.lease`."""
+    def lease(self, keys: Sequence[AlertKey], holder: str, for_s: float) -> list[AlertKey]:
+        """See :meth:`StateStore.lease` (the clock of the one host the SQLite file lives on)."""
+        now = time.time()
+        until = now + for_s
         return self._each_once(
             "UPDATE alert_claims SET lease_holder = ?, lease_until = ? WHERE budget = ? AND period_start = ? "
             "AND kind = ? AND threshold = ? AND status = 'pending' "
@@ -431,7 +441,8 @@ class SqliteState:
     # -- keys --------------------------------------------------------------------------------
 
     def create_key(
-        self, name: str, key_sha256: str, *, team: str | None, project: str | None, role: str, now: dt.datetime
+        self, name: str, key_sha256: str, *, team: str | None, project: str | None, role: str, now: dt.datetime,
+        expires_at: dt.datetime | None = None,
     ) -> None:
         """See :meth:`StateStore.create_key`."""
         found = self._run("SELECT revoked_at FROM virtual_keys WHERE name = ?", [name])
@@ -439,8 +450,9 @@ class SqliteState:
             state = "was revoked (names are not reused, so old usage stays attributable)" if found[0][0] else "exists"
             raise ValueError(f"a key named {name!r} {state}; choose another name")
         self._run(
-            "INSERT INTO virtual_keys VALUES (?, ?, ?, ?, ?, ?, NULL)",
-            [name, key_sha256, team, project, role, _iso(now)],
+            "INSERT INTO virtual_keys (name, key_sha256, team, project, role, created_at, expires_at) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?)",
+            [name, key_sha256, team, project, role, _iso(now), _iso(expires_at) if expires_at else None],
         )
 
     def revoke(self, name: str, key_sha256: str | None, now: dt.datetime) -> bool:
@@ -462,12 +474,12 @@ class SqliteState:
     def keys(self) -> list[StoredKey]:
         """See :meth:`StateStore.keys`."""
         rows = self._run(
-            "SELECT name, key_sha256, team, project, role, created_at, revoked_at FROM virtual_keys "
+            "SELECT name, key_sha256, team, project, role, created_at, revoked_at, expires_at FROM virtual_keys "
             "ORDER BY created_at, name"
         )
         return [
-            StoredKey(name, sha, team, project, role, _when(created), _moment(revoked))
-            for name, sha, team, project, role, created, revoked in rows
+            StoredKey(name, sha, team, project, role, _when(created), _moment(revoked), _moment(expires))
+            for name, sha, team, project, role, created, revoked, expires in rows
         ]
 
     def revoked_hashes(self) -> set[str]:
