@@ -12,6 +12,9 @@ File format (the built-in catalog is ``pricing/catalog/default.yaml``)::
         cached_input: 0.25              # optional rates: cached_input, cache_write, cache_write_1h,
         output: 15.00                   #   reasoning, audio_input, audio_output, image_input
         web_search: 0.01                # USD per web search call
+        web_fetch: 0                    # USD per web fetch call (Anthropic)
+        file_search: 0.0025             # USD per file search call (OpenAI Responses)
+        code_container: 0.03            # USD per code execution container a reply used
         per_request: 0                  # USD per request
         image_tokens_max: 1445          # input tokens one image in a request can cost at most (bounds only)
         # media units (images, audio endpoints):
@@ -60,6 +63,8 @@ import yaml
 from tokenward.pricing.rates import RATE_NAMES, Adjustment, ContextTier, Rates, Window
 
 __all__ = [
+    "CLOUD_NAME_PATTERNS",
+    "TOOL_FEES",
     "CatalogError",
     "PriceCatalog",
     "PriceEntry",
@@ -86,6 +91,7 @@ _TOP_FIELDS = frozenset(
         "note",
         "effective",
         "web_search",
+        *("web_fetch", "file_search", "code_container"),
         "per_request",
         "context_tiers",
         "service_tiers",
@@ -99,12 +105,17 @@ _TOP_FIELDS = frozenset(
         *RATE_NAMES,
     }
 )
+TOOL_FEES: tuple[str, ...] = ("web_search", "per_request", "web_fetch", "file_search", "code_container")
+"""The per-call (and per-request) fees an entry may give, USD each."""
 _MAX_RATE_DECIMALS = 6
 _MAX_MULTIPLIER_DECIMALS = 4
 _SNAPSHOT_SUFFIX = re.compile(r"-(?:\d{4}-\d{2}-\d{2}|\d{8})$")
 _VERTEX_VERSION = re.compile(r"@(?:\d{8}|latest|default)$")
 _BEDROCK_VENDOR = re.compile(r"^(?:(?:us|us-gov|eu|apac|jp|au|ca|global)\.)?anthropic\.")
 _CLOUD_REVISION = re.compile(r"-v\d+(?::\d+)?(?::\d+k)?$")
+CLOUD_NAME_PATTERNS: tuple[str, str, str] = (_VERTEX_VERSION.pattern, _BEDROCK_VENDOR.pattern, _CLOUD_REVISION.pattern)
+"""The regular expressions :func:`cloud_model` removes, in order (Vertex version, Bedrock vendor and
+profile, Bedrock revision), for SQL that must read names as it does (``reports.queries.cloud_model_sql``)."""
 _WEEKDAYS = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
 _DAWN = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 
@@ -119,7 +130,10 @@ class PriceEntry:
 
     ``effective`` is when this version came into force (``None``: always); ``web_search`` and
     ``per_request`` are USD per call and per request (``None``: no such fee is known, so web
-    searches are listed unpriced rather than as $0).
+    searches are listed unpriced rather than as $0). ``web_fetch``, ``file_search`` (USD per call)
+    and ``code_container`` (USD per code execution container a reply used) are the other
+    provider-run tools' fees; ``None``: not known, so a row with such calls is
+    ``partially_priced`` with a note, never priced as if they were free.
 
     Media units: ``image`` is USD per generated image by variant (``"<size>/<quality>"``, either
     part ``*``; see :meth:`image_price`); ``audio_minute`` USD per minute of input audio (billed per
@@ -139,6 +153,9 @@ class PriceEntry:
     aliases: tuple[str, ...] = ()
     web_search: Decimal | None = None
     per_request: Decimal | None = None
+    web_fetch: Decimal | None = None
+    file_search: Decimal | None = None
+    code_container: Decimal | None = None
     context_tiers: tuple[ContextTier, ...] = ()
     service_tiers: tuple[tuple[str, Adjustment], ...] = ()
     inference_geos: tuple[tuple[str, Adjustment], ...] = ()
@@ -397,7 +414,7 @@ def entry_to_dict(entry: PriceEntry) -> dict[str, Any]:
     if entry.effective is not None:
         raw["effective"] = entry.effective
     raw.update({name: getattr(entry.rates, name) for name in RATE_NAMES})
-    for fee in ("web_search", "per_request"):
+    for fee in TOOL_FEES:
         if getattr(entry, fee) is not None:
             raw[fee] = getattr(entry, fee)
     if entry.context_tiers:
@@ -669,7 +686,7 @@ def parse_entry(path: Path, index: int, raw: Any) -> PriceEntry:
             raise fail(required, "required")
     fees = {
         name: _decimal(fail, name, raw[name], _MAX_RATE_DECIMALS) if raw.get(name) is not None else None
-        for name in ("web_search", "per_request")
+        for name in TOOL_FEES
     }
     return PriceEntry(
         id=raw["id"],
@@ -680,8 +697,7 @@ def parse_entry(path: Path, index: int, raw: Any) -> PriceEntry:
         checked=checked,
         effective=_effective(fail, raw.get("effective")),
         aliases=tuple(aliases),
-        web_search=fees["web_search"],
-        per_request=fees["per_request"],
+        **fees,
         context_tiers=_context_tiers(fail, raw.get("context_tiers") or []),
         service_tiers=_service_tiers(fail, raw.get("service_tiers") or {}),
         inference_geos=_service_tiers(fail, raw.get("inference_geos") or {}, "inference_geos"),

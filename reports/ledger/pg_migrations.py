@@ -600,3 +600,10 @@ def m012_settle_once(conn: Any) -> None:
         END $$;
         """
     )
+
+
+@migration
+def m013_tool_calls(conn: Any) -> None:
+    """Provider-run tool calls billed outside the tokens (DuckDB's ``m010_tool_calls``; earlier rows 0)."""
+    for column in ("web_fetch_requests", "file_search_calls", "code_containers"):
+        conn.execute(f"ALTER TABLE requests ADD COLUMN {column} bigint NOT NULL DEFAULT 0")
