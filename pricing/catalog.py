@@ -40,8 +40,11 @@ File format (the built-in catalog is ``pricing/catalog/default.yaml``)::
 Rates are read as exact decimals (YAML's ``0.15`` becomes ``Decimal("0.15")``, never a binary
 float): at most 6 decimal places for rates, 4 for multipliers. Omitted rates default as
 :meth:`tokenward.pricing.rates.Rates.build` says. Later files override earlier ones version by
-version (same ``id`` and ``effective``), so a user's file can correct, add or date a price
-without copying the built-in catalog, and history is never rewritten in place.
+version (same ``id`` and ``effective``), field by field: an override gives only the fields it
+changes (``{id: openai/gpt-4o, input: 2.00, output: 8.00}`` keeps the entry's cached-input rate,
+service tiers and fees; see ``_override``), so a user's file can correct, add or date a price
+without copying the built-in catalog, and history is never rewritten in place. A new ``id`` or
+``effective`` date is a new version and must be complete.
 """
 
 from __future__ import annotations
@@ -496,9 +499,13 @@ def load_catalog(
         price_as={k.lower(): v for k, v in (price_as or {}).items()},
     )
     files = builtin_catalog_paths() if builtin else []
+    loaded: dict[tuple[str, dt.datetime | None], Mapping[str, Any]] = {}
     for path in (*files, *map(Path, paths)):
-        for entry in read_file(path):
-            catalog._put(entry)
+        for index, raw in enumerate(_raw_entries(path)):
+            key = (str(raw.get("id", f"#{index}")), _effective(_Fail(path, str(raw.get("id"))), raw.get("effective")))
+            merged = _override(loaded[key], raw, path) if key in loaded else raw
+            catalog._put(parse_entry(path, index, merged))
+            loaded[key] = merged
     if fallback is not None:
         raw = {
             "id": "fallback",
@@ -574,18 +581,54 @@ def read_file(path: Path) -> list[PriceEntry]:
     Raises:
         CatalogError: unreadable, not YAML, or an invalid entry (message names file, entry, field).
     """
+    return [parse_entry(path, index, raw) for index, raw in enumerate(_raw_entries(path))]
+
+
+def _raw_entries(path: Path) -> list[Any]:
+    """The raw entry mappings of one price file, each (id, effective date) once.
+
+    Raises:
+        CatalogError: unreadable, not YAML, not an ``entries`` list, or an id and date given twice.
+    """
     document = read_document(path)
     if not isinstance(document, Mapping) or not isinstance(document.get("entries"), list):
         raise CatalogError(f"{path}: expected a mapping with an 'entries' list")
-    entries = []
     seen: set[tuple[str, dt.datetime | None]] = set()
     for index, raw in enumerate(document["entries"]):
-        entry = parse_entry(path, index, raw)
-        if (entry.id, entry.effective) in seen:
-            raise CatalogError(f"{path}: entry {entry.id!r}: duplicate id and effective date")
-        seen.add((entry.id, entry.effective))
-        entries.append(entry)
-    return entries
+        if not isinstance(raw, Mapping):
+            raise CatalogError(f"{path}: entry #{index}: expected a mapping")
+        label = str(raw.get("id", f"#{index}"))
+        key = (label, _effective(_Fail(path, label), raw.get("effective")))
+        if key in seen:
+            raise CatalogError(f"{path}: entry {label!r}: duplicate id and effective date")
+        seen.add(key)
+    return list(document["entries"])
+
+
+_MERGED_MAPPINGS = ("service_tiers", "inference_geos", "image", "image_output_tokens")
+
+
+def _override(old: Mapping[str, Any], new: Mapping[str, Any], path: Path) -> dict[str, Any]:
+    """The entry ``new`` (from ``path``) makes of an earlier file's entry ``old`` with the same id and date.
+
+    The fields ``new`` gives replace those of ``old``; the rest are kept, so a price file that
+    restates only ``input`` and ``output`` keeps the cache, audio and tool rates, the context
+    tiers and the service tiers it does not name. The mappings (``service_tiers``,
+    ``inference_geos``, ``image``, ``image_output_tokens``) are merged key by key; lists
+    (``context_tiers``, ``windows``, ``aliases``) are replaced whole. A rate ``old`` left to its
+    default (``cached_input`` to ``input``, say) follows ``new``'s rates. ``source`` becomes the
+    file, naming what it overrides, unless ``new`` gives one; ``note`` is ``new``'s (``old``'s
+    described other rates).
+    """
+    merged = {key: value for key, value in old.items() if key != "note"}
+    for key, value in new.items():
+        if key in _MERGED_MAPPINGS and isinstance(value, Mapping) and isinstance(old.get(key), Mapping):
+            merged[key] = {**old[key], **value}
+        else:
+            merged[key] = value
+    if "source" not in new:
+        merged["source"] = f"{path} (over {old.get('source')})"
+    return merged
 
 
 class _Fail:
