@@ -330,7 +330,8 @@ def test_every_ledger_column_has_the_same_meaning_in_both_engines(tmp_path, pg_u
     assert duck_types["provider_cost_usd"] == pg_types["provider_cost_usd"] == "DECIMAL(38,12)"
     for column in ("org", "pool", "run_id", "sent_model", "degraded", "image_variant"):
         assert (duck_types[column], pg_types[column]) == ("VARCHAR", "text")
-    for column in ("output_images", "input_audio_seconds", "input_characters"):
+    counts = ("output_images", "input_audio_seconds", "input_characters")
+    for column in (*counts, "web_fetch_requests", "file_search_calls", "code_containers"):
         assert (duck_types[column], pg_types[column]) == ("BIGINT", "bigint")
 
 
