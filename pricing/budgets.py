@@ -28,6 +28,8 @@ from decimal import Decimal
 from typing import TYPE_CHECKING, Literal
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
+from tokenward.pricing.catalog import cloud_model
+
 if TYPE_CHECKING:
     from tokenward.pricing.velocity import Velocity
 
@@ -238,11 +240,15 @@ SNAPSHOT_SUFFIX = re.compile(r"-(?:\d{4}-\d{2}-\d{2}|\d{8})$")
 
 
 def model_base(name: str) -> str:
-    """``name`` without a routing prefix: what follows its last ``/`` (``openrouter/openai/gpt-4o``: ``gpt-4o``).
+    """``name`` without a routing prefix (what follows its last ``/``) and as the model a cloud's name names.
 
-    The prices resolve such names the same way (``price_resolved_by = routing_prefix``).
+    ``openrouter/openai/gpt-4o`` is ``gpt-4o``; Bedrock's ``us.anthropic.claude-sonnet-4-5-20250929-v1:0``
+    is ``claude-sonnet-4-5-20250929`` and Vertex AI's ``claude-sonnet-4-5@20250929`` is
+    ``claude-sonnet-4-5`` (:func:`tokenward.pricing.catalog.cloud_model`). The prices resolve such
+    names the same way (``price_resolved_by`` ``routing_prefix`` / ``cloud_name``), so a budget
+    must too (SQL: :func:`tokenward.reports.queries.cloud_model_sql`).
     """
-    return name.rpartition("/")[2]
+    return cloud_model(name.rpartition("/")[2])
 
 
 def same_model(scope: str, name: str) -> bool:
@@ -252,8 +258,10 @@ def same_model(scope: str, name: str) -> bool:
     ``gpt-4o`` may be served as ``gpt-4o-2024-08-06``, so a budget on either name covers both
     (but not another snapshot of the same model). Routing prefixes do not count: a budget on
     ``gpt-4o`` covers ``openai/gpt-4o`` (OpenRouter), ``azure/gpt-4o`` (LiteLLM's names) and
-    ``openrouter/openai/gpt-4o-2024-08-06``, so a client cannot step outside it by prefixing the
-    name it sends (SQL: :func:`tokenward.reports.queries.model_condition`).
+    ``openrouter/openai/gpt-4o-2024-08-06``, and a cloud's name for the model counts as the model
+    (a budget on ``claude-sonnet-4-5`` covers Bedrock's ``anthropic.claude-sonnet-4-5-20250929-v1:0``,
+    its ``us.`` profile and Vertex AI's ``claude-sonnet-4-5@20250929``), so a client cannot step
+    outside it by prefixing or renaming the name it sends (SQL: :func:`tokenward.reports.queries.model_condition`).
     """
     return _same_snapshot(model_base(scope), model_base(name))
 

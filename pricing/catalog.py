@@ -12,6 +12,9 @@ File format (the built-in catalog is ``pricing/catalog/default.yaml``)::
         cached_input: 0.25              # optional rates: cached_input, cache_write, cache_write_1h,
         output: 15.00                   #   reasoning, audio_input, audio_output, image_input
         web_search: 0.01                # USD per web search call
+        web_fetch: 0                    # USD per web fetch call (Anthropic)
+        file_search: 0.0025             # USD per file search call (OpenAI Responses)
+        code_container: 0.03            # USD per code execution container a reply used
         per_request: 0                  # USD per request
         image_tokens_max: 1445          # input tokens one image in a request can cost at most (bounds only)
         # media units (images, audio endpoints):
@@ -37,8 +40,11 @@ File format (the built-in catalog is ``pricing/catalog/default.yaml``)::
 Rates are read as exact decimals (YAML's ``0.15`` becomes ``Decimal("0.15")``, never a binary
 float): at most 6 decimal places for rates, 4 for multipliers. Omitted rates default as
 :meth:`tokenward.pricing.rates.Rates.build` says. Later files override earlier ones version by
-version (same ``id`` and ``effective``), so a user's file can correct, add or date a price
-without copying the built-in catalog, and history is never rewritten in place.
+version (same ``id`` and ``effective``), field by field: an override gives only the fields it
+changes (``{id: openai/gpt-4o, input: 2.00, output: 8.00}`` keeps the entry's cached-input rate,
+service tiers and fees; see ``_override``), so a user's file can correct, add or date a price
+without copying the built-in catalog, and history is never rewritten in place. A new ``id`` or
+``effective`` date is a new version and must be complete.
 """
 
 from __future__ import annotations
@@ -60,6 +66,8 @@ import yaml
 from tokenward.pricing.rates import RATE_NAMES, Adjustment, ContextTier, Rates, Window
 
 __all__ = [
+    "CLOUD_NAME_PATTERNS",
+    "TOOL_FEES",
     "CatalogError",
     "PriceCatalog",
     "PriceEntry",
@@ -86,6 +94,7 @@ _TOP_FIELDS = frozenset(
         "note",
         "effective",
         "web_search",
+        *("web_fetch", "file_search", "code_container"),
         "per_request",
         "context_tiers",
         "service_tiers",
@@ -99,12 +108,17 @@ _TOP_FIELDS = frozenset(
         *RATE_NAMES,
     }
 )
+TOOL_FEES: tuple[str, ...] = ("web_search", "per_request", "web_fetch", "file_search", "code_container")
+"""The per-call (and per-request) fees an entry may give, USD each."""
 _MAX_RATE_DECIMALS = 6
 _MAX_MULTIPLIER_DECIMALS = 4
 _SNAPSHOT_SUFFIX = re.compile(r"-(?:\d{4}-\d{2}-\d{2}|\d{8})$")
 _VERTEX_VERSION = re.compile(r"@(?:\d{8}|latest|default)$")
 _BEDROCK_VENDOR = re.compile(r"^(?:(?:us|us-gov|eu|apac|jp|au|ca|global)\.)?anthropic\.")
 _CLOUD_REVISION = re.compile(r"-v\d+(?::\d+)?(?::\d+k)?$")
+CLOUD_NAME_PATTERNS: tuple[str, str, str] = (_VERTEX_VERSION.pattern, _BEDROCK_VENDOR.pattern, _CLOUD_REVISION.pattern)
+"""The regular expressions :func:`cloud_model` removes, in order (Vertex version, Bedrock vendor and
+profile, Bedrock revision), for SQL that must read names as it does (``reports.queries.cloud_model_sql``)."""
 _WEEKDAYS = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
 _DAWN = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 
@@ -119,7 +133,10 @@ class PriceEntry:
 
     ``effective`` is when this version came into force (``None``: always); ``web_search`` and
     ``per_request`` are USD per call and per request (``None``: no such fee is known, so web
-    searches are listed unpriced rather than as $0).
+    searches are listed unpriced rather than as $0). ``web_fetch``, ``file_search`` (USD per call)
+    and ``code_container`` (USD per code execution container a reply used) are the other
+    provider-run tools' fees; ``None``: not known, so a row with such calls is
+    ``partially_priced`` with a note, never priced as if they were free.
 
     Media units: ``image`` is USD per generated image by variant (``"<size>/<quality>"``, either
     part ``*``; see :meth:`image_price`); ``audio_minute`` USD per minute of input audio (billed per
@@ -139,6 +156,9 @@ class PriceEntry:
     aliases: tuple[str, ...] = ()
     web_search: Decimal | None = None
     per_request: Decimal | None = None
+    web_fetch: Decimal | None = None
+    file_search: Decimal | None = None
+    code_container: Decimal | None = None
     context_tiers: tuple[ContextTier, ...] = ()
     service_tiers: tuple[tuple[str, Adjustment], ...] = ()
     inference_geos: tuple[tuple[str, Adjustment], ...] = ()
@@ -397,7 +417,7 @@ def entry_to_dict(entry: PriceEntry) -> dict[str, Any]:
     if entry.effective is not None:
         raw["effective"] = entry.effective
     raw.update({name: getattr(entry.rates, name) for name in RATE_NAMES})
-    for fee in ("web_search", "per_request"):
+    for fee in TOOL_FEES:
         if getattr(entry, fee) is not None:
             raw[fee] = getattr(entry, fee)
     if entry.context_tiers:
@@ -479,9 +499,13 @@ def load_catalog(
         price_as={k.lower(): v for k, v in (price_as or {}).items()},
     )
     files = builtin_catalog_paths() if builtin else []
+    loaded: dict[tuple[str, dt.datetime | None], Mapping[str, Any]] = {}
     for path in (*files, *map(Path, paths)):
-        for entry in read_file(path):
-            catalog._put(entry)
+        for index, raw in enumerate(_raw_entries(path)):
+            key = (str(raw.get("id", f"#{index}")), _effective(_Fail(path, str(raw.get("id"))), raw.get("effective")))
+            merged = _override(loaded[key], raw, path) if key in loaded else raw
+            catalog._put(parse_entry(path, index, merged))
+            loaded[key] = merged
     if fallback is not None:
         raw = {
             "id": "fallback",
@@ -579,18 +603,54 @@ def read_file(path: Path) -> list[PriceEntry]:
     Raises:
         CatalogError: unreadable, not YAML, or an invalid entry (message names file, entry, field).
     """
+    return [parse_entry(path, index, raw) for index, raw in enumerate(_raw_entries(path))]
+
+
+def _raw_entries(path: Path) -> list[Any]:
+    """The raw entry mappings of one price file, each (id, effective date) once.
+
+    Raises:
+        CatalogError: unreadable, not YAML, not an ``entries`` list, or an id and date given twice.
+    """
     document = read_document(path)
     if not isinstance(document, Mapping) or not isinstance(document.get("entries"), list):
         raise CatalogError(f"{path}: expected a mapping with an 'entries' list")
-    entries = []
     seen: set[tuple[str, dt.datetime | None]] = set()
     for index, raw in enumerate(document["entries"]):
-        entry = parse_entry(path, index, raw)
-        if (entry.id, entry.effective) in seen:
-            raise CatalogError(f"{path}: entry {entry.id!r}: duplicate id and effective date")
-        seen.add((entry.id, entry.effective))
-        entries.append(entry)
-    return entries
+        if not isinstance(raw, Mapping):
+            raise CatalogError(f"{path}: entry #{index}: expected a mapping")
+        label = str(raw.get("id", f"#{index}"))
+        key = (label, _effective(_Fail(path, label), raw.get("effective")))
+        if key in seen:
+            raise CatalogError(f"{path}: entry {label!r}: duplicate id and effective date")
+        seen.add(key)
+    return list(document["entries"])
+
+
+_MERGED_MAPPINGS = ("service_tiers", "inference_geos", "image", "image_output_tokens")
+
+
+def _override(old: Mapping[str, Any], new: Mapping[str, Any], path: Path) -> dict[str, Any]:
+    """The entry ``new`` (from ``path``) makes of an earlier file's entry ``old`` with the same id and date.
+
+    The fields ``new`` gives replace those of ``old``; the rest are kept, so a price file that
+    restates only ``input`` and ``output`` keeps the cache, audio and tool rates, the context
+    tiers and the service tiers it does not name. The mappings (``service_tiers``,
+    ``inference_geos``, ``image``, ``image_output_tokens``) are merged key by key; lists
+    (``context_tiers``, ``windows``, ``aliases``) are replaced whole. A rate ``old`` left to its
+    default (``cached_input`` to ``input``, say) follows ``new``'s rates. ``source`` becomes the
+    file, naming what it overrides, unless ``new`` gives one; ``note`` is ``new``'s (``old``'s
+    described other rates).
+    """
+    merged = {key: value for key, value in old.items() if key != "note"}
+    for key, value in new.items():
+        if key in _MERGED_MAPPINGS and isinstance(value, Mapping) and isinstance(old.get(key), Mapping):
+            merged[key] = {**old[key], **value}
+        else:
+            merged[key] = value
+    if "source" not in new:
+        merged["source"] = f"{path} (over {old.get('source')})"
+    return merged
 
 
 class _Fail:
@@ -691,7 +751,7 @@ def parse_entry(path: Path, index: int, raw: Any) -> PriceEntry:
             raise fail(required, "required")
     fees = {
         name: _decimal(fail, name, raw[name], _MAX_RATE_DECIMALS) if raw.get(name) is not None else None
-        for name in ("web_search", "per_request")
+        for name in TOOL_FEES
     }
     return PriceEntry(
         id=raw["id"],
@@ -702,8 +762,7 @@ def parse_entry(path: Path, index: int, raw: Any) -> PriceEntry:
         checked=checked,
         effective=_effective(fail, raw.get("effective")),
         aliases=tuple(aliases),
-        web_search=fees["web_search"],
-        per_request=fees["per_request"],
+        **fees,
         context_tiers=_context_tiers(fail, raw.get("context_tiers") or []),
         service_tiers=_service_tiers(fail, raw.get("service_tiers") or {}),
         inference_geos=_service_tiers(fail, raw.get("inference_geos") or {}, "inference_geos"),

@@ -15,7 +15,9 @@ the WHOLE request (never only to the tokens past a threshold, field case B20):
 
 Each token class is then priced exactly once (field cases B09, B10): uncached input, cache hits,
 default-TTL and one-hour cache writes, output (reasoning apart only where it has its own rate),
-audio and image subsets at their rates, web searches and request fees per call. The media units
+audio and image subsets at their rates, web searches, web fetches, file searches and request fees
+per call, code execution containers per container (a tool call with no fee in the entry is noted,
+so the row is ``partially_priced``). The media units
 are priced at the entry's own rates, which no tier or window changes: generated images per
 image (by the variant they were made at), input audio per minute (billed per second) and input
 characters per 1M. A unit counted with no rate for it, and no tokens that could have priced it,
@@ -39,6 +41,12 @@ __all__ = ["OUTPUT_COMPONENTS", "STANDARD_GEOS", "STANDARD_TIERS", "Cost", "Cost
 _PER_MILLION = Decimal(1_000_000)
 _PICO = Decimal("1e-12")
 _SECONDS = Decimal(60)
+_TOOLS = (
+    ("web_fetch_requests", "web_fetch", "web fetch calls"),
+    ("file_search_calls", "file_search", "file search calls"),
+    ("code_containers", "code_container", "code execution containers"),
+)
+"""Provider-run tools billed per call besides web search: (usage count, entry fee, what in a note)."""
 
 OUTPUT_COMPONENTS = frozenset({"output", "reasoning", "audio_output"})
 """Cost line components that are output tokens."""
@@ -56,9 +64,10 @@ for models without data residency and ``global`` for the default routing)."""
 class CostLine:
     """One priced component of a cost.
 
-    ``quantity`` tokens (or calls) at ``rate`` (USD per 1M tokens, or per call for ``web_search``
-    and ``request``; per image for ``image``, per minute for ``audio_seconds`` whose quantity is
-    seconds, per 1M for ``characters``), the ``amount`` in USD, and the ``rule`` that set the rate.
+    ``quantity`` tokens (or calls) at ``rate`` (USD per 1M tokens, or per call for ``web_search``,
+    ``web_fetch``, ``file_search`` and ``request``, per container for ``code_container``; per image
+    for ``image``, per minute for ``audio_seconds`` whose quantity is seconds, per 1M for
+    ``characters``), the ``amount`` in USD, and the ``rule`` that set the rate.
     """
 
     component: str
@@ -227,6 +236,14 @@ def _fixed_lines(usage: Usage, resolution: Resolution, notes: list[str]) -> tupl
         else:
             amount = entry.web_search * usage.web_search_requests
             lines.append(CostLine("web_search", usage.web_search_requests, entry.web_search, amount))
+    for count, fee, what in _TOOLS:
+        calls = getattr(usage, count)
+        if calls > 0:
+            rate = getattr(entry, fee)
+            if rate is None:
+                notes.append(f"{calls} {what} and no fee for them in {entry.version_id}: not billed")
+            else:
+                lines.append(CostLine(fee, calls, rate, rate * calls))
     if entry.per_request:
         lines.append(CostLine("request", 1, entry.per_request, entry.per_request))
     lines += _unit_lines(usage, resolution, notes)

@@ -12,7 +12,12 @@ Every dialect module (``tokenward.proxy.dialects``) maps a provider's usage payl
 * ``output_tokens`` counts all billed output; ``reasoning_tokens`` and
   ``audio_output_tokens`` are subsets of it.
 * ``audio_input_tokens`` and ``image_input_tokens`` are subsets of ``input_tokens``.
-* ``web_search_requests`` counts server-side tool calls priced per call, not per token.
+* ``web_search_requests`` counts server-side tool calls priced per call, not per token; the
+  other provider-run tools billed outside the tokens are counted beside it:
+  ``web_fetch_requests`` (Anthropic ``server_tool_use.web_fetch_requests``),
+  ``file_search_calls`` (OpenAI Responses ``file_search_call`` items) and ``code_containers``
+  (code execution containers the reply used: OpenAI ``code_interpreter_call`` items' distinct
+  ``container_id``; Anthropic code execution tool uses, its ``container``).
 * Units the media endpoints bill by besides tokens: ``output_images`` (images generated, priced per
   image by ``image_variant``, ``"<size>/<quality>"`` such as ``"1024x1792/hd"``),
   ``input_audio_seconds`` (seconds of audio transcribed, priced per minute) and
@@ -78,6 +83,9 @@ class Usage:
     audio_output_tokens: int = 0
     image_input_tokens: int = 0
     web_search_requests: int = 0
+    web_fetch_requests: int = 0
+    file_search_calls: int = 0
+    code_containers: int = 0
     output_images: int = 0
     input_audio_seconds: int = 0
     input_characters: int = 0

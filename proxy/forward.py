@@ -1328,6 +1328,7 @@ class Forwarder:
             model=ex.served_model or ex.requested_model,
             source=source,
             web_search_requests=result.web_search_calls,
+            tool_calls=result.tool_calls,
             only_if_output=result.error is not None,
             endpoint=ex.endpoint,
         )

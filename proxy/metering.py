@@ -28,7 +28,7 @@ in a worker thread.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from decimal import Decimal
 from types import ModuleType
 from typing import Any
@@ -39,6 +39,7 @@ from tokenward.pricing.usage import Usage, UsageSource
 from tokenward.proxy import tokenizer
 from tokenward.proxy.dialects import DIALECTS, Observation
 from tokenward.proxy.dialects import openai as openai_dialect
+from tokenward.proxy.dialects.observation import tool_counts
 from tokenward.proxy.reply_coding import DecodedTooLarge, reply_decoder
 from tokenward.proxy.sse import Elider, Fragment, LastFragment, SSEDecoder, parse_event
 
@@ -89,7 +90,8 @@ class MeterResult:
     models inside the request (``(model, usage)``); ``raw_usage`` is the provider's usage object
     as received (kept in the ledger for audits and re-pricing). ``complete``: the reply ended
     as its format ends (:attr:`Meter.complete`); ``unmetered``: what was relayed without being
-    metered, if anything; ``web_search_calls``: hosted web searches seen outside ``usage``.
+    metered, if anything; ``web_search_calls``: hosted web searches seen outside ``usage``;
+    ``tool_calls``: every hosted tool call seen outside ``usage``, by :class:`Usage` field.
     """
 
     usage: Usage | None
@@ -103,6 +105,7 @@ class MeterResult:
     complete: bool = True
     unmetered: str | None = None
     web_search_calls: int = 0
+    tool_calls: dict[str, int] = field(default_factory=dict)
 
 
 class Meter:
@@ -316,6 +319,7 @@ class Meter:
             self.complete,
             self.unmetered,
             len(seen.web_search_calls),
+            tool_counts(seen),
         )
 
 
@@ -342,6 +346,9 @@ def _is_interesting(block: bytes) -> bool:
         _USAGE_OBJECT.search(block) is not None
         or _ERROR_OBJECT.search(block) is not None
         or b'"web_search_call"' in block
+        or b'"file_search_call"' in block
+        or b'"code_interpreter_call"' in block
+        or b'"server_tool_use"' in block
         or b'"executed_tools"' in block
         or (b"event:" in block and _EVENT_ERROR.search(block) is not None)
     )
@@ -489,6 +496,7 @@ def estimate(
     model: str | None,
     source: UsageSource,
     web_search_requests: int = 0,
+    tool_calls: dict[str, int] | None = None,
     only_if_output: bool = False,
     endpoint: str | None = None,
 ) -> Usage | None:
@@ -502,6 +510,7 @@ def estimate(
         model: the model name, to pick the encoding.
         source: ``estimated`` (the upstream reported nothing) or ``partial`` (the reply was cut).
         web_search_requests: hosted web searches counted in the reply, carried into the usage.
+        tool_calls: the other hosted tool calls counted in the reply (:class:`Usage` fields), carried too.
         only_if_output: return ``None`` when the reply holds no generated text (an error event
             before any content: nothing was generated, nothing is billed).
         endpoint: the endpoint's name (a Responses request's messages add their overhead).
@@ -548,6 +557,6 @@ def estimate(
     return Usage(
         input_tokens=input_tokens,
         output_tokens=output_tokens,
-        web_search_requests=web_search_requests,
+        **{**(tool_calls or {}), "web_search_requests": web_search_requests},
         source=source,
     )

@@ -29,6 +29,15 @@ from tokenward.reports.reprice import reprice
 
 __all__ = ["pricing"]
 
+_UNITS = {
+    "web_search": "call",
+    "web_fetch": "call",
+    "file_search": "call",
+    "request": "call",
+    "code_container": "container",
+}
+"""What a fee line's rate is per (token lines are per 1M)."""
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -122,8 +131,14 @@ def show(config: str | None, prices: tuple[str, ...], model: str, provider: str 
             f"  window {window.name}: {window.start:%H:%M}-{window.end:%H:%M} {window.timezone} "
             f"{days}: {_adjustment(window.adjustment)}"
         )
-    if entry.web_search is not None:
-        console.print(f"  web search: ${entry.web_search} per call")
+    for fee, what in (
+        ("web_search", "web search: $%s per call"),
+        ("web_fetch", "web fetch: $%s per call"),
+        ("file_search", "file search: $%s per call"),
+        ("code_container", "code execution: $%s per container"),
+    ):
+        if getattr(entry, fee) is not None:
+            console.print("  " + what % getattr(entry, fee))
     if entry.per_request:
         console.print(f"  per request: ${entry.per_request}")
     console.print(f"  source: {entry.source} (checked {entry.checked})")
@@ -245,7 +260,7 @@ def explain(request_id: str, db: str | None, wait: float, config: str | None) ->
             rate = (
                 "no price"
                 if line["rate"] is None
-                else f"{line['rate']} per {'call' if line['component'] in ('web_search', 'request') else '1M'}"
+                else f"{line['rate']} per {_UNITS.get(line['component'], '1M')}"
             )
             table.add_row(
                 line["component"],

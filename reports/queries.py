@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from zoneinfo import ZoneInfo
 
 from tokenward.pricing.budgets import SNAPSHOT_SUFFIX, model_base
+from tokenward.pricing.catalog import CLOUD_NAME_PATTERNS
 from tokenward.pricing.usage import TOKEN_FIELDS
 from tokenward.reports.ledger import ROW_COLUMNS
 from tokenward.reports.localtime import local_hour_start_sql, local_timestamp_sql
@@ -33,6 +34,7 @@ __all__ = [
     "TIME_DIMENSIONS",
     "Selection",
     "bare_models",
+    "cloud_model_sql",
     "canonical",
     "derive",
     "export_rows",
@@ -233,18 +235,32 @@ def bare_models(names: Sequence[str]) -> list[str]:
     return [SNAPSHOT_SUFFIX.sub("", model_base(n)) for n in names]
 
 
+def cloud_model_sql(expr: str) -> str:
+    """SQL for :func:`tokenward.pricing.catalog.cloud_model` of the text ``expr`` (DuckDB and Postgres alike).
+
+    ``regexp_replace`` replaces the first match in both engines, and both read the patterns
+    (non-capturing groups, digit classes) the same way: Bedrock's ``us.anthropic.claude-sonnet-4-5-20250929-v1:0``
+    becomes ``claude-sonnet-4-5-20250929``, Vertex AI's ``claude-sonnet-4-5@20250929``
+    ``claude-sonnet-4-5``; any other name is left as it is.
+    """
+    vertex, bedrock, revision = CLOUD_NAME_PATTERNS
+    plain = f"regexp_replace(regexp_replace({expr}, '{vertex}', ''), '{bedrock}', '')"
+    return f"(CASE WHEN {plain} = {expr} THEN {expr} ELSE regexp_replace({plain}, '{revision}', '') END)"
+
+
 def model_condition(names: str, bare: str) -> str:
     """SQL keeping rows whose model is one of the list ``names``.
 
     As :func:`tokenward.pricing.budgets.same_model` has it: the requested, sent (a degraded
     request's reroute) or served name, without its routing prefix (``openai/gpt-4o`` is
     ``gpt-4o``), equal, or equal once a dated snapshot suffix is removed from either side (the
-    guard's :func:`~tokenward.proxy.guard.attributes_of_row` reads the same three).
+    guard's :func:`~tokenward.proxy.guard.attributes_of_row` reads the same three), each read as
+    the model a cloud's name for it names (:func:`cloud_model_sql`).
 
     ``names`` and ``bare`` are placeholders for :func:`plain_models` and :func:`bare_models` of the names.
     """
     columns = [
-        f"list_extract(string_split(coalesce({c}, '(none)'), '/'), -1)"
+        cloud_model_sql(f"list_extract(string_split(coalesce({c}, '(none)'), '/'), -1)")
         for c in ("requested_model", "sent_model", "served_model")
     ]
     stripped = [f"regexp_replace({c}, '{SNAPSHOT_SUFFIX.pattern}', '')" for c in columns]

@@ -19,6 +19,8 @@ from tokenward.proxy.server import running_in_thread
 from tokenward.proxy.simulator import Recording, SimulatorServer, load_recordings, sample_recordings_path
 from tokenward.reports.alerts import AlertSettings
 
+from .raw_upstream import RawUpstream
+
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 CORPUS = SHARED / "fixtures" / "recorded" / "exchanges.jsonl"
 
@@ -223,6 +225,37 @@ def start_proxy(tmp_path: Path, simulator: SimulatorServer) -> Iterator[ProxyFac
     factory = ProxyFactory(tmp_path, simulator)
     yield factory
     factory.stop_all()
+
+
+@pytest.fixture
+def raw_upstream() -> Iterator[RawUpstream]:
+    """A raw-bytes upstream (:class:`~tests.raw_upstream.RawUpstream`) for one test; its ``script`` answers."""
+    with RawUpstream().running() as server:
+        yield server
+
+
+@pytest.fixture
+def raw_proxy(start_proxy: ProxyFactory, raw_upstream: RawUpstream) -> Any:
+    """Factory: ``raw_proxy(provider="openai", anthropic_provider="anthropic", **config)`` runs a proxy in front of ``raw_upstream``.
+
+    Two upstreams at the same server: ``provider`` (the default, OpenAI dialect, named as its
+    provider) and one of the Anthropic dialect priced as ``anthropic_provider`` (named ``anthropic``,
+    or ``anthropic-<provider>``); ``config`` goes to ``start_proxy``.
+    """
+
+    def start(provider: str = "openai", anthropic_provider: str = "anthropic", **config: Any) -> Any:
+        upstreams = [
+            UpstreamConfig(name=provider, base_url=f"{raw_upstream.url}/v1", provider=provider, default=True),
+            UpstreamConfig(
+                name="anthropic" if anthropic_provider == "anthropic" else f"anthropic-{anthropic_provider}",
+                base_url=f"{raw_upstream.url}/v1",
+                provider=anthropic_provider,
+                dialect="anthropic",
+            ),
+        ]
+        return start_proxy(upstreams=upstreams, **config)
+
+    return start
 
 
 @pytest.fixture(scope="session")

@@ -21,7 +21,7 @@ import pytest
 from tokenward.proxy.config import UpstreamConfig, VirtualKeyConfig
 from tokenward.proxy.edge import parse_base, target
 
-from .raw_upstream import LAST_CHUNK, RawUpstream, chunk, json_reply, sse_head
+from .raw_upstream import LAST_CHUNK, chunk, json_reply, sse_head
 
 API_VERSION = "2024-10-21"
 USAGE = {"prompt_tokens": 1200, "completion_tokens": 50, "total_tokens": 1250,
@@ -50,9 +50,8 @@ def azure_reply(stream: bool) -> list[bytes]:
 
 
 @pytest.fixture
-def upstream():
-    with RawUpstream().running() as server:
-        yield server
+def upstream(raw_upstream):
+    return raw_upstream
 
 
 @pytest.fixture

@@ -29,7 +29,7 @@ from tokenward.pricing.settings import BudgetSettings
 from tokenward.proxy.config import UpstreamConfig
 from tokenward.proxy.guard import BudgetGuard, BudgetRefusal
 
-from .raw_upstream import LAST_CHUNK, RawUpstream, chunk, json_reply, sse_head
+from .raw_upstream import LAST_CHUNK, chunk, json_reply, sse_head
 from .servers import post_then_leave
 
 PRICES = Path(__file__).parent / "fixtures" / "field_case_prices.yaml"
@@ -37,26 +37,15 @@ CHAT = {"model": "gpt-4o-mini", "stream": True, "messages": [{"role": "user", "c
 
 
 @pytest.fixture
-def upstream():
-    with RawUpstream().running() as server:
-        yield server
+def proxy(raw_proxy):
+    return raw_proxy("test", "test", catalog=load_catalog([PRICES], builtin=False), drain_s=2.0)
 
 
-@pytest.fixture
-def proxy(start_proxy, upstream):
-    catalog = load_catalog([PRICES], builtin=False)
-    upstreams = [
-        UpstreamConfig(name="test", base_url=f"{upstream.url}/v1", provider="test", default=True),
-        UpstreamConfig(name="anthropic-test", base_url=f"{upstream.url}/v1", provider="test", dialect="anthropic"),
-    ]
-    return start_proxy(upstreams=upstreams, catalog=catalog, drain_s=2.0)
-
-
-def capped_proxy(start_proxy, upstream, limit_usd: Decimal):
-    """A proxy in front of ``upstream`` at the field-case prices, under one blocking budget of ``limit_usd``."""
+def capped_proxy(start_proxy, raw_upstream, limit_usd: Decimal):
+    """A proxy in front of ``raw_upstream`` at the field-case prices, under one blocking budget of ``limit_usd``."""
     budget = BudgetSettings(name="cap", limit_usd=limit_usd, period="total", action="block")
     catalog = load_catalog([PRICES], builtin=False)
-    upstreams = [UpstreamConfig(name="test", base_url=f"{upstream.url}/v1", provider="test", default=True)]
+    upstreams = [UpstreamConfig(name="test", base_url=f"{raw_upstream.url}/v1", provider="test", default=True)]
     return start_proxy(upstreams=upstreams, catalog=catalog, budgets=[budget])
 
 
@@ -70,12 +59,12 @@ def delta(text: str) -> bytes:
                   "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]})  # fmt: skip
 
 
-def test_a_chunk_size_that_is_not_hex_mid_stream_ends_the_stream_and_writes_its_row(proxy, upstream):
+def test_a_chunk_size_that_is_not_hex_mid_stream_ends_the_stream_and_writes_its_row(proxy, raw_upstream):
     # A middlebox that times a stream out writes its own reply into the chunked body: the chunk
     # size line is not hex. aiohttp's C parser told only the connection, so the relay waited
     # forever for the next chunk (the read timeout dropped too): the client hung and no row was
     # ever written. Now the stream breaks off as the upstream's did and the row is partial.
-    upstream.script = lambda head, body: [sse_head(), chunk(delta("Hi")), 0.3, b"HTTP/1.1 504 Gateway Timeout\r\n", 5.0]
+    raw_upstream.script = lambda head, body: [sse_head(), chunk(delta("Hi")), 0.3, b"HTTP/1.1 504 Gateway Timeout\r\n", 5.0]
     received = b""
     with pytest.raises(httpx.RemoteProtocolError):
         with httpx.stream("POST", f"{proxy.url}/v1/chat/completions", json=CHAT, timeout=4) as reply:
@@ -89,10 +78,10 @@ def test_a_chunk_size_that_is_not_hex_mid_stream_ends_the_stream_and_writes_its_
     assert "closed before the body ended" in row["error"]
 
 
-def test_a_chunk_size_that_is_not_hex_in_a_json_body_is_a_502_with_its_row(proxy, upstream):
+def test_a_chunk_size_that_is_not_hex_in_a_json_body_is_a_502_with_its_row(proxy, raw_upstream):
     body = b'{"id":"x","object":"chat.completion","model":"gpt-4o-mini","choices":[]'
     head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n"
-    upstream.script = lambda h, b: [head, chunk(body), 0.3, b"<html>bad gateway</html>\r\n", 5.0]
+    raw_upstream.script = lambda h, b: [head, chunk(body), 0.3, b"<html>bad gateway</html>\r\n", 5.0]
     request = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hello world"}]}
     reply = httpx.post(f"{proxy.url}/v1/chat/completions", json=request, timeout=4)
     assert reply.status_code == 502 and reply.json()["error"]["code"] == "upstream_failed"
@@ -123,12 +112,12 @@ def anthropic_stream(message_delta_usage: dict) -> list[bytes]:
     ]  # fmt: skip
 
 
-def test_anthropic_message_delta_nulls_keep_the_counts_of_message_start(proxy, upstream):
+def test_anthropic_message_delta_nulls_keep_the_counts_of_message_start(proxy, raw_upstream):
     # message_delta's input counts are nullable (MessageDeltaUsage): the SDK keeps message_start's
     # value for a null; tokenward merged the null over it and billed 2,012 input tokens as none
     usage = {"input_tokens": None, "cache_creation_input_tokens": None, "cache_read_input_tokens": None,
              "output_tokens": 5}  # fmt: skip
-    upstream.script = lambda h, b: [sse_head(), *map(chunk, anthropic_stream(usage)), LAST_CHUNK]
+    raw_upstream.script = lambda h, b: [sse_head(), *map(chunk, anthropic_stream(usage)), LAST_CHUNK]
     client = anthropic.Anthropic(base_url=proxy.url, api_key="sk-ant-test", max_retries=0)
     with client, client.messages.stream(
         model="claude-sonnet-4", max_tokens=100, messages=[{"role": "user", "content": "hello world"}],
@@ -154,13 +143,13 @@ def openai_client(proxy):
     return openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="sk-test", max_retries=0)
 
 
-def serve_usage(upstream, usage, *, stream: bool):
+def serve_usage(raw_upstream, usage, *, stream: bool):
     if stream:
         usage_chunk = {"id": "c", "object": "chat.completion.chunk", "model": "gpt-4o-mini", "choices": [], "usage": usage}
         events = [delta("Hi"), event(FINISH), event(usage_chunk), b"data: [DONE]\n\n"]
-        upstream.script = lambda h, b: [sse_head(), *map(chunk, events), LAST_CHUNK]
+        raw_upstream.script = lambda h, b: [sse_head(), *map(chunk, events), LAST_CHUNK]
     else:
-        upstream.script = lambda h, b: [json_reply(json.dumps(dict(REPLY, usage=usage)).encode())]
+        raw_upstream.script = lambda h, b: [json_reply(json.dumps(dict(REPLY, usage=usage)).encode())]
 
 
 def send_chat(proxy, *, stream: bool):
@@ -176,9 +165,9 @@ def send_chat(proxy, *, stream: bool):
 
 @pytest.mark.parametrize("usage", [{}, {"prompt_tokens": None, "completion_tokens": None, "total_tokens": None}])
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_usage_object_with_no_count_is_estimated_not_zero(proxy, upstream, usage, stream):
+def test_a_usage_object_with_no_count_is_estimated_not_zero(proxy, raw_upstream, usage, stream):
     # {"usage": {}} was priced as 0 input and 0 output tokens: "priced", $0, for a reply with output
-    serve_usage(upstream, usage, stream=stream)
+    serve_usage(raw_upstream, usage, stream=stream)
     send_chat(proxy, stream=stream)
     (row,) = proxy.rows(1)
     assert (row["outcome"], row["usage_source"], row["price_status"]) == ("ok", "estimated", "priced")
@@ -187,19 +176,19 @@ def test_a_usage_object_with_no_count_is_estimated_not_zero(proxy, upstream, usa
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_an_output_count_without_an_input_count_is_invalid_not_free_input(proxy, upstream, stream):
+def test_an_output_count_without_an_input_count_is_invalid_not_free_input(proxy, raw_upstream, stream):
     # {"prompt_tokens": null, "completion_tokens": 12} was priced as 0 input tokens ($0.0000072)
-    serve_usage(upstream, {"prompt_tokens": None, "completion_tokens": 12}, stream=stream)
+    serve_usage(raw_upstream, {"prompt_tokens": None, "completion_tokens": 12}, stream=stream)
     send_chat(proxy, stream=stream)
     (row,) = proxy.rows(1)
     assert (row["usage_source"], row["price_status"], row["cost_usd"]) == ("reported", "usage_invalid", None)
     assert row["output_tokens"] == 12
 
 
-def test_an_anthropic_usage_object_with_no_count_is_estimated_not_zero(proxy, upstream):
+def test_an_anthropic_usage_object_with_no_count_is_estimated_not_zero(proxy, raw_upstream):
     message = {"id": "msg_e", "type": "message", "role": "assistant", "model": "claude-sonnet-4",
                "content": [{"type": "text", "text": "Hi"}], "stop_reason": "end_turn", "usage": {}}  # fmt: skip
-    upstream.script = lambda h, b: [json_reply(json.dumps(message).encode())]
+    raw_upstream.script = lambda h, b: [json_reply(json.dumps(message).encode())]
     client = anthropic.Anthropic(base_url=proxy.url, api_key="sk-ant-test", max_retries=0)
     with client:
         client.messages.create(
@@ -225,11 +214,11 @@ def test_an_anthropic_usage_object_with_no_count_is_estimated_not_zero(proxy, up
     ],
     ids=["multi-line-data", "whitespace"],
 )
-def test_usage_the_client_reads_is_the_usage_billed_however_the_event_is_laid_out(proxy, upstream, usage_event):
+def test_usage_the_client_reads_is_the_usage_billed_however_the_event_is_laid_out(proxy, raw_upstream, usage_event):
     # the meter looked for `"usage":{` within 8 bytes on one line: it missed these, estimated the
     # reply at 9 + 1 tokens ($0.00000195) while the client read 14 + 5 from the same stream
     events = [delta("Hi"), event(FINISH), usage_event, b"data: [DONE]\n\n"]
-    upstream.script = lambda h, b: [sse_head(), *map(chunk, events), LAST_CHUNK]
+    raw_upstream.script = lambda h, b: [sse_head(), *map(chunk, events), LAST_CHUNK]
     with openai_client(proxy) as client:
         chunks = list(client.chat.completions.create(
             model="gpt-4o-mini", messages=[{"role": "user", "content": "hello world"}], stream=True,
@@ -240,20 +229,20 @@ def test_usage_the_client_reads_is_the_usage_billed_however_the_event_is_laid_ou
     assert row["cost_usd"] == Decimal("0.0000051")  # 14 x 0.15/1M + 5 x 0.60/1M
 
 
-def test_a_hard_limit_bounds_legacy_completions_by_best_of_not_n(start_proxy, upstream):
+def test_a_hard_limit_bounds_legacy_completions_by_best_of_not_n(start_proxy, raw_upstream):
     # best_of=5 makes the provider generate and bill 5 completions of up to max_tokens each and
     # return n=1 of them (OpenAI, /v1/completions); the bound priced one: it fitted a $0.0002 limit
     # and the request was billed $0.0003003, 50 % past the hard limit
-    proxy = capped_proxy(start_proxy, upstream, Decimal("0.0002"))
+    proxy = capped_proxy(start_proxy, raw_upstream, Decimal("0.0002"))
     reply = {"id": "cmpl-1", "object": "text_completion", "model": "gpt-4o-mini",
              "choices": [{"index": 0, "text": "Hi", "finish_reason": "length"}],
              "usage": {"prompt_tokens": 2, "completion_tokens": 500, "total_tokens": 502}}  # fmt: skip
-    upstream.script = lambda h, b: [json_reply(json.dumps(reply).encode())]
+    raw_upstream.script = lambda h, b: [json_reply(json.dumps(reply).encode())]
     request = {"model": "gpt-4o-mini", "prompt": "hello world", "max_tokens": 100, "best_of": 5, "n": 1}
     refused = httpx.post(f"{proxy.url}/v1/completions", json=request, timeout=10)
     # bound: ceil(2 x 1.1) + 300 = 303 input, 5 x 100 output: 303 x 0.15/1M + 500 x 0.60/1M = $0.00034545
     # > $0.0002 (one completion's bound, 303 x 0.15/1M + 100 x 0.60/1M = $0.00010545, fitted)
-    assert refused.status_code == 429 and upstream.requests == []
+    assert refused.status_code == 429 and raw_upstream.requests == []
     (row,) = proxy.rows(1)
     assert (row["outcome"], row["cost_usd"]) == ("rejected", 0)
 
@@ -263,32 +252,32 @@ def test_a_hard_limit_bounds_legacy_completions_by_best_of_not_n(start_proxy, up
     [({"max_tokens": "100000"}, 100_000), ({"max_tokens": 100000.0}, 100_000), ({"max_tokens": 40000, "n": "3"}, 120_000)],
     ids=["string-max_tokens", "float-max_tokens", "string-n"],
 )
-def test_a_hard_limit_reads_limits_as_a_lax_upstream_does(start_proxy, upstream, limits, output):
+def test_a_hard_limit_reads_limits_as_a_lax_upstream_does(start_proxy, raw_upstream, limits, output):
     # OpenAI refuses "100000" and 100000.0 as max_tokens, but OpenAI-compatible servers validating
     # in lax mode (pydantic's default: vLLM, LiteLLM) read them as the integer. The bound read them
     # as no limit (guard.default_max_output_tokens, 16,384) or n as 1, and left the body as sent:
     # 310 x 0.15/1M + 16,384 x 0.60/1M = $0.0098769 (40,000 x 0.60/1M + ... = $0.0240465 for n)
     # fitted a $0.05 limit, and the upstream billed 100,000 (120,000) output tokens: $0.06 ($0.072).
-    proxy = capped_proxy(start_proxy, upstream, Decimal("0.05"))
+    proxy = capped_proxy(start_proxy, raw_upstream, Decimal("0.05"))
     usage = {"prompt_tokens": 9, "completion_tokens": output, "total_tokens": 9 + output}
-    upstream.script = lambda h, b: [json_reply(json.dumps(dict(REPLY, usage=usage)).encode())]
+    raw_upstream.script = lambda h, b: [json_reply(json.dumps(dict(REPLY, usage=usage)).encode())]
     request = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hello world"}], **limits}
     reply = httpx.post(f"{proxy.url}/v1/chat/completions", json=request, timeout=10)
     # bound: ceil(9 x 1.1) + 300 = 310 input, 100,000 (3 x 40,000) output:
     # 310 x 0.15/1M + 100,000 x 0.60/1M = $0.0600465 (120,000: $0.0720465) > $0.05
-    assert reply.status_code == 429 and upstream.requests == []
+    assert reply.status_code == 429 and raw_upstream.requests == []
     (row,) = proxy.rows(1)
     assert (row["outcome"], row["cost_usd"]) == ("rejected", 0)
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_reply_whose_content_encoding_cannot_be_decoded_is_usage_unknown_not_input_only(proxy, upstream, stream):
+def test_a_reply_whose_content_encoding_cannot_be_decoded_is_usage_unknown_not_input_only(proxy, raw_upstream, stream):
     # the meter could read nothing of it, so the estimate counted the input and 0 output tokens and
     # the row said "priced" ($0.00000135 here) for a reply the provider billed in full
     body = b"\x1f\x8b\x08 not gzip at all"
     kind = b"text/event-stream" if stream else b"application/json"
     head = b"HTTP/1.1 200 OK\r\ncontent-type: " + kind + b"\r\ncontent-encoding: gzip\r\n"
-    upstream.script = lambda h, b: [head + b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body]
+    raw_upstream.script = lambda h, b: [head + b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body]
     request = dict(CHAT, stream=stream, stream_options={"include_usage": True}) if stream else dict(CHAT, stream=False)
     with httpx.stream("POST", f"{proxy.url}/v1/chat/completions", json=request, timeout=10) as reply:
         assert reply.status_code == 200 and b"".join(reply.iter_raw()) == body  # relayed as sent
@@ -301,7 +290,7 @@ FOX = ["The qu", "ick bro", "wn fo", "x jum", "ps ov", "er the la", "zy do", "g.
 
 
 @pytest.mark.parametrize("ending", ["cut", "overloaded"])
-def test_an_anthropic_stream_that_stops_before_message_delta_bills_the_output_it_sent(proxy, upstream, ending):
+def test_an_anthropic_stream_that_stops_before_message_delta_bills_the_output_it_sent(proxy, raw_upstream, ending):
     # message_start's usage says output_tokens 1 (a placeholder); the real count comes in
     # message_delta. A stream cut (or failed with an overloaded_error event, as Anthropic streams
     # do) before it was billed 1 output token whatever it had generated: $0.018711 here
@@ -311,7 +300,7 @@ def test_an_anthropic_stream_that_stops_before_message_delta_bills_the_output_it
                      "content_block_delta") for piece in FOX]  # fmt: skip
     if ending == "overloaded":
         events.append(event({"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}}, "error"))
-    upstream.script = lambda h, b: [sse_head(), *map(chunk, events), LAST_CHUNK]
+    raw_upstream.script = lambda h, b: [sse_head(), *map(chunk, events), LAST_CHUNK]
     request = {"model": "claude-sonnet-4", "max_tokens": 100, "stream": True, "messages": [{"role": "user", "content": "hello world"}]}
     headers = {"anthropic-version": "2023-06-01", "x-tokenward-upstream": "anthropic-test"}
     httpx.post(f"{proxy.url}/v1/messages", json=request, headers=headers, timeout=10)
@@ -352,35 +341,33 @@ def test_requests_that_started_before_a_rollover_are_held_to_their_own_period():
 
 
 @pytest.mark.parametrize("value", [-1, 0, "unlimited", 1.5])
-def test_a_hard_limit_refuses_an_output_limit_it_cannot_read_as_a_bound(start_proxy, upstream, value):
+def test_a_hard_limit_refuses_an_output_limit_it_cannot_read_as_a_bound(start_proxy, raw_upstream, value):
     # llama.cpp's server reads max_tokens -1 (its n_predict) as "until the context is full", and
     # some servers read 0 so too; the bound took them as no limit (16,384 tokens) and sent them as
     # they were: 310 x 0.15/1M + 16,384 x 0.60/1M = $0.0098769 fitted a $0.05 limit, and such an
     # upstream billed 100,000 output tokens, $0.06000135
-    proxy = capped_proxy(start_proxy, upstream, Decimal("0.05"))
+    proxy = capped_proxy(start_proxy, raw_upstream, Decimal("0.05"))
     usage = {"prompt_tokens": 9, "completion_tokens": 100_000, "total_tokens": 100_009}
-    upstream.script = lambda h, b: [json_reply(json.dumps(dict(REPLY, usage=usage)).encode())]
+    raw_upstream.script = lambda h, b: [json_reply(json.dumps(dict(REPLY, usage=usage)).encode())]
     request = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hello world"}], "max_tokens": value}
     reply = httpx.post(f"{proxy.url}/v1/chat/completions", json=request, timeout=10)
     assert reply.status_code == 400 and reply.json()["error"]["code"] == "invalid_output_limit"
-    assert upstream.requests == []
+    assert raw_upstream.requests == []
     (row,) = proxy.rows(1)
     assert (row["outcome"], row["cost_usd"]) == ("client_error", 0)
 
 
 @pytest.fixture
-def quick_drain_proxy(start_proxy, upstream):
-    catalog = load_catalog([PRICES], builtin=False)
-    upstreams = [UpstreamConfig(name="test", base_url=f"{upstream.url}/v1", provider="test", default=True)]
-    return start_proxy(upstreams=upstreams, catalog=catalog, drain_s=0.3)
+def quick_drain_proxy(raw_proxy):
+    return raw_proxy("test", "test", catalog=load_catalog([PRICES], builtin=False), drain_s=0.3)
 
 
 def test_a_stream_whose_upstream_goes_quiet_after_the_client_left_is_recorded_after_the_drain_time(
-    quick_drain_proxy, upstream
+    quick_drain_proxy, raw_upstream
 ):
     # The relay learnt of the disconnect only when it had the next event to send: an upstream that
     # then sent nothing held the row (and any budget reservation) until its read timeout.
-    upstream.script = lambda head, body: [sse_head(), chunk(delta("Hi")), 30.0]
+    raw_upstream.script = lambda head, body: [sse_head(), chunk(delta("Hi")), 30.0]
     started = time.monotonic()
     with httpx.stream("POST", f"{quick_drain_proxy.url}/v1/chat/completions", json=CHAT, timeout=10) as reply:
         assert next(reply.iter_raw()) == delta("Hi")
@@ -394,13 +381,13 @@ def test_a_stream_whose_upstream_goes_quiet_after_the_client_left_is_recorded_af
 
 
 def test_a_body_whose_upstream_goes_quiet_after_the_client_left_is_recorded_after_the_drain_time(
-    quick_drain_proxy, upstream
+    quick_drain_proxy, raw_upstream
 ):
     head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 400\r\n\r\n"
-    upstream.script = lambda head_, body: [head + b'{"id":"c","object":"chat.completion",', 30.0]
+    raw_upstream.script = lambda head_, body: [head + b'{"id":"c","object":"chat.completion",', 30.0]
     started = time.monotonic()
     post_then_leave(
-        f"{quick_drain_proxy.url}/v1/chat/completions", lambda: bool(upstream.requests), json={**CHAT, "stream": False}
+        f"{quick_drain_proxy.url}/v1/chat/completions", lambda: bool(raw_upstream.requests), json={**CHAT, "stream": False}
     )
     (row,) = quick_drain_proxy.rows(1)
     assert time.monotonic() - started < 5

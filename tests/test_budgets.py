@@ -607,6 +607,33 @@ def test_a_routing_prefix_does_not_take_a_request_out_of_its_model_budget(start_
         assert refused.json()["error"]["code"] == "budget_exceeded" and "gpt-4o-cap" in refused.json()["error"]["message"]
 
 
+CLOUD_NAMES = (  # Anthropic's claude-sonnet-4 as Bedrock (plain, cross-region profiles) and Vertex AI name it
+    "anthropic.claude-sonnet-4-20250514-v1:0",
+    "us.anthropic.claude-sonnet-4-20250514-v1:0",
+    "global.anthropic.claude-sonnet-4-20250514-v1:0",
+    "claude-sonnet-4@20250514",
+)
+
+
+def test_a_cloud_name_does_not_take_a_request_out_of_its_model_budget(start_proxy, simulator):
+    request = long_prompt_request(10, 100) | {"model": CLOUD_NAMES[0]}  # priced as claude-sonnet-4 (cloud_name)
+    register(simulator, "cloud", request, prompt_tokens=17, completion_tokens=100)
+    # the output alone is 100 x $15 / 1M = $0.0015 > the $0.001 the claude-sonnet-4 budget has
+    budget = BudgetSettings(
+        name="sonnet-cap", limit_usd="0.001", scope={"model": "claude-sonnet-4"}, period="total", action="block"
+    )
+    proxy = budget_proxy(start_proxy, simulator, [budget])
+    headers = {"authorization": "Bearer tw-agent-key-0001", RECORD_HEADER: "cloud"}
+    for model in (*CLOUD_NAMES, "claude-sonnet-4"):
+        refused = httpx.post(f"{proxy.url}/v1/chat/completions", json=request | {"model": model}, headers=headers)
+        assert refused.status_code == 429, (model, refused.text)
+        assert refused.json()["error"]["code"] == "budget_exceeded" and "sonnet-cap" in refused.json()["error"]["message"]
+    # the same scope in memory, and the other way round: a budget on the Bedrock name covers the plain name
+    bedrock = Budget("b", Decimal(1), scope=(("model", CLOUD_NAMES[1]),), action="block")
+    assert bedrock.matches({"model": ("claude-sonnet-4",)}) and bedrock.matches({"model": (CLOUD_NAMES[3],)})
+    assert not bedrock.matches({"model": ("claude-sonnet-4-5",)}) and not bedrock.matches({"model": ("claude-opus-4",)})
+
+
 def test_a_client_that_leaves_before_the_reply_keeps_its_reservation_as_spend(start_proxy, simulator):
     request = long_prompt_request(10, 100)
     register(simulator, "slow", request, prompt_tokens=17, completion_tokens=100)

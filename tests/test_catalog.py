@@ -90,6 +90,42 @@ def test_later_files_override_entries(tmp_path):
     assert catalog.resolve("gpt-4o-2024-08-06", "openai").entry.rates.input == Decimal(9)
 
 
+def test_a_price_file_overrides_the_fields_it_gives_and_keeps_the_rest(tmp_path):
+    from tokenward.pricing.quote import quote
+    from tokenward.pricing.usage import Usage
+
+    # the user's own gpt-4o price: only input and output restated (built-in: 2.50 in, 1.25 cached, 10.00
+    # out, priority 4.25 / 2.125 / 17.00, batch x 0.5)
+    mine = write(tmp_path, "entries:\n  - {id: openai/gpt-4o, input: 2.00, output: 8.00}\n", "mine.yaml")
+    catalog = load_catalog([mine])
+    usage = Usage(input_tokens=2150, cached_input_tokens=2048, output_tokens=120)  # field case B09's counts
+
+    def cost(tier=None):
+        return quote(catalog, usage, model="gpt-4o", provider="openai", at=None, service_tier=tier).cost_usd
+
+    # 102 x 2.00 + 2048 x 1.25 + 120 x 8.00 = 3724 -> $0.003724; before, the entry was replaced whole:
+    # the partial entry was refused (no source, no checked), and a complete one without cached_input
+    # billed the cache hits at the full input rate: 2150 x 2.00 + 120 x 8.00 -> $0.00526
+    assert cost() == Decimal("0.003724")
+    # the service tiers not restated are kept: priority's own rates, 102 x 4.25 + 2048 x 2.125 + 120 x 17.00
+    # = 6825.5 -> $0.0068255; batch halves the new rates: $0.001862
+    assert (cost("priority"), cost("batch")) == (Decimal("0.0068255"), Decimal("0.001862"))
+    entry = catalog.entries["openai/gpt-4o"]
+    assert entry.source.startswith(f"{mine} (over https://github.com/pydantic/genai-prices")
+    # a rate the built-in entry left to its default follows the new input: gpt-4.1-nano's cache writes
+    nano = write(tmp_path, "entries:\n  - {id: openai/gpt-4.1-nano, input: 0.20, source: mine}\n", "nano.yaml")
+    rates = load_catalog([nano]).entries["openai/gpt-4.1-nano"].rates
+    assert (rates.input, rates.cache_write, rates.cached_input, rates.output) == (
+        Decimal("0.20"),
+        Decimal("0.20"),
+        Decimal("0.025"),
+        Decimal("0.40"),
+    )
+    # a new id must be complete
+    with pytest.raises(CatalogError, match="'source': required"):
+        load_catalog([write(tmp_path, "entries:\n  - {id: mine/m, provider: x, model: m}\n", "new.yaml")])
+
+
 def test_resolution_rules_in_order():
     catalog = load_catalog()
     assert catalog.resolve("gpt-4o-mini", "openai").how == "exact"

@@ -65,6 +65,9 @@ def expected_anthropic(record: dict[str, Any]) -> tuple[dict[str, int] | None, l
         audio_output_tokens=0,
         image_input_tokens=0,
         web_search_requests=(merged.get("server_tool_use") or {}).get("web_search_requests") or 0,
+        web_fetch_requests=(merged.get("server_tool_use") or {}).get("web_fetch_requests") or 0,
+        file_search_calls=0,
+        code_containers=int(code_execution_ran(record)),
     )
     advisors = [(i["model"], anthropic_counts(i)) for i in iterations if i.get("type") == "advisor_message"]
     return totals, advisors
@@ -134,15 +137,15 @@ def expected_tokens(record: dict[str, Any]) -> dict[str, int] | None:
         "audio_output_tokens": number(details_out.get("audio_tokens")) or 0,
         "image_input_tokens": number(details_in.get("image_tokens")) or 0,
         "web_search_requests": searches,
+        # each file search call once; code interpreter billed per container: its distinct container_id
+        "web_fetch_requests": 0,
+        "file_search_calls": len({item["id"] for item in output_items(record, "file_search_call")}),
+        "code_containers": len({item["container_id"] for item in output_items(record, "code_interpreter_call")}),
     }
 
 
-def web_search_calls(record: dict[str, Any]) -> set[str]:
-    """Ids of the hosted web searches a Responses reply ran: ``web_search_call`` output items.
-
-    In a body, its ``output``; in a stream, each ``response.output_item.done`` item and the
-    terminal event's ``response.output`` (the same call is repeated there: count ids once).
-    """
+def reply_documents(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """The reply's JSON body, or each JSON event of its stream."""
     documents = []
     response = record["response"]
     if isinstance(response.get("body"), dict):
@@ -150,14 +153,39 @@ def web_search_calls(record: dict[str, Any]) -> set[str]:
     for line in (response.get("sse") or "").split("\n"):
         if line.startswith("data:") and line[5:].strip().startswith("{"):
             documents.append(json.loads(line[5:]))
-    ids = set()
-    for document in documents:
+    return documents
+
+
+def output_items(record: dict[str, Any], kind: str) -> list[dict[str, Any]]:
+    """The Responses output items of type ``kind`` a reply holds (a stream repeats them: callers dedupe).
+
+    In a body, its ``output``; in a stream, each ``response.output_item.done`` item and the
+    terminal event's ``response.output``.
+    """
+    found = []
+    for document in reply_documents(record):
         items = list(document.get("output") or [])
         items += list((document.get("response") or {}).get("output") or [])
         if document.get("type") == "response.output_item.done":
             items.append(document["item"])
-        ids |= {item["id"] for item in items if isinstance(item, dict) and item.get("type") == "web_search_call"}
-    return ids
+        found += [item for item in items if isinstance(item, dict) and item.get("type") == kind]
+    return found
+
+
+def web_search_calls(record: dict[str, Any]) -> set[str]:
+    """Ids of the hosted web searches a Responses reply ran: ``web_search_call`` output items, each id once."""
+    return {item["id"] for item in output_items(record, "web_search_call")}
+
+
+def code_execution_ran(record: dict[str, Any]) -> bool:
+    """Whether an Anthropic reply used a code execution tool (a ``server_tool_use`` block naming one)."""
+    names = {"code_execution", "bash_code_execution", "text_editor_code_execution"}
+    for document in reply_documents(record):
+        blocks = [document.get("content_block")] + list(document.get("content") or [])
+        blocks += list((document.get("message") or {}).get("content") or [])
+        if any(isinstance(b, dict) and b.get("type") == "server_tool_use" and b.get("name") in names for b in blocks):
+            return True
+    return False
 
 
 def generated_text(sse: str) -> bool:

@@ -333,7 +333,8 @@ def test_every_ledger_column_has_the_same_meaning_in_both_engines(tmp_path, pg_u
     assert duck_types["provider_cost_usd"] == pg_types["provider_cost_usd"] == "DECIMAL(38,12)"
     for column in ("org", "pool", "run_id", "sent_model", "degraded", "image_variant"):
         assert (duck_types[column], pg_types[column]) == ("VARCHAR", "text")
-    for column in ("output_images", "input_audio_seconds", "input_characters"):
+    counts = ("output_images", "input_audio_seconds", "input_characters")
+    for column in (*counts, "web_fetch_requests", "file_search_calls", "code_containers"):
         assert (duck_types[column], pg_types[column]) == ("BIGINT", "bigint")
 
 
@@ -414,11 +415,6 @@ def test_spend_sources_give_the_same_figures_on_both_engines(tmp_path, pg_url):
 
 
 def test_a_model_budget_covers_routing_prefixed_names_on_both_engines(tmp_path, pg_url):
-    from tokenward.reports.ledger import open_ledger
-    from tokenward.reports.ledger.pg_spend import PgSpend
-    from tokenward.reports.ledger.spend import DuckSpend
-
-    at = T0.timestamp()
     names = [  # (requested, served, cost): gpt-4o behind the prefixes clients use (OpenRouter, LiteLLM)
         ("openai/gpt-4o", "openai/gpt-4o", "1"),
         ("azure/gpt-4o-2024-08-06", None, "2"),
@@ -426,8 +422,20 @@ def test_a_model_budget_covers_routing_prefixed_names_on_both_engines(tmp_path, 
         ("openrouter/openai/gpt-4o-mini", None, "8"),  # another model
         ("a\n/gpt-4o", None, "16"),  # a newline does not hide the prefix
     ]
+    # gpt-4o: 1 + 2 + 4 + 16 = 23; its 2024-08-06 snapshot: the same rows (requested as gpt-4o or
+    # as the snapshot; the 2024-11-20 row was requested as gpt-4o), but not gpt-4o-mini
+    spent = {"gpt-4o": "23", "azure/gpt-4o": "23", "gpt-4o-2024-08-06": "23", "gpt-4o-mini": "8"}
+    assert_model_spend_on_both_engines(tmp_path, pg_url, names, spent)
+
+
+def assert_model_spend_on_both_engines(tmp_path, pg_url, names, spent):
+    """Write ``names`` (requested, served, cost) to Postgres and DuckDB; a budget on each model of ``spent`` sees it."""
+    from tokenward.reports.ledger import open_ledger
+    from tokenward.reports.ledger.pg_spend import PgSpend
+    from tokenward.reports.ledger.spend import DuckSpend
+
     rows = [
-        make_row(f"p{i}", requested_model=r, served_model=s, cost_usd=D(c), started_at=at)
+        make_row(f"p{i}", requested_model=r, served_model=s, cost_usd=D(c), started_at=T0.timestamp())
         for i, (r, s, c) in enumerate(names)
     ]
     ledger = pg(tmp_path, pg_url)
@@ -437,13 +445,33 @@ def test_a_model_budget_covers_routing_prefixed_names_on_both_engines(tmp_path, 
     window = (T0 - dt.timedelta(hours=1), T0 + dt.timedelta(hours=1))
     try:
         for source in (DuckSpend(conn), PgSpend(ledger.pool)):
-            # gpt-4o: 1 + 2 + 4 + 16 = 23; its 2024-08-06 snapshot: the same rows (requested as gpt-4o or
-            # as the snapshot; the 2024-11-20 row was requested as gpt-4o), but not gpt-4o-mini
-            for model, spent in (("gpt-4o", "23"), ("azure/gpt-4o", "23"), ("gpt-4o-2024-08-06", "23"), ("gpt-4o-mini", "8")):
-                budget = Budget("m", D(10), scope=(("model", model),), period=Period("day"))
-                assert source.spend_in(budget, *window) == D(spent), (type(source).__name__, model)
+            for model, amount in spent.items():
+                budget = Budget("m", D(100), scope=(("model", model),), period=Period("day"))
+                assert source.spend_in(budget, *window) == D(amount), (type(source).__name__, model)
     finally:
         conn.close()
+
+
+def test_a_model_budget_covers_the_clouds_names_for_the_model_on_both_engines(tmp_path, pg_url):
+    names = [  # (requested, served, cost): claude-sonnet-4-5 as Bedrock and Vertex AI name it
+        ("anthropic.claude-sonnet-4-5-20250929-v1:0", None, "1"),
+        ("us.anthropic.claude-sonnet-4-5-20250929-v1:0", "us.anthropic.claude-sonnet-4-5-20250929-v1:0", "2"),
+        ("claude-sonnet-4-5@20250929", None, "4"),
+        ("eu.anthropic.claude-sonnet-4-5-v1", None, "8"),
+        ("claude-sonnet-4-5", "claude-sonnet-4-5-20250929", "16"),
+        ("us.anthropic.claude-sonnet-4-20250514-v1:0", None, "32"),  # another model: Sonnet 4
+        ("claude-opus-4-5@20251101", None, "64"),  # another model: Opus 4.5
+    ]
+    # claude-sonnet-4-5 (any of its names): 1 + 2 + 4 + 8 + 16 = 31 (before: 16 on DuckDB and Postgres,
+    # the cloud names' 15 spent outside the budget); Sonnet 4: 32; Opus 4.5: 64
+    spent = {
+        "claude-sonnet-4-5": "31",
+        "us.anthropic.claude-sonnet-4-5-20250929-v1:0": "31",
+        "claude-sonnet-4-5@20250929": "31",
+        "claude-sonnet-4": "32",
+        "claude-opus-4-5": "64",
+    }
+    assert_model_spend_on_both_engines(tmp_path, pg_url, names, spent)
 
 
 def test_object_owners_newest_first_on_postgres(tmp_path, pg_url):

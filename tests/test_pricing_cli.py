@@ -355,3 +355,19 @@ def test_refresh_keeps_rules_the_fetched_map_lacks():
     (entry,) = plan.entries
     assert [w["name"] for w in entry["windows"]] == [w.name for w in current.windows]
     assert plan.changes[0].endswith("(windows kept from the previous version)")
+
+
+def test_explain_gives_each_tool_fee_per_call_or_per_container(tmp_path):
+    ledger = tmp_path / "ledger.duckdb"
+    lines = [
+        {"component": "input", "quantity": 1000, "rate": "2.00", "amount": "0.002", "rule": "base"},
+        {"component": "file_search", "quantity": 2, "rate": "0.0025", "amount": "0.005", "rule": "base"},
+        {"component": "code_container", "quantity": 2, "rate": "0.03", "amount": "0.06", "rule": "base"},
+        {"component": "web_fetch", "quantity": 3, "rate": "0", "amount": "0", "rule": "base"},
+    ]
+    row = make_row("tools", cost_usd=Decimal("0.067"), cost_lines=lines, file_search_calls=2)
+    write_rows(ledger, [row])
+    explain = CliRunner().invoke(main, ["pricing", "explain", "tools", "--db", str(ledger)], catch_exceptions=False)
+    # before, every fee but web_search's was shown "per 1M" (tokens): "0.03 per 1M" for a $0.03 container
+    assert "0.0025 per call" in explain.output and "0.03 per container" in explain.output
+    assert "0 per call" in explain.output and "2.00 per 1M" in explain.output

@@ -15,9 +15,7 @@ from decimal import Decimal
 import openai
 import pytest
 
-from tokenward.proxy.config import UpstreamConfig
-
-from .raw_upstream import RawUpstream, json_reply
+from .raw_upstream import json_reply
 
 REPLY = {"id": "resp_1", "object": "response", "status": "completed", "model": "gpt-4o-mini", "error": None,
          "output": [{"type": "message", "id": "msg_1", "role": "assistant", "status": "completed",
@@ -25,15 +23,8 @@ REPLY = {"id": "resp_1", "object": "response", "status": "completed", "model": "
 
 
 @pytest.fixture
-def upstream():
-    with RawUpstream().running() as server:
-        yield server
-
-
-@pytest.fixture
-def proxy(start_proxy, upstream):
-    upstreams = [UpstreamConfig(name="openai", base_url=f"{upstream.url}/v1", provider="openai", default=True)]
-    return start_proxy(upstreams=upstreams)
+def proxy(raw_proxy):
+    return raw_proxy()
 
 
 CASES = [
@@ -46,8 +37,8 @@ CASES = [
 
 
 @pytest.mark.parametrize(("request_body", "input_tokens"), CASES, ids=["string", "message", "instructions"])
-def test_a_responses_input_is_estimated_with_its_message_overhead(proxy, upstream, request_body, input_tokens):
-    upstream.script = lambda head, body: [json_reply(json.dumps(REPLY).encode())]
+def test_a_responses_input_is_estimated_with_its_message_overhead(proxy, raw_upstream, request_body, input_tokens):
+    raw_upstream.script = lambda head, body: [json_reply(json.dumps(REPLY).encode())]
     with openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="sk-test", max_retries=0) as client:
         client.responses.create(model="gpt-4o-mini", **request_body)
     (row,) = proxy.rows(1)

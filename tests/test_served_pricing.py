@@ -20,27 +20,16 @@ import pytest
 from tokenward.pricing.catalog import load_catalog
 from tokenward.pricing.quote import quote, worst_case
 from tokenward.pricing.usage import Usage
-from tokenward.proxy.config import UpstreamConfig
 
-from .raw_upstream import LAST_CHUNK, RawUpstream, chunk, json_reply, sse_head
+from .raw_upstream import LAST_CHUNK, chunk, json_reply, sse_head
 
 CATALOG = load_catalog()
 WHEN = dt.datetime(2026, 12, 1, tzinfo=dt.UTC)
 
 
 @pytest.fixture
-def upstream():
-    with RawUpstream().running() as server:
-        yield server
-
-
-@pytest.fixture
-def proxy(start_proxy, upstream):
-    upstreams = [
-        UpstreamConfig(name="openai", base_url=f"{upstream.url}/v1", provider="openai", default=True),
-        UpstreamConfig(name="anthropic", base_url=f"{upstream.url}/v1", provider="anthropic", dialect="anthropic"),
-    ]
-    return start_proxy(upstreams=upstreams)
+def proxy(raw_proxy):
+    return raw_proxy()
 
 
 def event(obj: dict, name: str) -> bytes:
@@ -88,8 +77,8 @@ GEOS = [
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 @pytest.mark.parametrize(("model", "geo", "cost", "status", "tier"), GEOS, ids=[f"{g[0]}-{g[1]}" for g in GEOS])
-def test_the_geography_a_reply_ran_in_prices_its_row(proxy, upstream, stream, model, geo, cost, status, tier):
-    upstream.script = lambda head, body: anthropic_reply(model, usage_at(geo), stream)
+def test_the_geography_a_reply_ran_in_prices_its_row(proxy, raw_upstream, stream, model, geo, cost, status, tier):
+    raw_upstream.script = lambda head, body: anthropic_reply(model, usage_at(geo), stream)
     with anthropic.Anthropic(base_url=proxy.url, api_key="sk-ant", max_retries=0) as client:
         request = {"model": model, "max_tokens": 100, "messages": [{"role": "user", "content": "hi"}]}
         if stream:
@@ -153,8 +142,8 @@ OPENAI_TIERS = [
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 @pytest.mark.parametrize(("tier", "cost", "status"), OPENAI_TIERS, ids=[t[0] for t in OPENAI_TIERS])
-def test_the_openai_tier_a_reply_was_served_at_prices_its_row(proxy, upstream, stream, tier, cost, status):
-    upstream.script = lambda head, body: openai_reply(tier, stream)
+def test_the_openai_tier_a_reply_was_served_at_prices_its_row(proxy, raw_upstream, stream, tier, cost, status):
+    raw_upstream.script = lambda head, body: openai_reply(tier, stream)
     with openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="sk-test", max_retries=0) as client:
         request = {"model": "gpt-5", "service_tier": "auto", "messages": [{"role": "user", "content": "hi"}]}
         if stream:
@@ -175,9 +164,9 @@ CLOUD_NAMES = [
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 @pytest.mark.parametrize("name", CLOUD_NAMES)
-def test_a_clouds_name_for_a_claude_model_is_priced_as_that_model(proxy, upstream, stream, name):
+def test_a_clouds_name_for_a_claude_model_is_priced_as_that_model(proxy, raw_upstream, stream, name):
     # before: unpriced (cost NULL), and refused with 400 model_not_priced under a blocking budget
-    upstream.script = lambda head, body: anthropic_reply(name, usage_at("not_available"), stream)
+    raw_upstream.script = lambda head, body: anthropic_reply(name, usage_at("not_available"), stream)
     with anthropic.Anthropic(base_url=proxy.url, api_key="sk-ant", max_retries=0) as client:
         request = {"model": name, "max_tokens": 100, "messages": [{"role": "user", "content": "hi"}]}
         if stream:

@@ -84,10 +84,15 @@ def messages_stream(body: dict[str, Any]) -> str:
         if k in usage
     } | {"output_tokens": 1}
     message = {k: v for k, v in body.items() if k != "content"} | {"content": [], "usage": start_usage}
+    blocks: list[tuple[str | None, dict[str, Any]]] = []
+    for index, block in enumerate(body.get("content") or []):  # each block opens and closes as the API streams it
+        blocks.append(("content_block_start", {"type": "content_block_start", "index": index, "content_block": block}))
+        blocks.append(("content_block_stop", {"type": "content_block_stop", "index": index}))
     return sse(
         [
             ("message_start", {"type": "message_start", "message": message}),
             ("ping", {"type": "ping"}),
+            *blocks,
             (
                 "message_delta",
                 {"type": "message_delta", "delta": {"stop_reason": body.get("stop_reason")}, "usage": usage},

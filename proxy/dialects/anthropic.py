@@ -6,7 +6,11 @@ Semantics (``shared/reference/usage-and-pricing.md`` 1.7, ``shared/NOTES.md`` se
   cache_creation_input_tokens + cache_read_input_tokens``; cache writes split by TTL in
   ``cache_creation.ephemeral_5m_input_tokens`` / ``ephemeral_1h_input_tokens``.
 * ``output_tokens`` includes thinking; ``output_tokens_details.thinking_tokens`` is a subset.
-* ``server_tool_use.web_search_requests`` counts searches billed per call.
+* ``server_tool_use.web_search_requests`` counts searches billed per call,
+  ``server_tool_use.web_fetch_requests`` web fetches; code execution (``server_tool_use`` content
+  blocks named ``code_execution``, ``bash_code_execution`` or ``text_editor_code_execution``) is
+  billed by container time, not by tokens, so a reply that ran code counts one container
+  (``container.id`` when given).
 * ``usage.service_tier`` and ``usage.speed`` (``fast``) name the tier served, ``usage.inference_geo``
   where it ran: recorded as one served tier, ``standard@us`` (:func:`served_tier`).
 * Streams: ``message_start`` carries ``message.usage`` (``output_tokens: 1`` is a placeholder);
@@ -43,7 +47,13 @@ class _View(msgspec.Struct):
     usage: Any = None
     message: Any = None
     error: Any = None
+    content_block: Any = None
+    content: Any = None
+    container: Any = None
+    delta: Any = None
 
+
+_CODE_TOOLS = frozenset({"code_execution", "bash_code_execution", "text_editor_code_execution"})
 
 _decode_view = msgspec.json.Decoder(_View).decode
 
@@ -75,10 +85,29 @@ def observe_body(body: bytes, seen: Observation) -> None:
         if isinstance(geo, str):
             seen.extra["geo"] = geo
         seen.service_tier = served_tier(seen.extra.get("tier"), seen.extra.get("geo"))
+    if b'"server_tool_use"' in body:
+        _note_code_execution(view, message, seen)
     if isinstance(view.error, dict):
         seen.error = str(view.error.get("message") or view.error.get("type") or "error")
     elif view.type == "error" and seen.error is None:
         seen.error = "error"
+
+
+def _note_code_execution(view: _View, message: dict[str, Any] | None, seen: Observation) -> None:
+    """Count the container a reply's code execution ran in (a ``server_tool_use`` block of a code tool)."""
+    blocks = [view.content_block]
+    for holder in (view.content, message.get("content") if message else None):
+        if isinstance(holder, list):
+            blocks += holder
+    if any(
+        isinstance(b, dict) and b.get("type") == "server_tool_use" and b.get("name") in _CODE_TOOLS for b in blocks
+    ):
+        container = None
+        delta = view.delta if isinstance(view.delta, dict) else {}
+        for holder in (view.container, delta.get("container"), message.get("container") if message else None):
+            if isinstance(holder, dict) and isinstance(holder.get("id"), str):
+                container = holder["id"]
+        seen.code_containers.add(container or "request")
 
 
 def served_tier(tier: str | None, geo: str | None) -> str | None:
@@ -111,8 +140,12 @@ def _one(raw: dict[str, Any], problems: list[str], where: str = "") -> Usage:
     )
 
 
-def to_usage(raw: dict[str, Any], tool_usage: dict[str, Any] | None = None, *, searches: int = 0) -> Usage:
+def to_usage(
+    raw: dict[str, Any], tool_usage: dict[str, Any] | None = None, *, searches: int = 0, containers: int = 0
+) -> Usage:
     """Map an Anthropic ``usage`` object to :class:`Usage` for the request's own model.
+
+    ``containers``: code execution containers the reply was seen to use (one request runs in one).
 
     Counts that are not valid make the usage invalid (see :func:`~tokenward.pricing.usage.read_count`).
     """
@@ -123,6 +156,7 @@ def to_usage(raw: dict[str, Any], tool_usage: dict[str, Any] | None = None, *, s
     details = raw.get("output_tokens_details") if isinstance(raw.get("output_tokens_details"), dict) else {}
     tools = raw.get("server_tool_use") if isinstance(raw.get("server_tool_use"), dict) else {}
     reported = read_count(tools.get("web_search_requests"), "server_tool_use.web_search_requests", problems)
+    fetches = read_count(tools.get("web_fetch_requests"), "server_tool_use.web_fetch_requests", problems)
     return Usage(
         input_tokens=sum(p.input_tokens for p in pieces),
         cached_input_tokens=sum(p.cached_input_tokens for p in pieces),
@@ -131,6 +165,8 @@ def to_usage(raw: dict[str, Any], tool_usage: dict[str, Any] | None = None, *, s
         output_tokens=sum(p.output_tokens for p in pieces),
         reasoning_tokens=read_count(details.get("thinking_tokens"), "thinking_tokens", problems) or 0,
         web_search_requests=max(reported or 0, searches),
+        web_fetch_requests=fetches or 0,
+        code_containers=min(containers, 1),
         invalid=tuple(problems),
     )
 
@@ -158,7 +194,7 @@ def finish(seen: Observation) -> Reading:
     """The final reading: own-model usage and advisor parts (Anthropic reports no cost of its own)."""
     if seen.usage is None or not any(seen.usage.get(name) is not None for name in _COUNTS):
         return Reading(None)  # a usage object with no count in it (``{}``, all null) reports nothing: not $0
-    return Reading(to_usage(seen.usage), parts(seen.usage))
+    return Reading(to_usage(seen.usage, containers=len(seen.code_containers)), parts(seen.usage))
 
 
 def request_texts(body: dict[str, Any]) -> tuple[list[str], int]:

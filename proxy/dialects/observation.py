@@ -8,7 +8,7 @@ from typing import Any
 
 from tokenward.pricing.usage import Usage
 
-__all__ = ["Observation", "Reading"]
+__all__ = ["Observation", "Reading", "tool_counts"]
 
 
 @dataclass(slots=True)
@@ -18,7 +18,8 @@ class Observation:
     ``usage`` is the provider's usage object as last seen (a dialect whose streams send running
     totals, such as Anthropic's, keeps it merged); ``error`` is the text of an error the upstream
     reported inside a successful HTTP reply; ``web_search_calls`` the ids of hosted web search
-    calls seen outside ``usage`` (each counted once however often it is repeated); ``extra``
+    calls seen outside ``usage`` (each counted once however often it is repeated), and likewise
+    ``file_search_calls`` (ids) and ``code_containers`` (the containers code execution ran in); ``extra``
     holds what one dialect alone reads (the media dialect: images counted, their variant).
     """
 
@@ -29,6 +30,8 @@ class Observation:
     service_tier: str | None = None
     error: str | None = None
     web_search_calls: set[str] = field(default_factory=set)
+    file_search_calls: set[str] = field(default_factory=set)
+    code_containers: set[str] = field(default_factory=set)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -44,3 +47,13 @@ class Reading:
     usage: Usage | None
     parts: list[tuple[str, Usage]] = field(default_factory=list)
     provider_cost: Decimal | None = None
+
+
+def tool_counts(seen: Observation) -> dict[str, int]:
+    """The provider-run tool calls ``seen`` counted outside ``usage``, by :class:`Usage` field (zeros left out)."""
+    counts = {
+        "web_search_requests": len(seen.web_search_calls),
+        "file_search_calls": len(seen.file_search_calls),
+        "code_containers": len(seen.code_containers),
+    }
+    return {name: count for name, count in counts.items() if count}

@@ -27,6 +27,9 @@ provider variants of the ``usage`` object recorded in ``shared/fixtures/recorded
   ``search``, ``open_page`` and ``find_in_page`` are each a tool call), and Groq compound's
   ``executed_tools`` of type ``search`` (each tool ``index`` once per choice). The largest of
   these counts is taken, never their sum.
+* Other hosted tools billed per call: Responses ``file_search_call`` items (each id once) and
+  ``code_interpreter_call`` items, counted by the distinct ``container_id`` they ran in (code
+  interpreter is billed per container, however many calls run in it).
 * Streams: usage may sit on an extra ``choices: []`` chunk, on the finishing chunk, in
   ``x_groq.usage``, or in ``response.usage`` of a Responses terminal event; the last non-null
   usage object wins and usage is never summed across chunks.
@@ -68,7 +71,7 @@ from typing import Any
 import msgspec
 
 from tokenward.pricing.usage import Usage, read_count
-from tokenward.proxy.dialects.observation import Observation, Reading
+from tokenward.proxy.dialects.observation import Observation, Reading, tool_counts
 
 __all__ = [
     "finish",
@@ -83,6 +86,7 @@ __all__ = [
 
 _MAX_PROVIDER_COST = Decimal(1_000_000)  # USD; a provider's cost figure above this is not believed
 _SEARCH_TOOLS = frozenset({"search", "web_search", "browser_search"})
+_TOOL_ITEM_MARKERS = (b'"web_search_call"', b'"file_search_call"', b'"code_interpreter_call"')
 _COUNTS = ("prompt_tokens", "input_tokens", "completion_tokens", "output_tokens", "total_tokens")
 _PART_FIELDS = ("input_tokens", "cached_input_tokens", "cache_write_tokens", "output_tokens", "reasoning_tokens")
 
@@ -126,8 +130,10 @@ def observe_body(body: bytes, seen: Observation) -> None:
     view = _decode_view(body)
     observe(view, seen)
     # hosted tool calls: Responses output items, or Groq's executed_tools in chat choices (one search of the bytes)
-    marker = b'"web_search_call"' if view.object == "response" or view.type is not None else b'"executed_tools"'
-    if marker in body:
+    if view.object == "response" or view.type is not None:
+        if any(marker in body for marker in _TOOL_ITEM_MARKERS):
+            _observe_tools(_decode_tools(body), view, seen)
+    elif b'"executed_tools"' in body:
         _observe_tools(_decode_tools(body), view, seen)
 
 
@@ -173,7 +179,7 @@ def observe(view: _View, seen: Observation) -> None:
 
 
 def _observe_tools(tools: _Tools, view: _View, seen: Observation) -> None:
-    """Note each hosted web search call (Responses ``web_search_call`` items, Groq ``executed_tools``)."""
+    """Note each hosted tool call (Responses web search, file search, code interpreter items; Groq executed_tools)."""
     holder = view.response if isinstance(view.response, dict) else None
     if view.type == "response.output_item.done" and isinstance(tools.item, dict):
         _note_search_item(tools.item, tools.output_index, seen)
@@ -198,14 +204,28 @@ def _observe_tools(tools: _Tools, view: _View, seen: Observation) -> None:
 
 
 def _note_search_item(item: dict[str, Any], index: Any, seen: Observation) -> None:
-    if item.get("type") == "web_search_call":
-        seen.web_search_calls.add(str(item["id"]) if isinstance(item.get("id"), str) else f"@{index}")
+    kind = item.get("type")
+    name = str(item["id"]) if isinstance(item.get("id"), str) else f"@{index}"
+    if kind == "web_search_call":
+        seen.web_search_calls.add(name)
+    elif kind == "file_search_call":
+        seen.file_search_calls.add(name)
+    elif kind == "code_interpreter_call":  # billed per container: calls in one container count once
+        container = item.get("container_id")
+        seen.code_containers.add(container if isinstance(container, str) and container else name)
 
 
-def to_usage(raw: dict[str, Any], tool_usage: dict[str, Any] | None = None, *, searches: int = 0) -> Usage:
+def to_usage(
+    raw: dict[str, Any],
+    tool_usage: dict[str, Any] | None = None,
+    *,
+    searches: int = 0,
+    tools: dict[str, int] | None = None,
+) -> Usage:
     """Map one OpenAI-format ``usage`` object (any provider variant above) to :class:`Usage`.
 
-    ``searches`` is the number of hosted web search calls counted outside ``usage``. Counts that
+    ``searches`` is the number of hosted web search calls counted outside ``usage``, ``tools`` the
+    other hosted tool calls (``file_search_calls``, ``code_containers``). Counts that
     are not valid (see :func:`~tokenward.pricing.usage.read_count`) make the usage invalid; the
     repair rules R1 and R2 of the module docstring are applied and named.
     """
@@ -271,9 +291,9 @@ def to_usage(raw: dict[str, Any], tool_usage: dict[str, Any] | None = None, *, s
     if not problems:  # no reading rule is applied to counts that are wrong anyway
         prompt, completion, reasoning = _read_rules(prompt, completion, total, cached, cache_write, reasoning, repairs)
 
-    tools = raw.get("server_tool_use_details")
-    if isinstance(tools, dict):
-        searches = max(searches, count(tools, "web_search_requests", "server_tool_use_details.") or 0)
+    details = raw.get("server_tool_use_details")
+    if isinstance(details, dict):
+        searches = max(searches, count(details, "web_search_requests", "server_tool_use_details.") or 0)
     if tool_usage:
         web = _dict(tool_usage.get("web_search"))
         searches = max(searches, read_count(web.get("num_requests"), "tool_usage.web_search", problems) or 0)
@@ -289,6 +309,8 @@ def to_usage(raw: dict[str, Any], tool_usage: dict[str, Any] | None = None, *, s
         audio_output_tokens=count(out_details, "audio_tokens", out_name) or 0,
         image_input_tokens=count(in_details, "image_tokens", in_name) or 0,
         web_search_requests=searches,
+        file_search_calls=(tools or {}).get("file_search_calls", 0),
+        code_containers=(tools or {}).get("code_containers", 0),
         invalid=tuple(problems),
         repairs=tuple(repairs),
     )
@@ -341,7 +363,7 @@ def finish(seen: Observation) -> Reading:
     """
     if seen.usage is None or not any(seen.usage.get(name) is not None for name in _COUNTS):
         return Reading(None)  # a usage object with no count in it (``{}``, all null) reports nothing: not $0
-    usage = to_usage(seen.usage, seen.tool_usage, searches=len(seen.web_search_calls))
+    usage = to_usage(seen.usage, seen.tool_usage, searches=len(seen.web_search_calls), tools=tool_counts(seen))
     found = [
         (entry["model"], to_usage(entry["usage"]))
         for entry in seen.breakdown or ()
@@ -370,6 +392,8 @@ def _minus(total: Usage, parts: list[Usage]) -> Usage:
         audio_output_tokens=min(total.audio_output_tokens, values["output_tokens"]),
         image_input_tokens=min(total.image_input_tokens, values["input_tokens"]),
         web_search_requests=total.web_search_requests,
+        file_search_calls=total.file_search_calls,
+        code_containers=total.code_containers,
         invalid=total.invalid,
         repairs=total.repairs,
     )

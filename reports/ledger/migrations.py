@@ -304,3 +304,15 @@ def m009_agent_budgets(conn: duckdb.DuckDBPyConnection) -> None:
     """
     for column in ("org", "pool", "run_id", "sent_model", "degraded"):
         conn.execute(f"ALTER TABLE requests ADD COLUMN {column} VARCHAR")
+
+
+@migration
+def m010_tool_calls(conn: duckdb.DuckDBPyConnection) -> None:
+    """Provider-run tool calls billed outside the tokens, beside ``web_search_requests``.
+
+    ``web_fetch_requests`` (Anthropic web fetch), ``file_search_calls`` (OpenAI file search) and
+    ``code_containers`` (code execution containers a reply used). Earlier rows get 0: they were
+    not counted then.
+    """
+    for column in ("web_fetch_requests", "file_search_calls", "code_containers"):
+        conn.execute(f"ALTER TABLE requests ADD COLUMN {column} BIGINT DEFAULT 0")

@@ -641,3 +641,10 @@ def m013_settle_once_without_hold(conn: Any) -> None:
 def m014_key_expiry(conn: Any) -> None:
     """``virtual_keys.expires_at``: when a key made by ``tokenward keys create --expires`` stops working."""
     conn.execute("ALTER TABLE virtual_keys ADD COLUMN expires_at timestamptz")
+
+
+@migration
+def m015_tool_calls(conn: Any) -> None:
+    """Provider-run tool calls billed outside the tokens (DuckDB's ``m010_tool_calls``; earlier rows 0)."""
+    for column in ("web_fetch_requests", "file_search_calls", "code_containers"):
+        conn.execute(f"ALTER TABLE requests ADD COLUMN {column} bigint NOT NULL DEFAULT 0")

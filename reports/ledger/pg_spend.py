@@ -17,6 +17,7 @@ from tokenward.pricing.budgets import SNAPSHOT_SUFFIX, Budget, model_base
 from tokenward.reports.ledger.pg_pool import SyncPool
 from tokenward.reports.ledger.schema import SPEND_EXPRESSION
 from tokenward.reports.ledger.spend import _COLUMNS, UnpricedModel  # the dimensions' columns, as DuckDB's
+from tokenward.reports.queries import cloud_model_sql
 
 __all__ = ["PgSpend", "pg_scope_clause"]
 
@@ -26,14 +27,15 @@ def pg_scope_clause(budget: Budget) -> tuple[str, list[Any]]:
 
     As :meth:`tokenward.pricing.budgets.Budget.matches` (and DuckDB's ``model_condition``): a
     ``model`` scope takes the requested, sent (a rerouted request's) or served name, without its
-    routing prefix, equal or once a dated snapshot suffix is removed from either side.
+    routing prefix and read as the model a cloud's name names (``cloud_model_sql``), equal or once
+    a dated snapshot suffix is removed from either side.
     """
     clauses: list[str] = []
     params: list[Any] = []
     for dimension, value in budget.scope:
         if dimension == "model":
             columns = [  # '.' matches a newline in Postgres's regular expressions: all up to the last '/'
-                f"regexp_replace(coalesce({c}, '(none)'), '^.*/', '')"
+                cloud_model_sql(f"regexp_replace(coalesce({c}, '(none)'), '^.*/', '')")
                 for c in ("requested_model", "sent_model", "served_model")
             ]
             stripped = [f"regexp_replace({c}, '{SNAPSHOT_SUFFIX.pattern}', '')" for c in columns]
