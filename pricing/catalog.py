@@ -265,6 +265,8 @@ class PriceCatalog:
     _by_name: dict[tuple[str, str], tuple[str, str]] = field(default_factory=dict, repr=False)
     _by_model: dict[str, str] = field(default_factory=dict, repr=False)
     _cache: dict[tuple[str, str | None], tuple[str, str] | None] = field(default_factory=dict, repr=False)
+    _own: set[str] = field(default_factory=set, repr=False)
+    """Ids of entries from the user's price files (or :meth:`add`): their names win over the built-in ones."""
 
     @property
     def entries(self) -> dict[str, PriceEntry]:
@@ -272,8 +274,12 @@ class PriceCatalog:
         return {key: versions[-1] for key, versions in self.versions.items()}
 
     def add(self, entry: PriceEntry) -> None:
-        """Insert a version (replacing one with the same id and effective date) and re-index."""
+        """Insert a version (replacing one with the same id and effective date) and re-index.
+
+        An added entry is the user's own: its names win over the built-in entries' (see :meth:`_reindex`).
+        """
         self._put(entry)
+        self._own.add(entry.id)
         self._reindex()
 
     def _put(self, entry: PriceEntry) -> None:
@@ -283,15 +289,31 @@ class PriceCatalog:
         self.versions[entry.id] = versions
 
     def _reindex(self) -> None:
+        """Index every entry's names, and say which entry a name shared by several resolves to.
+
+        The first of these wins: the user's own entry (a price file's, the later file first) over
+        a built-in one, then the entry naming it as its ``model`` over one giving it as an alias,
+        then the built-in entry loaded first. Before, the first entry loaded always won, so a price
+        file's ``mine/gpt-4o`` was silently ignored for ``openai/gpt-4o``.
+        """
         self._by_name.clear()
         self._by_model.clear()
         self._cache.clear()
-        for key, versions in self.versions.items():
+        by_name: dict[tuple[str, str], tuple[Any, ...]] = {}
+        by_model: dict[str, tuple[Any, ...]] = {}
+        for order, (key, versions) in enumerate(self.versions.items()):
             latest = versions[-1]
+            own = key in self._own
             names = [(latest.model, "exact")] + [(alias, "alias") for alias in latest.aliases]
             for name, how in names:
-                self._by_name.setdefault((latest.provider, name.lower()), (key, how))
-                self._by_model.setdefault(name.lower(), key)
+                rank = (own, how == "exact", order if own else -order)
+                slot = (latest.provider, name.lower())
+                if slot not in by_name or rank > by_name[slot]:
+                    by_name[slot] = rank
+                    self._by_name[slot] = (key, how)
+                if name.lower() not in by_model or rank > by_model[name.lower()]:
+                    by_model[name.lower()] = rank
+                    self._by_model[name.lower()] = key
 
     def version_at(self, entry_id: str, at: dt.datetime | None) -> PriceEntry | None:
         """The version of ``entry_id`` in force at ``at`` (the latest when ``at`` is ``None``)."""
@@ -500,11 +522,15 @@ def load_catalog(
     )
     files = builtin_catalog_paths() if builtin else []
     loaded: dict[tuple[str, dt.datetime | None], Mapping[str, Any]] = {}
-    for path in (*files, *map(Path, paths)):
+    for number, path in enumerate((*files, *map(Path, paths))):
         for index, raw in enumerate(_raw_entries(path)):
             key = (str(raw.get("id", f"#{index}")), _effective(_Fail(path, str(raw.get("id"))), raw.get("effective")))
             merged = _override(loaded[key], raw, path) if key in loaded else raw
-            catalog._put(parse_entry(path, index, merged))
+            entry = parse_entry(path, index, merged)
+            catalog._put(entry)
+            if number >= len(files) and key not in loaded:  # a new entry of the user's: its names win
+                catalog._own.add(entry.id)
+                catalog.versions[entry.id] = catalog.versions.pop(entry.id)  # later files after earlier ones
             loaded[key] = merged
     if fallback is not None:
         raw = {

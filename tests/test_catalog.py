@@ -167,3 +167,30 @@ def test_a_routing_prefix_that_names_no_provider_is_stripped_one_segment_at_a_ti
 
 def test_default_catalog_path_is_inside_the_package():
     assert default_catalog_path().name == "default.yaml" and default_catalog_path().exists()
+
+
+def test_a_price_file_entry_of_its_own_wins_the_name_over_the_built_in_one(tmp_path):
+    """A user's ``mine/gpt-4o`` prices gpt-4o; before, the built-in ``openai/gpt-4o`` (loaded first) kept the name."""
+    from tokenward.pricing.quote import quote
+    from tokenward.pricing.usage import Usage
+
+    entry = (
+        "entries:\n  - {id: mine/gpt-4o, provider: openai, model: gpt-4o, input: 1.00, output: 4.00, "
+        "source: negotiated, checked: 2026-12-01}\n"
+    )
+    mine = write(tmp_path, entry, "mine.yaml")
+    later = write(tmp_path, entry.replace("mine/gpt-4o", "later/gpt-4o").replace("1.00", "0.50"), "later.yaml")
+    usage = Usage(input_tokens=1000, output_tokens=100)
+
+    # 1000 x 1.00 + 100 x 4.00 = 1400 per 1M -> $0.0014 (the built-in 2.50 / 10.00 would be $0.0035)
+    assert load_catalog([mine]).resolve("gpt-4o", "openai").entry.id == "mine/gpt-4o"
+    assert quote(load_catalog([mine]), usage, model="gpt-4o", provider="openai", at=None).cost_usd == Decimal("0.0014")
+    # snapshots and other providers' names follow it too
+    assert load_catalog([mine]).resolve("gpt-4o-2024-08-06", "openai").entry.id == "mine/gpt-4o"
+    assert load_catalog([mine]).resolve("gpt-4o", "azure").entry.id == "mine/gpt-4o"
+    # of two files, the later one wins: 1000 x 0.50 + 100 x 4.00 -> $0.0009
+    both = load_catalog([mine, later])
+    assert both.resolve("gpt-4o", "openai").entry.id == "later/gpt-4o"
+    assert quote(both, usage, model="gpt-4o", provider="openai", at=None).cost_usd == Decimal("0.0009")
+    # without a price file, the built-in entry as before
+    assert load_catalog().resolve("gpt-4o", "openai").entry.id == "openai/gpt-4o"
