@@ -40,6 +40,20 @@ def _console() -> Console:
     return Console(width=output_width())
 
 
+def _print_whole(table: Table | str) -> None:
+    """Print ``table`` on a terminal at its width; piped, at least as wide as its rows, so that no cell is cut.
+
+    At 80 columns rich cuts a long cell with an ellipsis: ``alerts history`` piped to a file or
+    ``grep`` lost budget names, states and errors (``research-mo…``).
+    """
+    console = _console()
+    if isinstance(table, Table) and not sys.stdout.isatty():
+        natural = Measurement.get(console, console.options.update_width(10_000), table).maximum
+        if natural > console.width:
+            console = Console(width=natural)
+    console.print(table)
+
+
 def _period_text(s: Any) -> str:
     """A status's window in its budget's time zone (``total`` for a budget over all time)."""
     if s.budget.period.kind == "total":
@@ -232,7 +246,7 @@ def history(config: str | None, db: str | None, wait: float, limit: int) -> None
             deliveries,
             claim.last_error or "",
         )
-    _console().print(table if claims else "no alerts yet")
+    _print_whole(table if claims else "no alerts yet")
 
 
 @alerts.command(name="test")
@@ -349,7 +363,7 @@ def list_command(config: str | None, db: str | None, wait: float) -> None:
             _spent_usd(spent.get(key.name, Decimal(0))),
             state,
         )
-    _console().print(table if rows else "no stored keys")
+    _print_whole(table if rows else "no stored keys")
 
 
 @keys.command()
