@@ -134,6 +134,8 @@ class Simulator:
         for recording in recordings:
             self.by_body.setdefault(_body_key(recording.request.get("body")), recording)
         self.requests: list[dict[str, Any]] = []
+        self.received = 0
+        """Requests received in all (``requests`` keeps only the last 1,000, so its length stops growing)."""
         self._flaky: dict[tuple[str, str], int] = {}
 
     def add(self, recording: Recording) -> None:
@@ -163,6 +165,7 @@ class Simulator:
             }
         )
         del self.requests[:-1000]
+        self.received += 1
         name = request.headers.get(RECORD_HEADER)
         if name is None:
             synthetic = await self._synthetic(request, raw)

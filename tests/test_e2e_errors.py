@@ -316,7 +316,7 @@ def test_a_request_naming_no_model_is_told_so_not_that_model_none_has_no_price(s
     body = {"messages": [{"role": "user", "content": "hi"}]}
     if model is not None:
         body["model"] = model
-    before = len(simulator.simulator.requests)
+    before = simulator.simulator.received
     for proxy, why in ((blocking, "budget 'cap' refuses"), (strict, "requests for unpriced models are blocked")):
         reply = httpx.post(f"{proxy.url}/v1/chat/completions", json=body)
         error = assert_openai_error(reply, 400, "missing_model")
@@ -324,4 +324,4 @@ def test_a_request_naming_no_model_is_told_so_not_that_model_none_has_no_price(s
         assert "None" not in error["message"]
         (row,) = proxy.rows(1)
         assert (row["outcome"], row["http_status"], row["price_status"]) == ("client_error", 400, "not_billed")
-    assert len(simulator.simulator.requests) == before  # neither reached the provider
+    assert simulator.simulator.received == before  # neither reached the provider

@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
+import uuid
 from decimal import Decimal
 
 import httpx
@@ -108,15 +109,16 @@ def test_a_request_still_at_the_upstream_when_the_stop_grace_runs_out_is_recorde
 
     def ask() -> None:
         body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
-        headers = {"authorization": "Bearer sk-client", FAULT_HEADER: "wait:20000"}
+        headers = {"authorization": "Bearer sk-client", FAULT_HEADER: "wait:20000", "x-hangup-test": marker}
         # the client gets uvicorn's plain-text 500 (the request was cancelled before any reply)
         httpx.post(f"{proxy.url}/v1/chat/completions", json=body, headers=headers, timeout=60)
 
-    seen = len(simulator.simulator.requests)
+    marker = uuid.uuid4().hex  # the simulator keeps its last 1,000 requests: their count stops growing
     client = threading.Thread(target=ask)
     client.start()
     deadline = time.monotonic() + 30
-    while len(simulator.simulator.requests) == seen:  # at the simulator now, which holds it 20 s
+    # at the simulator now, which holds it 20 s
+    while not any(r["headers"].get("x-hangup-test") == marker for r in list(simulator.simulator.requests)):
         assert time.monotonic() < deadline
         time.sleep(0.02)
     start_proxy.stop_all()

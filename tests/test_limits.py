@@ -73,7 +73,7 @@ def head(path: str, length: int | None = None, extra: str = "") -> bytes:
 
 def test_declared_body_over_the_limit_is_413_before_it_is_read(start_proxy, simulator):
     proxy = start_proxy(server={"max_body_mib": 1})
-    before = len(simulator.simulator.requests)
+    before = simulator.simulator.received
     with socket.create_connection(address(proxy.url)) as sock:
         sock.sendall(head("/v1/chat/completions", 2 * MIB))  # announced, never sent
         reply, closed = read_reply(sock)
@@ -83,7 +83,7 @@ def test_declared_body_over_the_limit_is_413_before_it_is_read(start_proxy, simu
     assert "2,097,152 bytes" in error["message"] and "server.max_body_mib" in error["message"]
     [row] = proxy.rows(1)
     assert (row["endpoint"], row["outcome"], row["http_status"]) == ("chat_completions", "client_error", 413)
-    assert len(simulator.simulator.requests) == before  # nothing went upstream
+    assert simulator.simulator.received == before  # nothing went upstream
 
 
 def test_chunked_body_growing_past_the_limit_is_413(start_proxy):
@@ -116,11 +116,11 @@ def test_upload_limit_applies_to_other_endpoints(start_proxy, simulator):
     ok = httpx.post(f"{proxy.url}/v1/files", files=files, data={"purpose": "batch"})
     assert ok.status_code == 200  # 512 KiB: over max_body_mib, but streamed through under max_upload_mib
     assert ok.json()["fields"]["file"]["bytes"] == 512 * 1024
-    before = len(simulator.simulator.requests)
+    before = simulator.simulator.received
     files = {"file": ("big.jsonl", b"y" * (2 * MIB), "application/jsonl")}
     refused = httpx.post(f"{proxy.url}/v1/files", files=files, data={"purpose": "batch"})
     assert refused.status_code == 413 and refused.json()["error"]["code"] == "request_too_large"
-    assert len(simulator.simulator.requests) == before
+    assert simulator.simulator.received == before
     rows = proxy.rows(2)
     assert [(r["endpoint"], r["outcome"], r["http_status"]) for r in rows] == [
         ("passthrough", "ok", 200),

@@ -247,10 +247,10 @@ def test_block_policy_refuses_unpriced_models_before_forwarding(start_proxy, sim
         name="openai", base_url=f"{simulator.url}/openai/v1", default=True, provider="openai", unpriced="block"
     )
     proxy = start_proxy(upstreams=[upstream])
-    before = len(simulator.simulator.requests)
+    before = simulator.simulator.received
     reply = httpx.post(f"{proxy.url}/v1/chat/completions", json={"model": "brand-new-model-9", "messages": []})
     assert reply.status_code == 400 and reply.json()["error"]["code"] == "model_not_priced"
-    assert len(simulator.simulator.requests) == before  # never reached the provider
+    assert simulator.simulator.received == before  # never reached the provider
     (row,) = proxy.rows(1)
     assert (row["outcome"], row["price_status"], row["cost_usd"]) == ("rejected", "not_billed", 0)
     # explain said "entry None (None)" and not why the row costs nothing
