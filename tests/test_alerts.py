@@ -81,6 +81,17 @@ def settings_for(port: int, **extra) -> AlertSettings:
     )
 
 
+def webhook_inbox() -> tuple[list[dict], httpx.MockTransport]:
+    """A webhook receiver answering 200: the JSON bodies posted to it, and the transport to give a Notifier."""
+    posted: list[dict] = []
+
+    def hook(request: httpx.Request) -> httpx.Response:
+        posted.append(json.loads(request.content))
+        return httpx.Response(200)
+
+    return posted, httpx.MockTransport(hook)
+
+
 def seed(path: Path, rows: list[dict]) -> None:
     write_rows(path, rows)
 
@@ -172,12 +183,7 @@ def test_threshold_mail_has_the_facts_in_text_and_html(tmp_path, smtp):
 
 def test_a_limit_the_rate_reaches_only_after_the_reset_is_not_given_a_time(tmp_path, smtp):
     inbox, port = smtp
-    posted: list[dict] = []
-
-    def hook(request: httpx.Request) -> httpx.Response:
-        posted.append(json.loads(request.content))
-        return httpx.Response(200)
-
+    posted, hooks = webhook_inbox()
     path = tmp_path / "l.duckdb"
     seed(
         path,
@@ -188,7 +194,7 @@ def test_a_limit_the_rate_reaches_only_after_the_reset_is_not_given_a_time(tmp_p
     )
     budget = msgspec.structs.replace(MONTHLY_SETTINGS, notify=["lead@example.com", "ops-hook"]).to_budget()
     settings = settings_for(port, webhooks=[WebhookSettings(name="ops-hook", url="https://hooks.example/x")])
-    notifier = Notifier(settings, transport=httpx.MockTransport(hook))
+    notifier = Notifier(settings, transport=hooks)
     # 480 h of Paris's 720-hour November gone, $50.50 spent: the forecast is $75.75, under the limit;
     # at that rate $100 is reached 480 x 100 / 50.50 = 950.5 h in, 9 days after the reset. The mail
     # said "Limit reached at this rate: 2026-12-10T14:29:42+01:00", and the webhook the same
@@ -247,8 +253,7 @@ def test_failed_delivery_is_retried_and_reported(tmp_path, smtp):
     inbox, port = smtp
     path = tmp_path / "l.duckdb"
     seed(path, [cost_row("a", "2026-11-10T09:00:00+00:00", "60.00")])
-    posted = []
-    hooks = httpx.MockTransport(lambda request: (posted.append(json.loads(request.content)), httpx.Response(200))[1])
+    posted, hooks = webhook_inbox()
     broken = settings_for(
         free_port(), admins=["ops-hook"], webhooks=[WebhookSettings(name="ops-hook", url="https://hooks.example/x")]
     )
@@ -490,12 +495,7 @@ EVIL_MODEL = "evil\r\nBcc: victim@example.com\r\n\r\n<!channel> <https://phish.e
 
 def test_control_characters_in_model_names_reach_no_header_and_no_forged_line(tmp_path, smtp):
     inbox, port = smtp
-    posted: list[dict] = []
-
-    def hook(request: httpx.Request) -> httpx.Response:
-        posted.append(json.loads(request.content))
-        return httpx.Response(200)
-
+    posted, hooks = webhook_inbox()
     path = tmp_path / "l.duckdb"
     budget = BudgetSettings(name="all", limit_usd=10, period="total", thresholds=[50], notify=["lead@example.com"])
     seed(
@@ -519,7 +519,7 @@ def test_control_characters_in_model_names_reach_no_header_and_no_forged_line(tm
         admins=["ops@example.com", "ops-hook"],
         webhooks=[WebhookSettings(name="ops-hook", url="https://hooks.example/x")],
     )
-    notifier = Notifier(settings, transport=httpx.MockTransport(hook))
+    notifier = Notifier(settings, transport=hooks)
     sent = run_check(path, [budget.to_budget()], settings, "2026-11-10T10:00:00+00:00", notifier=notifier)
     assert sorted(a.kind for a, _ in sent) == ["threshold", "unpriced_model"]
     assert all(d.ok for _, deliveries in sent for d in deliveries)  # every mail and hook went out
