@@ -33,6 +33,7 @@ from yarl import URL
 
 __all__ = [
     "ACCOUNT_PARAMETERS",
+    "AZURE_PREFIX",
     "DEPLOYMENTS_PREFIX",
     "DIRECT_ENDPOINTS",
     "FREE_ENDPOINTS",
@@ -125,8 +126,12 @@ _ESCAPE = re.compile(rb"%([0-9A-Fa-f]{2})")
 _DOT_SEGMENT = re.compile(rb"/\.\.?(?=/|$)")
 _QUERY = re.compile(rb"[!\"$-~]*")  # printable ASCII but "#"
 _PREFIX = b"/v1/"
+AZURE_PREFIX = b"/openai/"
+"""Azure OpenAI's own paths (``AzureOpenAI(azure_endpoint=...)``): ``/openai/{tail}``, ``/openai/v1/{tail}``."""
 DEPLOYMENTS_PREFIX = b"/openai/deployments/"
 """Azure OpenAI deployment URLs (``AzureOpenAI(azure_endpoint=...)``): ``/openai/deployments/{name}/...``."""
+_AZURE_V1 = "v1/"
+_NOT_AZURE_TAILS = frozenset({"deployments", "v1"})
 _METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 
@@ -138,9 +143,13 @@ class Target:
     ``path`` is the raw path as sent (``/v1/chat/completions``), ``tail`` the part below ``/v1/``
     (``chat/completions``), still percent-encoded as the client sent it; ``query`` the raw query
     string (``""`` for none); ``endpoint`` the metered endpoint it names, or ``None``.
-    ``deployment`` is the Azure deployment of a ``/openai/deployments/{deployment}/{tail}`` path
-    (``None`` under ``/v1/``): such a request goes to an Azure upstream at
-    :meth:`Base.deployment_url`.
+    ``azure`` is ``None`` under ``/v1/``; for Azure OpenAI's own paths it is the API root the client
+    used below the resource's ``/openai`` path: ``""`` for ``/openai/{tail}`` (the pre-v1 API the
+    ``AzureOpenAI`` client calls, ``?api-version=...``) and ``"v1/"`` for ``/openai/v1/{tail}``.
+    ``tail`` is then the same as under ``/v1/`` (``responses``, ``files/file-1``), so metering and
+    object isolation read it alike. ``deployment`` is the Azure deployment of a
+    ``/openai/deployments/{deployment}/{tail}`` path. Such requests go only to an Azure upstream,
+    at :meth:`Base.azure_url`.
     """
 
     method: str
@@ -149,16 +158,18 @@ class Target:
     query: str
     endpoint: Endpoint | None
     deployment: str | None = None
+    azure: str | None = None
 
 
 def target(raw_path: bytes, method: str, query: bytes = b"") -> Target | None:
     """Check a request's raw path and query (bytes as on the request line).
 
     Returns:
-        The :class:`Target`, or ``None`` for a well-formed path outside ``/v1/`` (a 404). Under
-        :data:`DEPLOYMENTS_PREFIX`, only a ``POST`` to a metered OpenAI-dialect endpoint of one
-        deployment is a target (``/openai/deployments/gpt-4o/chat/completions``); anything else
-        there is a 404 too.
+        The :class:`Target`, or ``None`` for a well-formed path outside ``/v1/`` and
+        :data:`AZURE_PREFIX` (a 404). Under :data:`DEPLOYMENTS_PREFIX`, only a ``POST`` to a metered
+        OpenAI-dialect endpoint of one deployment is a target
+        (``/openai/deployments/gpt-4o/chat/completions``); anything else there is a 404 too, and so
+        is an Anthropic-dialect endpoint under :data:`AZURE_PREFIX` (``/openai/messages``).
 
     Raises:
         EdgeError: 400 ``invalid_path`` for a path that could mean different things to tokenward
@@ -181,22 +192,35 @@ def target(raw_path: bytes, method: str, query: bytes = b"") -> Target | None:
             "another method than the one tokenward checked. Send the request with the method you mean."
         )
         raise EdgeError(400, message, "method_override_refused")
-    deployment = None
+    deployment = azure = None
     if raw_path.startswith(_PREFIX):
         path = raw_path.decode("ascii")
         tail = path[4:]
         endpoint = METERED_ENDPOINTS.get(tail.lower()) if method == "POST" else None
-    elif raw_path.startswith(DEPLOYMENTS_PREFIX) and method == "POST":
+    elif raw_path.startswith(DEPLOYMENTS_PREFIX):
+        if method != "POST":
+            return None
         path = raw_path.decode("ascii")
         deployment, _, tail = path[len(DEPLOYMENTS_PREFIX) :].partition("/")
+        azure = ""
         endpoint = METERED_ENDPOINTS.get(tail.lower())
         if endpoint is None or endpoint.dialect == "anthropic":
             return None  # a deployment serves the OpenAI API's model endpoints, nothing else
+    elif raw_path.startswith(AZURE_PREFIX):
+        path = raw_path.decode("ascii")
+        tail = path[len(AZURE_PREFIX) :]
+        azure = _AZURE_V1 if tail[:3].lower() == _AZURE_V1 else ""
+        tail = tail[len(azure) :]
+        if not tail or tail.partition("/")[0].lower() in _NOT_AZURE_TAILS:
+            return None
+        endpoint = METERED_ENDPOINTS.get(tail.lower()) if method == "POST" else None
+        if endpoint is not None and endpoint.dialect == "anthropic":
+            return None  # Azure OpenAI serves the OpenAI API, not Anthropic's
     else:
         return None
     if query and (refused := _steering_parameter(query, endpoint is not None)) is not None:
         raise refused
-    return Target(method, path, tail, query.decode("ascii"), endpoint, deployment)
+    return Target(method, path, tail, query.decode("ascii"), endpoint, deployment, azure)
 
 
 def _overrides_method(query: bytes) -> bool:
@@ -350,13 +374,15 @@ class Base:
         self.check(url)
         return url
 
-    def deployment_url(self, deployment: str, tail: str, query: str = "") -> URL:
-        """The Azure OpenAI URL of ``tail`` on ``deployment`` (checked parts of a :class:`Target`).
+    def azure_url(self, found: Target) -> URL:
+        """The Azure OpenAI URL of an Azure :class:`Target` (``found.azure`` is not ``None``).
 
-        The deployment URLs live under the resource's ``/openai`` path
+        Azure's paths live under the resource's ``/openai`` path
         (learn.microsoft.com/azure/ai-foundry/openai/reference, checked 2026-12-02), whichever
         form the base takes: ``https://r.openai.azure.com``, ``.../openai`` or ``.../openai/v1``
-        (the v1 API's base) all give ``https://r.openai.azure.com/openai/deployments/{deployment}/{tail}``.
+        (the v1 API's base) all give ``https://r.openai.azure.com/openai/deployments/{deployment}/{tail}``
+        for a deployment, ``.../openai/{tail}`` for the pre-v1 API and ``.../openai/v1/{tail}``
+        for the v1 API, each with the client's query (``api-version``) byte for byte.
 
         Raises:
             EdgeError: 400 ``invalid_path`` when the built URL does not stay under that ``/openai`` path.
@@ -364,7 +390,11 @@ class Base:
         root = self.path[:-3] if self.path.lower().endswith("/v1") else self.path
         if not root.lower().endswith("/openai"):
             root += "/openai"
-        return Base(self.scheme, self.host, self.port, root).url(f"deployments/{deployment}/{tail}", query)
+        if found.deployment is not None:
+            tail = f"deployments/{found.deployment}/{found.tail}"
+        else:
+            tail = f"{found.azure or ''}{found.tail}"
+        return Base(self.scheme, self.host, self.port, root).url(tail, found.query)
 
     def check(self, url: URL) -> None:
         """Check that ``url`` (and its text, read back with :func:`urllib.parse.urlsplit`) stays under this base.

@@ -45,7 +45,7 @@ from tokenward.proxy.config import UpstreamConfig
 from tokenward.proxy.degrade import Plan, degrade
 from tokenward.proxy.dialects.claude_code import parse_user_id
 from tokenward.proxy.edge import (
-    DEPLOYMENTS_PREFIX,
+    AZURE_PREFIX,
     DIRECT_ENDPOINTS,
     METERED_ENDPOINTS,
     EdgeError,
@@ -78,7 +78,7 @@ from tokenward.reports.ledger.books import BooksUnavailable
 __all__ = ["METERED_ENDPOINTS", "Endpoint", "Forwarder"]
 
 log = logging.getLogger("tokenward.proxy")
-_DEPLOYMENTS = DEPLOYMENTS_PREFIX.decode()
+_AZURE = AZURE_PREFIX.decode()
 
 # "Expect: 100-continue" (curl, bodies over 1 MiB) is the server's to answer, and tokenward's server
 # does as it reads the body: forwarded, the upstream client held the body until the upstream's own
@@ -388,7 +388,10 @@ class Forwarder:
             self.recorder.admit(ex)
             _settle_attribution(ex, inbound.identity, inbound.claimed)
             has_body = any(name in (b"content-length", b"transfer-encoding") for name, _ in scope["headers"])
-            route = self.router.pick(None, inbound.upstream, request_dialect(found.tail, inbound.anthropic))
+            if found.azure is not None:
+                route = self.router.pick_azure(inbound.upstream, deployment=False)
+            else:
+                route = self.router.pick(None, inbound.upstream, request_dialect(found.tail, inbound.anthropic))
             # the upstream's dialect, not the headers', decides how its lists page (after_id or after)
             anthropic = route.dialect == "anthropic"
             plan = self.isolation.plan(found, inbound.identity, anthropic) if self.isolation else None
@@ -412,7 +415,7 @@ class Forwarder:
             if plan is not None:
                 input_file = plan.batch_input(body)
                 if input_file is not None:  # the requests it runs may name objects too
-                    await plan.check_batch_lines(await self._file_content(route, input_file, ex))
+                    await plan.check_batch_lines(await self._file_content(route, input_file, ex, found))
                 found = plan.prepare(found, inbound.headers)
             if has_body and body is None:
                 content = body_stream(request.receive, scope["headers"], self.limits)
@@ -461,8 +464,11 @@ class Forwarder:
                 "permission_error",
             )
 
-    async def _file_content(self, route: Route, file_id: str, ex: Exchange) -> UpstreamReply:
+    async def _file_content(self, route: Route, file_id: str, ex: Exchange, like: Target) -> UpstreamReply:
         """The upstream's reply to ``GET files/{file_id}/content``, asked with tokenward's credential alone.
+
+        On the API root ``like`` (the batch request) used: under Azure's ``/openai/`` paths, with
+        its ``api-version`` and nothing else of its query.
 
         Raises:
             ProxyError: 400 ``invalid_path`` for an id that is not one plain path segment; as :meth:`_send`.
@@ -473,6 +479,9 @@ class Forwarder:
             found = None
         if found is None or found.tail.count("/") != 2:
             raise ProxyError(400, f"The input file id {file_id[:100]!r} is not a plain id.", "invalid_path")
+        if like.azure is not None:
+            version = [p for p in like.query.split("&") if p.partition("=")[0].lower() == "api-version"][:1]
+            found = replace(found, azure=like.azure, query="".join(version))
         headers = [(b"accept-encoding", b"identity")] + ([route.auth_header] if route.auth_header else [])
         return await self._send(route, found, headers, None, ex)
 
@@ -536,8 +545,8 @@ class Forwarder:
         plan = isolation.plan_metered(endpoint.name, found, inbound.identity, body, head.store) if isolation else None
         if plan is not None:
             await plan.check_body(body)
-        if found.deployment is not None:
-            route = self.router.pick_deployment(inbound.upstream)
+        if found.azure is not None:
+            route = self.router.pick_azure(inbound.upstream, deployment=found.deployment is not None)
         else:
             route = self.router.pick(ex.requested_model, inbound.upstream, endpoint.dialect)
         self._attach(ex, route, inbound)
@@ -796,7 +805,7 @@ class Forwarder:
             if model != ex.requested_model and (
                 route is None
                 or model is None
-                or ex.path.startswith(_DEPLOYMENTS)  # an Azure deployment runs its own model, whatever the body says
+                or ex.path.startswith(_AZURE)  # Azure runs the deployment the body or path names: no other model
                 or self.router.pick(model, explicit, endpoint.dialect).name != route.name
             ):
                 return None  # a cheaper model must be served by the same upstream
@@ -1149,8 +1158,8 @@ class Forwarder:
             ProxyError: 400 when the URL would leave the base; 502/504 once no attempt is left.
         """
         try:
-            if found.deployment is not None:
-                url = route.base.deployment_url(found.deployment, found.tail, found.query)
+            if found.azure is not None:
+                url = route.base.azure_url(found)
             else:
                 url = route.base.url(found.tail, found.query)
         except EdgeError as exc:

@@ -1,7 +1,7 @@
 """The ASGI entry point: requests for the API under ``/v1/`` go straight to the forwarder, the rest to Litestar.
 
-Azure OpenAI's deployment URLs (``/openai/deployments/...``, :data:`~tokenward.proxy.edge.DEPLOYMENTS_PREFIX`)
-are the API too, and go to the forwarder the same way.
+Azure OpenAI's own paths (``/openai/deployments/...``, ``/openai/responses``,
+:data:`~tokenward.proxy.edge.AZURE_PREFIX`) are the API too, and go to the forwarder the same way.
 
 Why a front ahead of Litestar: for a ``/v1`` request, Litestar's routing, its ``Request``
 object, its middleware stack and the send wrapper it puts around every message cost about
@@ -25,7 +25,7 @@ from typing import Any
 
 from litestar.types import ASGIApp, Receive, Scope, Send
 
-from tokenward.proxy.edge import DEPLOYMENTS_PREFIX
+from tokenward.proxy.edge import AZURE_PREFIX
 from tokenward.proxy.errors import reply_error_body
 from tokenward.proxy.forward import Forwarder
 
@@ -70,7 +70,7 @@ class Front:
             await self.app(scope, receive, send)  # type: ignore[arg-type]
             return
         raw: bytes = scope.get("raw_path") or scope["path"].encode()
-        if not (raw.startswith(b"/v1/") or raw.startswith(DEPLOYMENTS_PREFIX)) or raw.startswith(_OWN):
+        if not (raw.startswith(b"/v1/") or raw.startswith(AZURE_PREFIX)) or raw.startswith(_OWN):
             await self.app(scope, receive, send)  # type: ignore[arg-type]
             return
         try:

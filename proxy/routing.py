@@ -7,8 +7,9 @@ upstream marked ``default``, or its only upstream); the default upstream; the on
 there is just one. So in a mixed OpenAI + Anthropic config, ``/v1/messages/count_tokens`` and the
 Anthropic SDK's ``/v1/models`` reach the Anthropic upstream although they name no model.
 
-Azure OpenAI's deployment URLs (``/openai/deployments/{name}/...``) go only to an Azure upstream
-(:meth:`Router.pick_deployment`): the deployment, not the body, names what runs.
+Azure OpenAI's own paths (``/openai/deployments/{name}/...``, ``/openai/responses``,
+``/openai/v1/files``) go only to an Azure upstream (:meth:`Router.pick_azure`): there the
+deployment, not the body, names what runs.
 """
 
 from __future__ import annotations
@@ -114,22 +115,24 @@ class Router:
             raise ProxyError(400, f"No upstream is configured for model {model!r}.", "model_not_found")
         return found
 
-    def pick_deployment(self, explicit: str | None = None) -> Route:
-        """The Azure upstream for an ``/openai/deployments/...`` request.
+    def pick_azure(self, explicit: str | None = None, *, deployment: bool = True) -> Route:
+        """The Azure upstream for a request on Azure OpenAI's own paths (``/openai/...``).
 
         ``explicit`` (``x-tokenward-upstream``) must name an Azure upstream; without it, the Azure
-        upstream marked ``default``, else the first (config order).
+        upstream marked ``default``, else the first (config order). ``deployment`` says whether
+        the path names a deployment (``/openai/deployments/...``), which only sets the 404's code.
 
         Raises:
             ProxyError: 400 ``unknown_upstream`` / ``not_an_azure_upstream`` for a bad ``explicit``;
-                404 ``deployment_not_found`` when no Azure upstream is configured.
+                404 ``deployment_not_found`` (``not_found`` for a path without a deployment) when
+                no Azure upstream is configured.
         """
         if explicit is not None:
             route = self.pick(None, explicit)
             if not route.azure:
                 raise ProxyError(
                     400,
-                    f"Upstream {explicit!r} is not Azure OpenAI (provider: azure): it has no deployment URLs.",
+                    f"Upstream {explicit!r} is not Azure OpenAI (provider: azure): it has no /openai/ URLs.",
                     "not_an_azure_upstream",
                 )
             return route
@@ -137,8 +140,9 @@ class Router:
             raise ProxyError(
                 404,
                 "No Azure OpenAI upstream is configured (an upstream with provider: azure), so tokenward serves no "
-                "/openai/deployments/ URLs. Use /v1/ with an OpenAI client, or add the Azure upstream.",
-                "deployment_not_found",
+                "/openai/ URLs (Azure's deployment and api-version paths). Use /v1/ with an OpenAI client, or add "
+                "the Azure upstream.",
+                "deployment_not_found" if deployment else "not_found",
             )
         return self._azure
 

@@ -42,7 +42,7 @@ EXEMPT = {
     "tests/test_cli_start.py::test_make_run_takes_a_port runs it",
     "make test": "runs this very suite",
     "from openai import AzureOpenAI": "needs an Azure upstream (provider: azure), which the README's running "
-    "proxy (the simulator's OpenAI upstream) lacks; tests/test_azure_deployments.py sends AzureOpenAI clients "
+    "proxy (the simulator's OpenAI upstream) lacks; tests/test_azure_deployments.py and tests/test_azure_api.py send AzureOpenAI clients "
     "through tokenward",
     "tokenward alerts test --to me@example.com --config config.yaml": "needs an SMTP server; "
     "tests/test_alerts.py::test_alerts_test_command runs this command against a real one (aiosmtpd)",
