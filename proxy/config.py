@@ -57,6 +57,10 @@ class ServerConfig(_Section):
     ``drain_after_disconnect_s``: when a client hangs up during a streamed reply, the provider
     still bills what it generates; tokenward keeps reading the upstream (without sending) for up
     to this many seconds so the usage report is recorded. 0 closes the upstream at once.
+    ``shutdown_grace_s``: how long a stop (SIGTERM, Ctrl-C) waits for requests in flight; then
+    streams are cut and requests still waiting for the upstream get 503 ``shutting_down``, their
+    rows ``interrupted`` (0 to 3600 s; keep it below the service manager's own stop timeout,
+    systemd's ``TimeoutStopSec`` 90 s by default, which kills the process before the ledger is flushed).
     ``access_log``: one log line per request (``tokenward serve --no-access-log`` turns it off).
 
     Limits: ``max_body_mib`` for the metered endpoints' bodies (held in memory; 413 beyond),
@@ -72,6 +76,7 @@ class ServerConfig(_Section):
     host: str = "127.0.0.1"
     port: Annotated[int, msgspec.Meta(ge=1, le=65535)] = 4000
     drain_after_disconnect_s: Annotated[float, msgspec.Meta(ge=0)] = 60.0
+    shutdown_grace_s: Annotated[float, msgspec.Meta(ge=0, le=3600)] = 30.0
     access_log: bool = True
     # Limits (see proxy/limits.py and the README's "Limits" section); sizes in MiB/KiB, times in seconds.
     max_body_mib: Annotated[float, msgspec.Meta(gt=0)] = 32.0
