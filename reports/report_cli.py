@@ -142,12 +142,18 @@ def report(
         if forecast and (calendar is None or not calendar.to_date):
             raise click.UsageError("--forecast needs a period under way: --period today, this-week or this-month")
         default = "key" if top else ("model" if compare else "model,day")
-        dims = [queries.canonical(d.strip()) for d in (by or default).split(",") if d.strip()]
+        try:
+            dims = [queries.canonical(d.strip()) for d in (by or default).split(",") if d.strip()]
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--by") from exc
         if compare and start is None:
             raise click.UsageError("--compare needs a range to compare: --period or --since")
         if compare and any(d in queries.TIME_DIMENSIONS for d in dims):
             raise click.UsageError("--compare matches groups across periods: group by something other than time")
-        selection = queries.Selection(start, end, _filters(where), tz)
+        try:
+            selection = queries.Selection(start, end, _filters(where), tz)
+        except ValueError as exc:  # an unknown filter, or one on time
+            raise click.BadParameter(str(exc), param_hint="--where") from exc
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from exc
     conn = open_read_only(db, config, wait)
