@@ -6,6 +6,7 @@ See ``config.example.yaml`` for every option with its default. Relative paths in
 
 from __future__ import annotations
 
+import datetime as dt
 import fnmatch
 import hashlib
 import os
@@ -261,7 +262,10 @@ class VirtualKeyConfig(_Section):
     ``role: admin`` also opens the dashboard and ``/metrics``, and reaches every key's provider
     objects (files, batches, stored completions, ...); other keys reach only their own. ``org``
     and ``pool`` attribute it further (budgets scoped to ``org``, or to a ``pool`` several keys
-    draw from); ``runs`` replaces ``auth.runs`` for this key.
+    draw from); ``runs`` replaces ``auth.runs`` for this key. ``expires``: when the key stops
+    working, a date (``2027-01-31``: midnight UTC) or an ISO date-time, UTC unless it has an
+    offset (``2027-01-31T18:00:00+01:00``, ``...Z``); from then on it gets 401 ``key_expired``
+    (as a virtual key and as an admin credential), like ``tokenward keys create --expires``.
     """
 
     name: Annotated[str, msgspec.Meta(min_length=1)]
@@ -275,9 +279,29 @@ class VirtualKeyConfig(_Section):
     attribution: AttributionSettings | None = None
     runs: RunSettings | None = None
     role: Literal["user", "admin"] = "user"
+    expires: str | None = None
 
     def __post_init__(self) -> None:
         _check_unmetered(self.allow_unmetered)
+        self.expires_at  # noqa: B018 - an expiry that is no date fails here, at load
+
+    @property
+    def expires_at(self) -> dt.datetime | None:
+        """``expires`` as an aware datetime (a date: its midnight UTC; no offset: UTC); ``None``: never.
+
+        Raises:
+            ValueError: ``expires`` is not an ISO date or date-time.
+        """
+        if self.expires is None:
+            return None
+        try:
+            when = dt.datetime.fromisoformat(self.expires.strip())
+        except ValueError:
+            raise ValueError(
+                f"virtual key {self.name!r}: expires must be a date (2027-01-31) or an ISO date-time "
+                f"(2027-01-31T18:00:00Z, or with an offset), got {self.expires!r}"
+            ) from None
+        return when if when.tzinfo is not None else when.replace(tzinfo=dt.UTC)
 
 
 _USAGE_UNASKED = frozenset({"groq", "mistral"})
@@ -476,7 +500,7 @@ def load_config(path: str | Path) -> Config:
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
-        document = load_exact_yaml(text)  # money stays exact: no floats
+        document = load_exact_yaml(text, timestamps=False)  # money stays exact: no floats; times as written
     except (OSError, yaml.YAMLError) as exc:
         raise ConfigError(f"cannot read config {path}: {yaml_problem(exc)}") from exc
     try:

@@ -238,10 +238,17 @@ class Identity:
     pool: str | None = None
     runs: RunPolicy = _RUNS
     expires_at: dt.datetime | None = None
-    """When a stored key stops working (UTC); ``None``: never."""
+    """When the key stops working (``keys create --expires`` or the config's ``expires``); ``None``: never."""
 
 
 _ANONYMOUS = Identity("anonymous")
+
+
+def _live(identity: Identity | None) -> Identity | None:
+    """``identity`` unless its key has expired (an admin credential stops with it: dashboard, ``/metrics``)."""
+    if identity is None or identity.expires_at is None or dt.datetime.now(dt.UTC) < identity.expires_at:
+        return identity
+    return None
 
 
 class Authenticator:
@@ -280,6 +287,7 @@ class Authenticator:
                 org=k.org,
                 pool=k.pool,
                 runs=k.runs.policy(f"virtual_keys[{i}].runs") if k.runs is not None else runs,
+                expires_at=k.expires_at,
             )
         self._configured = configured
         self._by_hash = dict(self._configured)
@@ -328,18 +336,18 @@ class Authenticator:
     def admin_with_digest(self, key_sha256: str) -> str | None:
         """The name of the live admin key whose sha256 (hex) is ``key_sha256``, else ``None``.
 
-        A live admin key is configured or stored with ``role: admin`` and not revoked. Used for the
-        dashboard in either auth mode; never raises.
+        A live admin key is configured or stored with ``role: admin``, not revoked and not past its
+        expiry. Used for the dashboard and ``/metrics`` in either auth mode; never raises.
         """
-        identity = self._by_hash.get(key_sha256.lower())
+        identity = _live(self._by_hash.get(key_sha256.lower()))
         return identity.principal if identity is not None and identity.admin else None
 
     def key_with_digest(self, key_sha256: str) -> str | None:
         """The name of the live virtual key (admin or not) whose sha256 (hex) is ``key_sha256``, else ``None``.
 
-        Configured and stored keys, revoked ones excluded; never raises.
+        Configured and stored keys, revoked and expired ones excluded; never raises.
         """
-        identity = self._by_hash.get(key_sha256.lower())
+        identity = _live(self._by_hash.get(key_sha256.lower()))
         return identity.principal if identity is not None else None
 
     @property
@@ -352,7 +360,7 @@ class Authenticator:
 
         Raises:
             ProxyError: 401 in ``virtual_keys`` mode when the key is missing or unknown, or 401
-                ``key_expired`` past a stored key's ``expires_at``.
+                ``key_expired`` past the key's ``expires_at`` (stored or configured).
         """
         if self.passthrough:
             if not key:
