@@ -75,7 +75,7 @@ from tokenward.proxy.splice import find_member, set_member
 from tokenward.proxy.upstream import UpstreamClient, UpstreamError, UpstreamReply
 from tokenward.reports.ledger.books import BooksUnavailable
 
-__all__ = ["METERED_ENDPOINTS", "Endpoint", "Forwarder"]
+__all__ = ["AZURE_PATHS", "METERED_ENDPOINTS", "Endpoint", "Forwarder"]
 
 log = logging.getLogger("tokenward.proxy")
 _DEPLOYMENTS = DEPLOYMENTS_PREFIX.decode()
@@ -138,6 +138,14 @@ _FIELD_MASK = b"x-goog-fieldmask"
 # passthrough mode: the one its row is attributed to), and what tokenward read the request by (the
 # body's length, type and coding; Anthropic's headers, which chose the dialect and upstream).
 _KEPT_ON_CONNECTION = AUTH_HEADERS | _ANTHROPIC_HEADERS | {b"content-length", b"content-type", b"content-encoding"}
+AZURE_PATHS = (
+    "of Azure OpenAI's pre-v1 paths tokenward serves only a POST to a deployment's model endpoints, "
+    "/openai/deployments/{deployment}/chat/completions, /completions, /embeddings, /images/... and /audio/...; "
+    "for files, batches, responses and the rest use Azure's v1 API at tokenward's /v1 (an upstream with "
+    "base_url https://<resource>.openai.azure.com/openai/v1)."
+)
+"""What a 404 under ``/openai/`` adds: the deployment URLs tokenward forwards, and the way to the rest."""
+
 _ALLOWED_METHODS = b"GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS"  # the 405's Allow (front.API_METHODS)
 # Headers that make a server act on another method than the request line's (Google's API front
 # ends, Rails/Laravel/Express/iris method-override middleware): the unmetered policy and isolation
@@ -487,12 +495,18 @@ class Forwarder:
         return self._refuse(ex, ProxyError(405, message, "method_not_allowed", headers=[(b"allow", _ALLOWED_METHODS)]))
 
     def not_found(self, request: Request[Any, Any, Any]) -> Relay:
-        """Refuse a request outside the API with a 404 (recorded like every other request)."""
+        """Refuse a request outside the API with a 404 (recorded like every other request).
+
+        A path under ``/openai/`` (Azure's pre-v1 API: ``/openai/files``, a deployment's
+        ``files``, a ``GET``) is told what tokenward serves there, :data:`AZURE_PATHS`.
+        """
         scope = request.scope
         raw: bytes = scope.get("raw_path") or scope["path"].encode()
         path = raw[:1000].decode("ascii", "backslashreplace")
         ex = Exchange(endpoint="unknown", method=scope["method"], path=path)
         message = f"Unknown path {path}: the OpenAI-compatible API is under /v1."
+        if raw.lower().startswith(b"/openai/"):  # Azure's pre-v1 paths: say which of them tokenward serves
+            message = f"Unknown path {path}: {AZURE_PATHS}"
         return self._refuse(ex, ProxyError(404, message, "not_found"))
 
     async def _metered(

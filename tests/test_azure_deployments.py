@@ -148,6 +148,13 @@ def test_other_openai_paths_are_not_forwarded(proxy, upstream, path):
     upstream.script = lambda head, body: azure_reply(False)
     reply = httpx.post(proxy.url + path + f"?api-version={API_VERSION}", json={"model": "x"}, headers={"api-key": "k"})
     assert reply.status_code == 404
+    # before: "... the OpenAI-compatible API is under /v1.", as if the deployment URLs did not exist
+    assert reply.json()["error"]["message"] == (
+        f"Unknown path {path}: of Azure OpenAI's pre-v1 paths tokenward serves only a POST to a deployment's "
+        "model endpoints, /openai/deployments/{deployment}/chat/completions, /completions, /embeddings, "
+        "/images/... and /audio/...; for files, batches, responses and the rest use Azure's v1 API at "
+        "tokenward's /v1 (an upstream with base_url https://<resource>.openai.azure.com/openai/v1)."
+    )
     assert upstream.requests == []
 
 
