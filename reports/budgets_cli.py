@@ -122,7 +122,7 @@ def spent_usd(amount: Decimal) -> str:
 
 
 def _instant(text: str | None) -> dt.datetime:
-    return parse_when(text, ZoneInfo("UTC")) if text else dt.datetime.now(dt.UTC)
+    return parse_when(text, ZoneInfo("UTC"), hint="--at") if text else dt.datetime.now(dt.UTC)
 
 
 @click.group()

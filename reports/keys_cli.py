@@ -89,7 +89,8 @@ def create(
     With ``--expires`` a proxy refuses it from then on with 401 ``key_expired`` (and a row).
     """
     now = dt.datetime.now(dt.UTC)
-    expires_at = parse_when(expires, ZoneInfo("UTC"), now)  # a duration reads back from now: this one counts on
+    # a duration reads back from now: this one counts on
+    expires_at = parse_when(expires, ZoneInfo("UTC"), now, hint="--expires")
     if expires_at is not None and re.fullmatch(r"\d+\s*[mhdw]", expires.strip()):
         expires_at = now + (now - expires_at)
     if any(k.name == name for k in _config_keys(config)):

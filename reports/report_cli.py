@@ -118,7 +118,7 @@ def report(
       tokenward report --since 30d --by day,model --html spend.html
     """  # noqa: D301 - "\b" is click's "keep these lines as they are" mark
     zone = zone_named(tz)
-    now = (parse_when(at_text, zone) if at_text else None) or dt.datetime.now(dt.UTC)
+    now = (parse_when(at_text, zone, hint="--at") if at_text else None) or dt.datetime.now(dt.UTC)
     if fmt == "parquet" and not output:
         raise click.UsageError("--format parquet needs --output FILE")
     if forecast and period is None:
@@ -136,7 +136,7 @@ def report(
             calendar = views.calendar_range(period, tz, now)
             start, end = calendar.since, calendar.until
         else:
-            start, end = parse_when(since, zone, now), parse_when(until, zone, now)
+            start, end = parse_when(since, zone, now, hint="--since"), parse_when(until, zone, now, hint="--until")
         if start is not None and end is not None and start >= end:
             raise click.UsageError(f"--since ({start.isoformat()}) must come before --until ({end.isoformat()})")
         if forecast and (calendar is None or not calendar.to_date):

@@ -380,6 +380,13 @@ def test_a_misspelt_filter_is_called_a_filter_with_the_close_name_and_the_valid_
     assert grouping.exit_code == 2 and "Invalid value for --by: unknown grouping 'modl' (did you mean 'model'?)" in (
         grouping.output
     )
+    # a bad time names its option (before: "Invalid value: 'yesterday' is not a date, ...")
+    when = CliRunner().invoke(main, ["report", "--db", str(ledger), "--since", "yesterday"])
+    assert when.exit_code == 2 and "Invalid value for --since: 'yesterday' is not a date, datetime or duration" in (
+        when.output
+    )
+    expiry = CliRunner().invoke(main, ["keys", "create", "ci", "--db", str(ledger), "--expires", "soon"])
+    assert expiry.exit_code == 2 and "Invalid value for --expires: 'soon' is not a date" in expiry.output
     # a filter named in another case, or by an alias, is the dimension: research's 4 requests
     rows = report(ledger, *NOVEMBER, "--by", "team", "--where", "Team=research")
     assert [(r["team"], r["requests"]) for r in rows] == [("research", 4)]
