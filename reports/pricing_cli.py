@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import datetime as dt
+import difflib
 import json
 import sys
 from collections.abc import Callable
@@ -111,10 +112,15 @@ def pricing() -> None:
 def show(config: str | None, prices: tuple[str, ...], model: str, provider: str | None, at_text: str | None) -> None:
     """Show the price that applies to MODEL, its rules, source and history."""
     catalog, _ = load_configured_catalog(config, prices)
-    at = parse_when(at_text, ZoneInfo("UTC")) if at_text else dt.datetime.now(dt.UTC)
+    at = parse_when(at_text, ZoneInfo("UTC"), hint="--at") if at_text else dt.datetime.now(dt.UTC)
     resolution = catalog.resolve(model, provider, at)
     if resolution is None:
-        raise click.ClickException(f"no price for {model!r}" + (f" at provider {provider!r}" if provider else ""))
+        names = sorted({entry.model for entry in catalog.entries.values()})
+        close = difflib.get_close_matches(model, names, n=1, cutoff=0.8)  # as `config check` suggests
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise click.ClickException(
+            f"no price for {model!r}" + (f" at provider {provider!r}" if provider else "") + hint
+        )
     entry = resolution.entry
     console = _console()
     console.print(

@@ -135,6 +135,9 @@ def test_show_names_the_entry_rules_and_source():
     assert "qwen/qwen3-max" in result.output and "context>32000" in result.output and "source:" in result.output
     missing = CliRunner().invoke(main, ["pricing", "show", "nothing-like-it-9"])
     assert missing.exit_code != 0 and "no price for 'nothing-like-it-9'" in missing.output
+    assert "did you mean" not in missing.output
+    typo = CliRunner().invoke(main, ["pricing", "show", "gpt-4o-mnii"])  # before: no hint, as `config check` gives
+    assert typo.exit_code == 1 and typo.output == "Error: no price for 'gpt-4o-mnii' (did you mean 'gpt-4o-mini'?)\n"
 
 
 @pytest.fixture
