@@ -22,6 +22,7 @@ from tokenward.reports.budgets_cli import console_for_output, options, spent_usd
 from tokenward.reports.cli_common import existing_state, open_named, parse_when, writable_state
 from tokenward.reports.keys import ConfigKey, ListedKey, create_key, list_keys, revoke_key
 from tokenward.reports.ledger.spend import DuckSpend
+from tokenward.reports.ledger.state import StateStore
 
 __all__ = ["keys"]
 
@@ -195,5 +196,18 @@ def revoke(config: str | None, db: str | None, wait: float, name: str) -> None:
     state = writable_state(db, config)
     done = revoke_key(state, name, now=dt.datetime.now(dt.UTC), configured=configured)
     if not done:
-        raise click.ClickException(f"no live key named {name!r}")
+        raise click.ClickException(_not_revoked(state, name, configured, config))
     click.echo(f"key {name!r} revoked")
+
+
+def _not_revoked(state: StateStore, name: str, configured: dict[str, str], config: str | None) -> str:
+    """Why ``keys revoke NAME`` changed nothing: revoked already (and when), or no such key (and where it looked)."""
+    if name in configured:
+        at = state.config_revocations().get(configured[name].lower(), (None, None))[1]
+    else:
+        at = next((k.revoked_at for k in state.keys() if k.name == name), None)
+    if at is not None:
+        return f"key {name!r} was revoked already, at {_when(at, '-')}"
+    if config:
+        return f"no key named {name!r}: neither stored nor in {config}'s virtual_keys"
+    return f"no stored key named {name!r} (a key of the config file: add --config FILE)"

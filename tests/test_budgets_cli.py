@@ -302,3 +302,23 @@ def test_keys_list_shows_config_keys_revoked_ones_included_and_fits_80_columns(t
     assert "…" not in wide and "ops" in next(line for line in wide.splitlines() if "bot" in line)
     bare = invoke("keys", "list", "--db", str(tmp_path / "l.duckdb"), columns=200)  # without --config: the record
     assert [line.split("│")[1].strip() for line in bare.splitlines() if "│" in line] == ["gone", "bot"]
+
+
+def test_revoking_a_key_twice_or_one_that_is_not_there_says_which(tmp_path):
+    """Before: "no live key named 'demo'" for a key revoked a minute ago, as for a typo."""
+    config = tmp_path / "c.yaml"
+    config.write_text(KEYS_CONFIG)
+
+    def revoke(*args: str) -> str:
+        result = CliRunner().invoke(main, ["keys", "revoke", *args])
+        assert result.exit_code == (0 if result.output.startswith("key ") and "already" not in result.output else 1)
+        return result.output
+
+    assert revoke("demo", "--config", str(config)) == "key 'demo' revoked\n"
+    again = revoke("demo", "--config", str(config))
+    assert again.startswith("Error: key 'demo' was revoked already, at ") and again.endswith(" UTC\n")
+    assert revoke("demoo", "--config", str(config)) == (
+        f"Error: no key named 'demoo': neither stored nor in {config}'s virtual_keys\n"
+    )
+    db = str(tmp_path / "l.duckdb")
+    assert revoke("demo", "--db", db) == "Error: no stored key named 'demo' (a key of the config file: add --config FILE)\n"
