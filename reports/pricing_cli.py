@@ -303,10 +303,17 @@ def import_command(
     source_file: str, fmt: str, providers: str | None, source_url: str, checked: str | None, output: str
 ) -> None:
     """Convert SOURCE_FILE into a tokenward price file (add it to pricing.files to use it)."""
-    day = dt.date.fromisoformat(checked) if checked else dt.datetime.now(dt.UTC).date()
+    try:
+        day = dt.date.fromisoformat(checked) if checked else dt.datetime.now(dt.UTC).date()
+    except ValueError:
+        raise click.BadParameter(f"{checked!r} is not a date like 2026-12-01", param_hint="--checked") from None
     try:
         if fmt == "litellm":
-            data = json.loads(Path(source_file).read_text(encoding="utf-8"))
+            text = Path(source_file).read_text(encoding="utf-8")
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"not JSON ({exc}): LiteLLM's model_prices_and_context_window.json is") from None
             wanted = [p.strip() for p in providers.split(",")] if providers else None
             entries = from_litellm(data, source=source_url, checked=day, providers=wanted)
         else:
