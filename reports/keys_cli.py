@@ -146,9 +146,9 @@ def list_command(config: str | None, db: str | None, wait: float) -> None:
     try:
         state = existing_state(db, config)
     except click.ClickException:
-        if not configured:
+        if not configured or db:  # a --db that does not exist is a typo, not a new ledger
             raise
-        state = None  # no ledger yet: nothing created or revoked, the config's keys all there is
+        state = None  # the config's ledger not made yet: nothing created or revoked, the file's keys all there is
     rows = list_keys(state, configured if config else None)
     now = dt.datetime.now(dt.UTC)
     period = Budget("keys", Decimal(1), period=Period("month"))  # every request, the UTC calendar month

@@ -254,6 +254,8 @@ def test_keys_list_shows_config_keys_revoked_ones_included_and_fits_80_columns(t
     # no ledger yet: the file's keys are listed all the same (before: "no ledger at ... yet")
     fresh = invoke("keys", "list", "--config", str(config), columns=80)
     assert [line for line in fresh.splitlines() if not line.startswith(" ")] == ["demo: live", "ci: expired", "gone: live"]
+    typo = CliRunner().invoke(main, ["keys", "list", "--config", str(config), "--db", str(tmp_path / "typo.duckdb")])
+    assert typo.exit_code == 1 and "no ledger at" in typo.output  # a --db that is not there is still refused
     state = DuckLedger(tmp_path / "l.duckdb").state
     at = dt.datetime(2026, 11, 20, 9, 15, tzinfo=dt.UTC)
     revoke_key(state, "gone", now=at, configured={"gone": hashlib.sha256(b"tw-gone-0001").hexdigest()})
