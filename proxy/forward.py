@@ -60,7 +60,7 @@ from tokenward.proxy.errors import ProxyError
 from tokenward.proxy.exchange import Exchange, Outcome
 from tokenward.proxy.guard import BudgetGuard, BudgetRefusal
 from tokenward.proxy.isolation import Isolation, ObjectNotFound
-from tokenward.proxy.keys import AUTH_HEADERS, Authenticator, Identity, presented_key, upstream_credential
+from tokenward.proxy.keys import AUTH_HEADERS, Authenticator, Identity, KeyExpired, presented_key, upstream_credential
 from tokenward.proxy.limits import CONNECTION_SCOPE_KEY, BodyLimits, body_stream, read_body
 from tokenward.proxy.media import MediaRequest, MediaRequestError, read_request
 from tokenward.proxy.media import estimate as media_estimate
@@ -1069,7 +1069,12 @@ class Forwarder:
         if credential is not None:
             inbound.anthropic = inbound.anthropic or credential[0] == b"x-api-key"
             inbound.key = upstream_credential(*credential) if passthrough else presented_key(*credential)
-        identity = inbound.identity = self.auth.identify(inbound.key)
+        try:
+            identity = inbound.identity = self.auth.identify(inbound.key)
+        except KeyExpired as exc:  # the row says whose key it was (before: "anonymous")
+            ex.principal, ex.key_id = exc.identity.principal, exc.identity.key_id
+            ex.team, ex.project = exc.identity.team, exc.identity.project
+            raise
         if not passthrough and inbound.key is not None and len(inbound.key) >= 8:
             _keep_key_here(inbound, scope, ex)
         if not passthrough and (named := account_parameter(scope["query_string"])) is not None:

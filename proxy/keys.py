@@ -30,6 +30,7 @@ __all__ = [
     "Attribution",
     "Authenticator",
     "Identity",
+    "KeyExpired",
     "Rule",
     "fingerprint",
     "key_id",
@@ -251,6 +252,14 @@ def _live(identity: Identity | None) -> Identity | None:
     return None
 
 
+class KeyExpired(ProxyError):
+    """401 ``key_expired``; ``identity`` is the expired key's, so its refusal's row and log line name it."""
+
+    def __init__(self, identity: Identity, status: int, message: str, code: str) -> None:
+        super().__init__(status, message, code)
+        self.identity = identity
+
+
 class Authenticator:
     """Turns a presented key into an :class:`Identity`.
 
@@ -380,7 +389,8 @@ class Authenticator:
                 401, f"Incorrect API key provided: {shown}. It is not a tokenward virtual key.", "invalid_api_key"
             )
         if identity.expires_at is not None and dt.datetime.now(dt.UTC) >= identity.expires_at:
-            raise ProxyError(
+            raise KeyExpired(
+                identity,
                 401,
                 f"The tokenward virtual key {identity.principal!r} expired at "
                 f"{identity.expires_at.isoformat(timespec='seconds')}: ask your admin for a new one.",

@@ -118,6 +118,8 @@ virtual_keys:
 
 def test_config_keys_expire_with_a_401_key_expired_and_its_row(start_proxy, simulator, tmp_path, monkeypatch):
     """Before: a config key had no ``expires`` (unknown field); only ``keys create --expires`` keys could expire."""
+    import hashlib
+
     import httpx
     import openai
 
@@ -147,9 +149,10 @@ def test_config_keys_expire_with_a_401_key_expired_and_its_row(start_proxy, simu
         ask("tw-ops-admin-0001")
     assert "'ops' expired at 2020-06-01T09:30:00+02:00" in admin.value.body["message"]
     rows = sorted(proxy.rows(expect=3), key=lambda r: r["started_at"])  # /metrics has no row
-    assert [(r["principal"], r["http_status"], r["outcome"], r["upstream"]) for r in rows] == [
-        ("contractor", 200, "ok", "sim"),
-        ("anonymous", 401, "unauthorized", None),
-        ("anonymous", 401, "unauthorized", None),
+    # each refusal's row names the expired key (before: "anonymous", as for a key nobody knows)
+    assert [(r["principal"], r["key_id"], r["http_status"], r["outcome"], r["upstream"]) for r in rows] == [
+        ("contractor", "vk-" + hashlib.sha256(b"tw-contractor-0001").hexdigest()[:12], 200, "ok", "sim"),
+        ("ci", "vk-" + hashlib.sha256(b"tw-ci-key-0001").hexdigest()[:12], 401, "unauthorized", None),
+        ("ops", "vk-" + hashlib.sha256(b"tw-ops-admin-0001").hexdigest()[:12], 401, "unauthorized", None),
     ]
     assert "'ci' expired at" in rows[1]["error"] and "'ops' expired at" in rows[2]["error"]
