@@ -586,13 +586,25 @@ def _construct_decimal(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> Decima
 _DecimalLoader.add_constructor("tag:yaml.org,2002:float", _construct_decimal)
 
 
-def load_exact_yaml(text: str) -> Any:
+class _TextTimesLoader(_DecimalLoader):
+    """:class:`_DecimalLoader` that keeps YAML timestamps (``2027-01-01``, ``2027-01-01T09:00:00Z``) as their text."""
+
+
+_TextTimesLoader.add_constructor("tag:yaml.org,2002:timestamp", yaml.SafeLoader.construct_yaml_str)
+
+
+def load_exact_yaml(text: str, *, timestamps: bool = True) -> Any:
     """Parse YAML with every number an exact ``Decimal`` or ``int`` (never a binary float).
+
+    ``timestamps=False`` keeps unquoted dates and datetimes as the strings written (a config's
+    ``expires: 2027-01-01`` is then validated as text by its schema, whether quoted or not);
+    otherwise YAML makes them ``date``/``datetime`` objects (a price file's ``effective``).
 
     Raises:
         yaml.YAMLError: not YAML.
     """
-    return yaml.load(text, Loader=_DecimalLoader)  # noqa: S506 - a SafeLoader subclass
+    loader = _DecimalLoader if timestamps else _TextTimesLoader
+    return yaml.load(text, Loader=loader)  # noqa: S506 - a SafeLoader subclass
 
 
 def yaml_problem(exc: Exception) -> str:

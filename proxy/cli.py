@@ -30,7 +30,7 @@ _LAZY = {
     "pricing": "tokenward.reports.pricing_cli:pricing",
     "budgets": "tokenward.reports.budgets_cli:budgets",
     "alerts": "tokenward.reports.budgets_cli:alerts",
-    "keys": "tokenward.reports.budgets_cli:keys",
+    "keys": "tokenward.reports.keys_cli:keys",
     "top": "tokenward.reports.top_cli:top",
 }
 """Commands of the reports layer, imported only when run (or listed in ``--help``)."""

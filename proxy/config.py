@@ -6,6 +6,7 @@ See ``config.example.yaml`` for every option with its default. Relative paths in
 
 from __future__ import annotations
 
+import datetime as dt
 import fnmatch
 import hashlib
 import os
@@ -57,6 +58,10 @@ class ServerConfig(_Section):
     ``drain_after_disconnect_s``: when a client hangs up during a streamed reply, the provider
     still bills what it generates; tokenward keeps reading the upstream (without sending) for up
     to this many seconds so the usage report is recorded. 0 closes the upstream at once.
+    ``shutdown_grace_s``: how long a stop (SIGTERM, Ctrl-C) waits for requests in flight; then
+    streams are cut and requests still waiting for the upstream get 503 ``shutting_down``, their
+    rows ``interrupted`` (0 to 3600 s; keep it below the service manager's own stop timeout,
+    systemd's ``TimeoutStopSec`` 90 s by default, which kills the process before the ledger is flushed).
     ``access_log``: one log line per request (``tokenward serve --no-access-log`` turns it off).
 
     Limits: ``max_body_mib`` for the metered endpoints' bodies (held in memory; 413 beyond),
@@ -72,6 +77,7 @@ class ServerConfig(_Section):
     host: str = "127.0.0.1"
     port: Annotated[int, msgspec.Meta(ge=1, le=65535)] = 4000
     drain_after_disconnect_s: Annotated[float, msgspec.Meta(ge=0)] = 60.0
+    shutdown_grace_s: Annotated[float, msgspec.Meta(ge=0, le=3600)] = 30.0
     access_log: bool = True
     # Limits (see proxy/limits.py and the README's "Limits" section); sizes in MiB/KiB, times in seconds.
     max_body_mib: Annotated[float, msgspec.Meta(gt=0)] = 32.0
@@ -256,7 +262,10 @@ class VirtualKeyConfig(_Section):
     ``role: admin`` also opens the dashboard and ``/metrics``, and reaches every key's provider
     objects (files, batches, stored completions, ...); other keys reach only their own. ``org``
     and ``pool`` attribute it further (budgets scoped to ``org``, or to a ``pool`` several keys
-    draw from); ``runs`` replaces ``auth.runs`` for this key.
+    draw from); ``runs`` replaces ``auth.runs`` for this key. ``expires``: when the key stops
+    working, a date (``2027-01-31``: midnight UTC) or an ISO date-time, UTC unless it has an
+    offset (``2027-01-31T18:00:00+01:00``, ``...Z``); from then on it gets 401 ``key_expired``
+    (as a virtual key and as an admin credential), like ``tokenward keys create --expires``.
     """
 
     name: Annotated[str, msgspec.Meta(min_length=1)]
@@ -270,9 +279,29 @@ class VirtualKeyConfig(_Section):
     attribution: AttributionSettings | None = None
     runs: RunSettings | None = None
     role: Literal["user", "admin"] = "user"
+    expires: str | None = None
 
     def __post_init__(self) -> None:
         _check_unmetered(self.allow_unmetered)
+        self.expires_at  # noqa: B018 - an expiry that is no date fails here, at load
+
+    @property
+    def expires_at(self) -> dt.datetime | None:
+        """``expires`` as an aware datetime (a date: its midnight UTC; no offset: UTC); ``None``: never.
+
+        Raises:
+            ValueError: ``expires`` is not an ISO date or date-time.
+        """
+        if self.expires is None:
+            return None
+        try:
+            when = dt.datetime.fromisoformat(self.expires.strip())
+        except ValueError:
+            raise ValueError(
+                f"virtual key {self.name!r}: expires must be a date (2027-01-31) or an ISO date-time "
+                f"(2027-01-31T18:00:00Z, or with an offset), got {self.expires!r}"
+            ) from None
+        return when if when.tzinfo is not None else when.replace(tzinfo=dt.UTC)
 
 
 _USAGE_UNASKED = frozenset({"groq", "mistral"})
@@ -471,7 +500,7 @@ def load_config(path: str | Path) -> Config:
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
-        document = load_exact_yaml(text)  # money stays exact: no floats
+        document = load_exact_yaml(text, timestamps=False)  # money stays exact: no floats; times as written
     except (OSError, yaml.YAMLError) as exc:
         raise ConfigError(f"cannot read config {path}: {yaml_problem(exc)}") from exc
     try:

@@ -60,7 +60,7 @@ from tokenward.proxy.errors import ProxyError
 from tokenward.proxy.exchange import Exchange, Outcome
 from tokenward.proxy.guard import BudgetGuard, BudgetRefusal
 from tokenward.proxy.isolation import Isolation, ObjectNotFound
-from tokenward.proxy.keys import AUTH_HEADERS, Authenticator, Identity, presented_key, upstream_credential
+from tokenward.proxy.keys import AUTH_HEADERS, Authenticator, Identity, KeyExpired, presented_key, upstream_credential
 from tokenward.proxy.limits import CONNECTION_SCOPE_KEY, BodyLimits, body_stream, read_body
 from tokenward.proxy.media import MediaRequest, MediaRequestError, read_request
 from tokenward.proxy.media import estimate as media_estimate
@@ -75,7 +75,7 @@ from tokenward.proxy.splice import find_member, set_member
 from tokenward.proxy.upstream import UpstreamClient, UpstreamError, UpstreamReply
 from tokenward.reports.ledger.books import BooksUnavailable
 
-__all__ = ["METERED_ENDPOINTS", "Endpoint", "Forwarder"]
+__all__ = ["AZURE_PATHS", "METERED_ENDPOINTS", "Endpoint", "Forwarder"]
 
 log = logging.getLogger("tokenward.proxy")
 _AZURE = AZURE_PREFIX.decode()
@@ -138,6 +138,14 @@ _FIELD_MASK = b"x-goog-fieldmask"
 # passthrough mode: the one its row is attributed to), and what tokenward read the request by (the
 # body's length, type and coding; Anthropic's headers, which chose the dialect and upstream).
 _KEPT_ON_CONNECTION = AUTH_HEADERS | _ANTHROPIC_HEADERS | {b"content-length", b"content-type", b"content-encoding"}
+AZURE_PATHS = (
+    "under /openai/ tokenward serves Azure OpenAI's API: a POST to a deployment's model endpoints "
+    "(/openai/deployments/{deployment}/chat/completions, /completions, /embeddings, /images/... and /audio/...) "
+    "and the OpenAI API's other paths with ?api-version= (/openai/responses, /openai/files, /openai/batches, ...) "
+    "or under /openai/v1/; Anthropic's paths are not Azure's."
+)
+"""What a 404 under ``/openai/`` adds: the deployment URLs tokenward forwards, and the way to the rest."""
+
 _ALLOWED_METHODS = b"GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS"  # the 405's Allow (front.API_METHODS)
 # Headers that make a server act on another method than the request line's (Google's API front
 # ends, Rails/Laravel/Express/iris method-override middleware): the unmetered policy and isolation
@@ -496,12 +504,18 @@ class Forwarder:
         return self._refuse(ex, ProxyError(405, message, "method_not_allowed", headers=[(b"allow", _ALLOWED_METHODS)]))
 
     def not_found(self, request: Request[Any, Any, Any]) -> Relay:
-        """Refuse a request outside the API with a 404 (recorded like every other request)."""
+        """Refuse a request outside the API with a 404 (recorded like every other request).
+
+        A path under ``/openai/`` that is not Azure's API (a deployment's ``files``,
+        ``/openai/messages``) is told what tokenward serves there, :data:`AZURE_PATHS`.
+        """
         scope = request.scope
         raw: bytes = scope.get("raw_path") or scope["path"].encode()
         path = raw[:1000].decode("ascii", "backslashreplace")
         ex = Exchange(endpoint="unknown", method=scope["method"], path=path)
         message = f"Unknown path {path}: the OpenAI-compatible API is under /v1."
+        if raw.lower().startswith(b"/openai/"):  # Azure's pre-v1 paths: say which of them tokenward serves
+            message = f"Unknown path {path}: {AZURE_PATHS}"
         return self._refuse(ex, ProxyError(404, message, "not_found"))
 
     async def _metered(
@@ -1064,7 +1078,12 @@ class Forwarder:
         if credential is not None:
             inbound.anthropic = inbound.anthropic or credential[0] == b"x-api-key"
             inbound.key = upstream_credential(*credential) if passthrough else presented_key(*credential)
-        identity = inbound.identity = self.auth.identify(inbound.key)
+        try:
+            identity = inbound.identity = self.auth.identify(inbound.key)
+        except KeyExpired as exc:  # the row says whose key it was (before: "anonymous")
+            ex.principal, ex.key_id = exc.identity.principal, exc.identity.key_id
+            ex.team, ex.project = exc.identity.team, exc.identity.project
+            raise
         if not passthrough and inbound.key is not None and len(inbound.key) >= 8:
             _keep_key_here(inbound, scope, ex)
         if not passthrough and (named := account_parameter(scope["query_string"])) is not None:

@@ -20,6 +20,7 @@ the API does not take (``TRACE``, ``PROPFIND``) under ``/v1/`` is the forwarder'
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -29,7 +30,7 @@ from tokenward.proxy.edge import AZURE_PREFIX
 from tokenward.proxy.errors import reply_error_body
 from tokenward.proxy.forward import Forwarder
 
-__all__ = ["API_METHODS", "Front", "front"]
+__all__ = ["API_METHODS", "SHUTTING_DOWN", "Front", "front"]
 
 log = logging.getLogger("tokenward.proxy")
 
@@ -38,6 +39,13 @@ API_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIO
 
 _OWN = b"/v1/tokenward/"
 """tokenward's own routes under ``/v1`` (``GET /v1/tokenward/budget``, ``proxy/budget_api.py``): Litestar's."""
+
+
+SHUTTING_DOWN = (
+    "tokenward shut down before the upstream's reply arrived (the stop's grace period, server.shutdown_grace_s, "
+    "ran out); the provider may still bill this request."
+)
+"""What a request still waiting for its reply is told (503 ``shutting_down``) when the server cancels it."""
 
 
 class _Request:
@@ -79,6 +87,8 @@ class Front:
             else:  # TRACE, PROPFIND, ...: refused, and recorded like every other API request
                 relay = self.forwarder.method_not_allowed(_Request(scope, receive))  # type: ignore[arg-type]
             await relay(scope, receive, send)
+        except asyncio.CancelledError as exc:  # the stop's grace ran out: the row is recorded (interrupted)
+            await _stopped(scope, send, exc)
         except Exception as exc:
             await _fail(scope, send, exc)
 
@@ -98,12 +108,37 @@ async def _fail(scope: Scope, send: Send, exc: Exception) -> None:
     from a failing upstream.
     """
     log.error("unexpected error", exc_info=exc)
+    await _answer(scope, send, exc, 500, "tokenward failed to handle the request", "proxy_error")
+
+
+async def _stopped(scope: Scope, send: Send, exc: asyncio.CancelledError) -> None:
+    """Answer a request the server cancelled at the end of its stop's grace period, if its reply has not started.
+
+    uvicorn cancels the requests still in flight when ``server.shutdown_grace_s`` runs out, and
+    would answer one that had no reply yet with its own plain-text 500. The forwarder has
+    recorded its row by then (``interrupted``, the provider may bill it); the client gets 503
+    ``shutting_down`` in its dialect (an SDK's retry reaches another replica, or this one once it
+    is back), with ``connection: close``. A reply already started is cut, as before: the
+    cancellation goes on to the server, which closes the connection.
+    """
+    await _answer(scope, send, exc, 503, SHUTTING_DOWN, "shutting_down", [(b"connection", b"close")])
+
+
+async def _answer(
+    scope: Scope,
+    send: Send,
+    exc: BaseException,
+    status: int,
+    message: str,
+    code: str,
+    extra: list[tuple[bytes, bytes]] | None = None,
+) -> None:
+    """Send tokenward's own error reply in the request's dialect; re-raise ``exc`` when the reply had started."""
     raw_path: bytes = scope.get("raw_path") or scope["path"].encode()
-    message = "tokenward failed to handle the request"
-    body = reply_error_body(raw_path, scope["headers"], 500, message, "server_error", "proxy_error")
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    body = reply_error_body(raw_path, scope["headers"], status, message, "server_error", code)
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *(extra or [])]
     try:
-        await send({"type": "http.response.start", "status": 500, "headers": headers})
+        await send({"type": "http.response.start", "status": status, "headers": headers})
     except Exception:
         raise exc from None
     await send({"type": "http.response.body", "body": body, "more_body": False})

@@ -503,10 +503,14 @@ class BudgetGuard:
         result.sort(key=lambda entry: entry["remaining_usd"])
         return result
 
-    def snapshot(self, now: dt.datetime) -> list[dict[str, Any]]:
-        """Every budget's status now (spend, reserved, percent, forecast), for ``/budgets``-style views."""
+    def snapshot(self, now: dt.datetime, *, made: bool = False) -> list[dict[str, Any]]:
+        """Every budget's status now (spend, reserved, percent, forecast, group), for ``/budgets``-style views.
+
+        ``made``: the books made while serving (per-value budgets ``chat-user[alice]``, whose
+        ``group`` is their template's name, and runs) instead of the configured budgets'.
+        """
         result = []
-        for book in self._books:
+        for book in self._dynamic.values() if made else self._books:
             book.roll(now)
             status = evaluate(book.budget, book.spent, now)
             result.append(
@@ -519,6 +523,7 @@ class BudgetGuard:
                     "period_start": status.start,
                     "period_end": status.end,
                     "forecast_usd": status.forecast,
+                    "group": book.budget.group,
                 }
             )
         return result

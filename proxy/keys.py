@@ -30,6 +30,7 @@ __all__ = [
     "Attribution",
     "Authenticator",
     "Identity",
+    "KeyExpired",
     "Rule",
     "fingerprint",
     "key_id",
@@ -238,10 +239,25 @@ class Identity:
     pool: str | None = None
     runs: RunPolicy = _RUNS
     expires_at: dt.datetime | None = None
-    """When a stored key stops working (UTC); ``None``: never."""
+    """When the key stops working (``keys create --expires`` or the config's ``expires``); ``None``: never."""
 
 
 _ANONYMOUS = Identity("anonymous")
+
+
+def _live(identity: Identity | None) -> Identity | None:
+    """``identity`` unless its key has expired (an admin credential stops with it: dashboard, ``/metrics``)."""
+    if identity is None or identity.expires_at is None or dt.datetime.now(dt.UTC) < identity.expires_at:
+        return identity
+    return None
+
+
+class KeyExpired(ProxyError):
+    """401 ``key_expired``; ``identity`` is the expired key's, so its refusal's row and log line name it."""
+
+    def __init__(self, identity: Identity, status: int, message: str, code: str) -> None:
+        super().__init__(status, message, code)
+        self.identity = identity
 
 
 class Authenticator:
@@ -280,6 +296,7 @@ class Authenticator:
                 org=k.org,
                 pool=k.pool,
                 runs=k.runs.policy(f"virtual_keys[{i}].runs") if k.runs is not None else runs,
+                expires_at=k.expires_at,
             )
         self._configured = configured
         self._by_hash = dict(self._configured)
@@ -328,18 +345,18 @@ class Authenticator:
     def admin_with_digest(self, key_sha256: str) -> str | None:
         """The name of the live admin key whose sha256 (hex) is ``key_sha256``, else ``None``.
 
-        A live admin key is configured or stored with ``role: admin`` and not revoked. Used for the
-        dashboard in either auth mode; never raises.
+        A live admin key is configured or stored with ``role: admin``, not revoked and not past its
+        expiry. Used for the dashboard and ``/metrics`` in either auth mode; never raises.
         """
-        identity = self._by_hash.get(key_sha256.lower())
+        identity = _live(self._by_hash.get(key_sha256.lower()))
         return identity.principal if identity is not None and identity.admin else None
 
     def key_with_digest(self, key_sha256: str) -> str | None:
         """The name of the live virtual key (admin or not) whose sha256 (hex) is ``key_sha256``, else ``None``.
 
-        Configured and stored keys, revoked ones excluded; never raises.
+        Configured and stored keys, revoked and expired ones excluded; never raises.
         """
-        identity = self._by_hash.get(key_sha256.lower())
+        identity = _live(self._by_hash.get(key_sha256.lower()))
         return identity.principal if identity is not None else None
 
     @property
@@ -352,7 +369,7 @@ class Authenticator:
 
         Raises:
             ProxyError: 401 in ``virtual_keys`` mode when the key is missing or unknown, or 401
-                ``key_expired`` past a stored key's ``expires_at``.
+                ``key_expired`` past the key's ``expires_at`` (stored or configured).
         """
         if self.passthrough:
             if not key:
@@ -372,7 +389,8 @@ class Authenticator:
                 401, f"Incorrect API key provided: {shown}. It is not a tokenward virtual key.", "invalid_api_key"
             )
         if identity.expires_at is not None and dt.datetime.now(dt.UTC) >= identity.expires_at:
-            raise ProxyError(
+            raise KeyExpired(
+                identity,
                 401,
                 f"The tokenward virtual key {identity.principal!r} expired at "
                 f"{identity.expires_at.isoformat(timespec='seconds')}: ask your admin for a new one.",

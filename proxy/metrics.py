@@ -26,6 +26,7 @@ __all__ = [
     "MAX_MODEL_LABELS",
     "MAX_MODEL_LABEL_CHARS",
     "OTHER_MODEL",
+    "PER_VALUE_SERIES",
     "TTFT_BUCKETS",
     "DeliveryCounter",
     "Metrics",
@@ -46,12 +47,18 @@ MAX_MODEL_LABEL_CHARS = 128
 """A longer model name is cut to this many characters (and an ellipsis) in its label."""
 OTHER_MODEL = "(other)"
 
+PER_VALUE_SERIES = 20
+"""Per-value budgets (``per: end_user``: ``chat-user[alice@example.com]``) exported per template: the ones
+with the most spent and reserved, nearest their limit (they share it). A template may make 100,000, one
+per value a client names: a series each would grow every scrape with the users. How many there are is
+``tokenward_budget_instances{budget="<template>"}``; each label is cut to :data:`MAX_MODEL_LABEL_CHARS`."""
+
 _ANSWERED = frozenset({"ok", "upstream_error"})
 _UPSTREAM_FAILURES = frozenset({"upstream_error", "upstream_failed", "upstream_unreachable", "upstream_timeout"})
 
 
 class _Guard(Protocol):
-    def snapshot(self, now: dt.datetime) -> list[dict[str, Any]]: ...
+    def snapshot(self, now: dt.datetime, *, made: bool = False) -> list[dict[str, Any]]: ...
 
 
 class _Notifier(Protocol):
@@ -219,7 +226,32 @@ class _ScrapeTime(Collector):
 
     def collect(self) -> Iterator[Metric]:
         guard, health = self.metrics._guard, self.metrics._health
-        if guard is not None and guard.budgets:
+        now = dt.datetime.now(dt.UTC)
+        statuses = guard.snapshot(now) if guard is not None else []
+        instances: dict[str, list[dict[str, Any]]] = {}
+        for status in guard.snapshot(now, made=True) if guard is not None else []:
+            group = status["group"]
+            if group and status["budget"].startswith(group + "[") and status["budget"].endswith("]"):
+                instances.setdefault(group, []).append(status)  # a per-value budget (not a run)
+        if instances:
+            counts = GaugeMetricFamily(
+                "tokenward_budget_instances",
+                "Per-value budgets a template (per: end_user, ...) has open on this proxy.",
+                labels=["budget"],
+            )
+            seen = {s["budget"] for s in statuses}
+            for group, found in sorted(instances.items()):
+                counts.add_metric([group], len(found))
+                found.sort(key=lambda s: (-(s["spent_usd"] + s["reserved_usd"]), s["budget"]))
+                for status in found[:PER_VALUE_SERIES]:
+                    label = status["budget"]
+                    if len(label) > MAX_MODEL_LABEL_CHARS:
+                        label = label[:MAX_MODEL_LABEL_CHARS] + "…"
+                    if label not in seen:  # two long values cut alike: one series (Prometheus refuses two)
+                        seen.add(label)
+                        statuses.append({**status, "budget": label})
+            yield counts
+        if statuses:
             families = {
                 name: GaugeMetricFamily(f"tokenward_budget_{name}_usd", text, labels=["budget"])
                 for name, text in (
@@ -229,7 +261,7 @@ class _ScrapeTime(Collector):
                     ("remaining", "Limit minus spend and reservations, at least 0, USD."),
                 )
             }
-            for status in guard.snapshot(dt.datetime.now(dt.UTC)):
+            for status in statuses:
                 spent, limit, reserved = status["spent_usd"], status["limit_usd"], status["reserved_usd"]
                 values = {
                     "spend": spent,

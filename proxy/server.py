@@ -32,11 +32,8 @@ HANGUP_WARNING = (
 """What the log says on SIGHUP (which would otherwise end the process at once, streams and rows cut)."""
 
 
-SHUTDOWN_GRACE_S = 30
-"""How long a stop (SIGTERM, Ctrl-C) waits for requests in flight; then they are cut, their rows ``interrupted``."""
-
-
 def _uvicorn_config(app: Litestar, host: str, port: int, log_level: str, access_log: bool) -> uvicorn.Config:
+    settings = _server_settings(app)
     return uvicorn.Config(
         front(app),  # /v1 straight to the forwarder, the rest to Litestar (proxy/front.py)
         host=host,
@@ -46,8 +43,9 @@ def _uvicorn_config(app: Litestar, host: str, port: int, log_level: str, access_
         server_header=False,  # the upstream's own Server and Date headers are relayed instead
         date_header=False,
         lifespan="on",
-        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
-        **uvicorn_options(_server_settings(app)),
+        # a stop waits this long for requests in flight, then cancels them (proxy/front.py answers those)
+        timeout_graceful_shutdown=settings.shutdown_grace_s,
+        **uvicorn_options(settings),
     )
 
 
@@ -133,8 +131,8 @@ def settle_collector() -> None:
 
 START_WAIT_S = 60
 """How long :func:`running_in_thread` waits for the start (a loaded machine's test process can take 10 s)."""
-SHUTDOWN_WAIT_S = 90
-"""How long :func:`running_in_thread` waits for the shutdown: uvicorn's 30 s for open requests, then the lifespan's."""
+SHUTDOWN_WAIT_S = 60
+"""How long :func:`running_in_thread` waits for the lifespan's shutdown, after ``server.shutdown_grace_s``."""
 
 
 @contextmanager
@@ -145,7 +143,7 @@ def running_in_thread(app: Litestar, host: str = "127.0.0.1", *, log_level: str 
 
     Raises:
         RuntimeError: the server did not start within :data:`START_WAIT_S`, or did not shut down within
-            :data:`SHUTDOWN_WAIT_S` (every thread's stack is written to stderr first).
+            ``server.shutdown_grace_s`` plus :data:`SHUTDOWN_WAIT_S` (every thread's stack is written to stderr first).
     """
     sock = listening_socket(host, 0)
     port = sock.getsockname()[1]
@@ -161,8 +159,9 @@ def running_in_thread(app: Litestar, host: str = "127.0.0.1", *, log_level: str 
         yield f"http://{host}:{port}"
     finally:
         server.should_exit = True
-        thread.join(SHUTDOWN_WAIT_S)
+        wait_s = _server_settings(app).shutdown_grace_s + SHUTDOWN_WAIT_S
+        thread.join(wait_s)
         sock.close()
         if thread.is_alive():  # the ledger is not flushed yet: say so, and where the shutdown is stuck
             faulthandler.dump_traceback(all_threads=True)
-            raise RuntimeError(f"proxy server did not shut down within {SHUTDOWN_WAIT_S} s")
+            raise RuntimeError(f"proxy server did not shut down within {wait_s:g} s")

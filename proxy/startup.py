@@ -107,8 +107,8 @@ def import_legacy_state(ledger: Ledger) -> None:
     except LedgerError as exc:
         log.debug("earlier state not imported this time: %s", exc)
         return
-    if copied:
-        log.info("moved %d keys, alert claims and deliveries into %s", copied, ledger.state.path)
+    if copied.total:  # before: "moved 5 keys, alert claims and deliveries" for 1 key, 1 claim, 3 deliveries
+        log.info("moved %s from the ledger file into the state store %s", copied, ledger.state.path)
 
 
 Loader = Callable[[Any, dt.datetime, list[dict[str, Any]]], None]

@@ -1,4 +1,4 @@
-"""``tokenward budgets``, ``tokenward alerts`` and ``tokenward keys``: budgets, alerts, stored keys.
+"""``tokenward budgets`` and ``tokenward alerts``: budgets and the alerts they owe (``keys``: :mod:`.keys_cli`).
 
 These commands read the ``budgets`` and ``alerts`` sections of ``--config FILE`` and use the
 ledger it names (or ``--db``). They run the same evaluation as the proxy's scheduled job, so a
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
-import re
 import sys
 from collections.abc import Callable
 from decimal import Decimal
@@ -22,31 +21,30 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
-from tokenward.pricing.budgets import Budget, Period
+from tokenward.pricing.budgets import Budget
 from tokenward.reports.alerts import Alert, AlertSettings, Notifier, html_text
 from tokenward.reports.budget_check import evaluate_and_notify, status_of, usd, velocity_of
-from tokenward.reports.cli_common import existing_state, ledger_named, open_named, parse_when, writable_state
-from tokenward.reports.keys import create_key, list_keys, revoke_key
+from tokenward.reports.cli_common import existing_state, ledger_named, open_named, parse_when
 from tokenward.reports.ledger.spend import DuckSpend
 from tokenward.reports.render import output_width
 
-__all__ = ["alerts", "budgets", "keys"]
+__all__ = ["alerts", "budgets", "console_for_output", "load_sections", "options", "print_whole", "spent_usd"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _console() -> Console:
+def console_for_output() -> Console:
     """A console as wide as the terminal; piped, 80 columns (or ``COLUMNS``), as ``tokenward report``'s tables."""
     return Console(width=output_width())
 
 
-def _print_whole(table: Table | str) -> None:
+def print_whole(table: Table | str) -> None:
     """Print ``table`` on a terminal at its width; piped, at least as wide as its rows, so that no cell is cut.
 
     At 80 columns rich cuts a long cell with an ellipsis: ``alerts history`` piped to a file or
     ``grep`` lost budget names, states and errors (``research-mo…``).
     """
-    console = _console()
+    console = console_for_output()
     if isinstance(table, Table) and not sys.stdout.isatty():
         natural = Measurement.get(console, console.options.update_width(10_000), table).maximum
         if natural > console.width:
@@ -68,8 +66,8 @@ def _status_block(s: Any) -> Text:
     The first line names the budget with its spend, limit and share; the other figures follow, indented.
     """
     lines = [
-        f"{s.budget.name}: {_spent_usd(s.spent)} of {usd(s.budget.limit_usd)} ({s.percent}%)",
-        f"  left      {_spent_usd(s.remaining)}",
+        f"{s.budget.name}: {spent_usd(s.spent)} of {usd(s.budget.limit_usd)} ({s.percent}%)",
+        f"  left      {spent_usd(s.remaining)}",
         f"  forecast  {'-' if s.forecast is None else usd(s.forecast)}",
         f"  at limit  {s.budget.action}",
         f"  scope     {s.budget.describe_scope()}",
@@ -98,7 +96,8 @@ def load_sections(config: str | None) -> tuple[list[Budget], AlertSettings]:
     return loaded.budget_list(), loaded.alerts
 
 
-def _options(fn: F) -> F:
+def options(fn: F) -> F:
+    """Add ``--config``, ``--db`` and ``--wait`` (the ledger, from the config or named; the proxy's flush)."""
     fn = click.option("--wait", default=10.0, show_default=True, help="Seconds to wait while the proxy is writing.")(fn)
     fn = click.option("--db", type=click.Path(dir_okay=False), help="Ledger DuckDB file (default: the config's).")(fn)
     fn = click.option(
@@ -110,7 +109,7 @@ def _options(fn: F) -> F:
     return fn
 
 
-def _spent_usd(amount: Decimal) -> str:
+def spent_usd(amount: Decimal) -> str:
     """Spend or what is left, in dollars: four places, more below a cent to keep 3 significant digits.
 
     ``$0.000849`` of a $0.001 budget must not read ``$0.0008`` beside ``84.90%`` (at most the
@@ -123,7 +122,7 @@ def _spent_usd(amount: Decimal) -> str:
 
 
 def _instant(text: str | None) -> dt.datetime:
-    return parse_when(text, ZoneInfo("UTC")) if text else dt.datetime.now(dt.UTC)
+    return parse_when(text, ZoneInfo("UTC"), hint="--at") if text else dt.datetime.now(dt.UTC)
 
 
 @click.group()
@@ -141,7 +140,7 @@ def _templates(config: str | None) -> list[Budget]:
 
 
 @budgets.command()
-@_options
+@options
 @click.option("--at", "at_text", help="Evaluate at this instant (ISO datetime; default now).")
 @click.option("--top", default=10, show_default=True, help="Per-user (per-value) budgets shown per template.")
 def status(config: str | None, db: str | None, wait: float, at_text: str | None, top: int) -> None:
@@ -173,15 +172,15 @@ def status(config: str | None, db: str | None, wait: float, at_text: str | None,
             Text(s.budget.name),  # a per-user budget's name holds a client's value: never rich markup
             Text(s.budget.describe_scope()),
             _period_text(s),
-            _spent_usd(s.spent),
+            spent_usd(s.spent),
             usd(s.budget.limit_usd),
             f"{s.percent}",
-            _spent_usd(s.remaining),
+            spent_usd(s.remaining),
             "-" if s.forecast is None else usd(s.forecast),
             s.budget.action,
             end_section=i + 1 < len(statuses) and (s.budget.group or s.budget.name) != statuses[i + 1].budget.group,
         )
-    console = _console()
+    console = console_for_output()
     if Measurement.get(console, console.options.update_width(10_000), table).maximum <= console.width:
         console.print(table)
     else:  # a table of nine columns cut into slivers is unreadable: one block per budget instead
@@ -193,7 +192,7 @@ def status(config: str | None, db: str | None, wait: float, at_text: str | None,
 
 
 @budgets.command()
-@_options
+@options
 @click.option("--dry-run", is_flag=True, help="Show the alerts due; claim and send nothing.")
 @click.option("--at", "at_text", help="Evaluate at this instant (ISO datetime; default now).")
 def check(config: str | None, db: str | None, wait: float, dry_run: bool, at_text: str | None) -> None:
@@ -225,7 +224,7 @@ def alerts() -> None:
 
 
 @alerts.command()
-@_options
+@options
 @click.option("--limit", default=50, show_default=True)
 def history(config: str | None, db: str | None, wait: float, limit: int) -> None:
     """Alerts claimed, newest first, with every delivery attempt and its result."""
@@ -246,7 +245,7 @@ def history(config: str | None, db: str | None, wait: float, limit: int) -> None
             deliveries,
             claim.last_error or "",
         )
-    _print_whole(table if claims else "no alerts yet")
+    print_whole(table if claims else "no alerts yet")
 
 
 @alerts.command(name="test")
@@ -265,126 +264,3 @@ def test_command(targets: tuple[str, ...], config: str | None) -> None:
         click.echo(f"{delivery.channel} {delivery.target}: {'ok' if delivery.ok else 'FAILED: ' + str(delivery.error)}")
     if not all(d.ok for d in deliveries):
         sys.exit(1)
-
-
-@click.group()
-def keys() -> None:
-    """Virtual keys stored in the ledger (in addition to those in the config)."""
-
-
-@keys.command()
-@_options
-@click.argument("name")
-@click.option("--team", help="Team the key's usage is attributed to.")
-@click.option("--project", help="Project the key's usage is attributed to.")
-@click.option(
-    "--role",
-    type=click.Choice(["user", "admin"]),
-    default="user",
-    show_default=True,
-    help="admin: the key also opens the dashboard and its API, and reaches every key's provider objects.",
-)
-@click.option(
-    "--expires",
-    help="When the key stops working: a duration from now (30m, 12h, 30d, 2w) or an ISO date/datetime (UTC if naive).",
-)
-def create(
-    config: str | None,
-    db: str | None,
-    wait: float,
-    name: str,
-    team: str | None,
-    project: str | None,
-    role: str,
-    expires: str | None,
-) -> None:
-    """Create a key NAME and print it (shown this once; only its sha256 is stored).
-
-    With ``--expires`` a proxy refuses it from then on with 401 ``key_expired`` (and a row).
-    """
-    now = dt.datetime.now(dt.UTC)
-    expires_at = parse_when(expires, ZoneInfo("UTC"), now)  # a duration reads back from now: this one counts on
-    if expires_at is not None and re.fullmatch(r"\d+\s*[mhdw]", expires.strip()):
-        expires_at = now + (now - expires_at)
-    if config:
-        from tokenward.proxy.config import ConfigError, load_config
-
-        try:
-            configured = {k.name for k in load_config(config).virtual_keys}
-        except ConfigError as exc:
-            raise click.BadParameter(str(exc), param_hint="--config") from exc
-        if name in configured:
-            raise click.ClickException(f"the config already has a key named {name!r}; choose another name")
-    state = writable_state(db, config)
-    try:
-        key = create_key(state, name, team=team, project=project, role=role, now=now, expires_at=expires_at)
-    except ValueError as exc:
-        raise click.ClickException(str(exc)) from exc
-    click.echo(key)
-    click.echo(
-        f"key {name!r} created{' (role admin)' if role == 'admin' else ''}; it is shown only now. A proxy on "
-        "this ledger accepts it within 5 s (as a virtual key in auth mode virtual_keys"
-        f"{'; as an admin credential for the dashboard in either mode' if role == 'admin' else ''}).",
-        err=True,
-    )
-
-
-@keys.command(name="list")
-@_options
-def list_command(config: str | None, db: str | None, wait: float) -> None:
-    """Stored keys (names, attribution, expiry, spend this UTC month, state; never the keys)."""
-    rows = list_keys(existing_state(db, config))
-    now = dt.datetime.now(dt.UTC)
-    month = Budget("keys", Decimal(1), period=Period("month"))  # every request, the UTC calendar month
-    start, end = month.period.window(now)
-    try:
-        conn = open_named(db, config, wait, read_only=True)
-    except click.ClickException:  # no ledger yet: no request has been made with any key
-        spent: dict[str, Decimal] = {}
-    else:
-        try:
-            spent = dict(DuckSpend(conn).spend_by(month, start, end, "key"))
-        finally:
-            conn.close()
-    table = Table("name", "team", "project", "role", "created", "expires", f"spent {start:%Y-%m}", "state")
-    for key in rows:
-        state = "live"
-        if key.revoked_at:
-            state = f"revoked {key.revoked_at.isoformat(timespec='seconds')}"
-        elif key.expires_at is not None and key.expires_at <= now:
-            state = "expired"
-        table.add_row(
-            Text(key.name),
-            key.team or "",
-            key.project or "",
-            key.role,
-            key.created_at.isoformat(timespec="seconds"),
-            key.expires_at.isoformat(timespec="seconds") if key.expires_at else "never",
-            _spent_usd(spent.get(key.name, Decimal(0))),
-            state,
-        )
-    _print_whole(table if rows else "no stored keys")
-
-
-@keys.command()
-@_options
-@click.argument("name")
-def revoke(config: str | None, db: str | None, wait: float, name: str) -> None:
-    """Revoke the key NAME, stored or from --config's virtual_keys (the proxy refuses it within 5 s)."""
-    configured: dict[str, str] = {}
-    if config:
-        import hashlib
-
-        from tokenward.proxy.config import ConfigError, load_config
-
-        try:
-            for key in load_config(config).virtual_keys:
-                digest = key.key_sha256 or hashlib.sha256((key.key or "").encode()).hexdigest()
-                configured[key.name] = digest.lower()
-        except ConfigError as exc:
-            raise click.BadParameter(str(exc), param_hint="--config") from exc
-    state = writable_state(db, config)
-    done = revoke_key(state, name, now=dt.datetime.now(dt.UTC), configured=configured)
-    if not done:
-        raise click.ClickException(f"no live key named {name!r}")
-    click.echo(f"key {name!r} revoked")

@@ -58,7 +58,9 @@ def export(
     conn = open_read_only(db, config, wait)
     count = 0
     try:
-        rows = queries.export_rows(conn, since=parse_when(since, zone), until=parse_when(until, zone))
+        rows = queries.export_rows(
+            conn, since=parse_when(since, zone, hint="--since"), until=parse_when(until, zone, hint="--until")
+        )
         try:
             target = open(output, "w", encoding="utf-8", newline="") if output else _stdout()  # noqa: SIM115
         except OSError as exc:

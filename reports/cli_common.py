@@ -125,11 +125,14 @@ def writable_state(db: str | None, config: str | None) -> StateStore:
     return ledger.state
 
 
-def parse_when(text: str | None, tz: ZoneInfo, now: dt.datetime | None = None) -> dt.datetime | None:
+def parse_when(
+    text: str | None, tz: ZoneInfo, now: dt.datetime | None = None, *, hint: str | None = None
+) -> dt.datetime | None:
     """Parse a time bound.
 
     Accepts ``2026-11-01`` (midnight in ``tz``), an ISO datetime (naive = ``tz``), or a duration
-    before ``now`` such as ``30m``, ``24h``, ``7d``, ``2w``.
+    before ``now`` such as ``30m``, ``24h``, ``7d``, ``2w``. ``hint``: the option it came from
+    (``--since``), named in the error.
 
     Raises:
         click.BadParameter: unparseable text.
@@ -143,8 +146,10 @@ def parse_when(text: str | None, tz: ZoneInfo, now: dt.datetime | None = None) -
     try:
         value = dt.datetime.fromisoformat(text)
     except ValueError as exc:
-        hint = f" (for the calendar period, --period {text.strip()})" if text.strip() in PERIODS else ""
-        raise click.BadParameter(f"{text!r} is not a date, datetime or duration like 7d{hint}") from exc
+        period = f" (for the calendar period, --period {text.strip()})" if text.strip() in PERIODS else ""
+        raise click.BadParameter(
+            f"{text!r} is not a date, datetime or duration like 7d{period}", param_hint=hint
+        ) from exc
     return value if value.tzinfo else value.replace(tzinfo=tz)
 
 

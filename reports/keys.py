@@ -11,10 +11,51 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
 
-from tokenward.reports.ledger.state import StateStore, StoredKey
+from tokenward.reports.ledger.state import StateStore
 
-__all__ = ["create_key", "list_keys", "revoke_key"]
+__all__ = ["ConfigKey", "ListedKey", "create_key", "list_keys", "revoke_key"]
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigKey:
+    """A key of the config file's ``virtual_keys``, as ``keys list`` shows it (its sha256, never the key)."""
+
+    name: str
+    key_sha256: str
+    team: str | None = None
+    project: str | None = None
+    role: str = "user"
+    expires_at: dt.datetime | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ListedKey:
+    """One line of ``tokenward keys list``: a stored key or a config key, and what it is now.
+
+    ``source``: ``stored`` (``keys create``), ``config`` (the file's ``virtual_keys``) or
+    ``config, removed`` (a config key revoked and no longer in the file: only its name and
+    revocation are known). ``created_at`` is ``None`` for config keys.
+    """
+
+    name: str
+    source: str
+    team: str | None
+    project: str | None
+    role: str
+    created_at: dt.datetime | None
+    expires_at: dt.datetime | None
+    revoked_at: dt.datetime | None
+
+    def state(self, now: dt.datetime) -> str:
+        """``live``, ``expired`` (its expiry is past: 401 ``key_expired``) or ``revoked 2026-12-02 15:47 UTC``."""
+        if self.revoked_at is not None:
+            return f"revoked {self.revoked_at.astimezone(dt.UTC):%Y-%m-%d %H:%M} UTC"
+        if self.expires_at is not None and self.expires_at <= now:
+            return "expired"
+        return "live"
 
 
 def create_key(
@@ -54,6 +95,32 @@ def revoke_key(state: StateStore, name: str, *, now: dt.datetime, configured: di
     return state.revoke(name, None, now)
 
 
-def list_keys(state: StateStore) -> list[StoredKey]:
-    """Every stored key, oldest first."""
-    return state.keys()
+def list_keys(state: StateStore | None, configured: Sequence[ConfigKey] | None = None) -> list[ListedKey]:
+    """Every key a proxy knows of: ``configured`` (the config file's, in order), then the stored ones, oldest first.
+
+    A config key revoked with ``keys revoke NAME --config`` shows its revocation. Other revoked
+    config keys are listed from their revocation record (name and time only): ``config, removed``
+    when ``configured`` is given (the key has left the file), ``config`` when it is ``None`` (not
+    known). ``state`` ``None``: no state store yet (nothing created or revoked): the config's keys only.
+    """
+    revocations = state.config_revocations() if state is not None else {}
+    listed: list[ListedKey] = []
+    seen: set[str] = set()
+    for key in configured or ():
+        digest = key.key_sha256.lower()
+        seen.add(digest)
+        revoked = revocations.get(digest)
+        at = revoked[1] if revoked is not None else None
+        listed.append(ListedKey(key.name, "config", key.team, key.project, key.role, None, key.expires_at, at))
+    source = "config" if configured is None else "config, removed"
+    for digest, (name, at) in sorted(revocations.items(), key=lambda item: item[1][1]):
+        if digest not in seen:
+            listed.append(ListedKey(name or "vk-" + digest[:12], source, None, None, "-", None, None, at))
+    for stored in state.keys() if state is not None else ():
+        listed.append(
+            ListedKey(
+                stored.name, "stored", stored.team, stored.project, stored.role,
+                stored.created_at, stored.expires_at, stored.revoked_at,
+            )
+        )  # fmt: skip
+    return listed

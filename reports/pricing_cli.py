@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import datetime as dt
+import difflib
 import json
 import sys
 from collections.abc import Callable
@@ -111,10 +112,15 @@ def pricing() -> None:
 def show(config: str | None, prices: tuple[str, ...], model: str, provider: str | None, at_text: str | None) -> None:
     """Show the price that applies to MODEL, its rules, source and history."""
     catalog, _ = load_configured_catalog(config, prices)
-    at = parse_when(at_text, ZoneInfo("UTC")) if at_text else dt.datetime.now(dt.UTC)
+    at = parse_when(at_text, ZoneInfo("UTC"), hint="--at") if at_text else dt.datetime.now(dt.UTC)
     resolution = catalog.resolve(model, provider, at)
     if resolution is None:
-        raise click.ClickException(f"no price for {model!r}" + (f" at provider {provider!r}" if provider else ""))
+        names = sorted({entry.model for entry in catalog.entries.values()})
+        close = difflib.get_close_matches(model, names, n=1, cutoff=0.8)  # as `config check` suggests
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise click.ClickException(
+            f"no price for {model!r}" + (f" at provider {provider!r}" if provider else "") + hint
+        )
     entry = resolution.entry
     console = _console()
     console.print(
@@ -297,10 +303,17 @@ def import_command(
     source_file: str, fmt: str, providers: str | None, source_url: str, checked: str | None, output: str
 ) -> None:
     """Convert SOURCE_FILE into a tokenward price file (add it to pricing.files to use it)."""
-    day = dt.date.fromisoformat(checked) if checked else dt.datetime.now(dt.UTC).date()
+    try:
+        day = dt.date.fromisoformat(checked) if checked else dt.datetime.now(dt.UTC).date()
+    except ValueError:
+        raise click.BadParameter(f"{checked!r} is not a date like 2026-12-01", param_hint="--checked") from None
     try:
         if fmt == "litellm":
-            data = json.loads(Path(source_file).read_text(encoding="utf-8"))
+            text = Path(source_file).read_text(encoding="utf-8")
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"not JSON ({exc}): LiteLLM's model_prices_and_context_window.json is") from None
             wanted = [p.strip() for p in providers.split(",")] if providers else None
             entries = from_litellm(data, source=source_url, checked=day, providers=wanted)
         else:

@@ -12,6 +12,7 @@ Calendar groupings (``day``) use the given IANA time zone; stored times are UTC.
 from __future__ import annotations
 
 import datetime as dt
+import difflib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
@@ -166,8 +167,9 @@ class Selection:
             if bound is not None and bound.tzinfo is None:
                 raise ValueError("since/until must be timezone-aware")
         for name in self.filters:
-            if canonical(name) in TIME_DIMENSIONS:
+            if ALIASES.get(name.lower(), name.lower()) in TIME_DIMENSIONS:
                 raise ValueError(f"filter on {name!r}: use --since/--until for time")
+            canonical(name, "filter")
 
     def where(self, extra: str | None = None) -> tuple[str, dict[str, Any]]:
         """The SQL condition (`` WHERE ...`` or empty, with ``extra`` ANDed in) and its parameters."""
@@ -179,7 +181,7 @@ class Selection:
             clauses.append("started_at < $until")
             params["until"] = self.until
         for i, (name, values) in enumerate(sorted(self.filters.items())):
-            dimension = canonical(name)
+            dimension = canonical(name, "filter")
             params[f"f{i}"] = plain_models(values) if dimension == "model" else list(values)
             if dimension == "tag":  # "(none)", as --by tag shows it, keeps the untagged rows
                 untagged = " OR len(coalesce(tags, [])) = 0" if "(none)" in values else ""
@@ -267,16 +269,28 @@ def model_condition(names: str, bare: str) -> str:
     return f"(list_has_any({names}, [{', '.join(columns + stripped)}]) OR list_has_any({bare}, [{', '.join(columns)}]))"
 
 
-def canonical(name: str) -> str:
-    """The dimension called ``name`` (aliases resolved).
+def canonical(name: str, use: str = "grouping") -> str:
+    """The dimension called ``name`` (aliases resolved; case ignored).
+
+    Args:
+        name: a dimension or alias, as typed (``team``, ``user``).
+        use: ``grouping`` (``--by``) or ``filter`` (``--where``): what the error calls the name,
+            and which names it offers (a filter takes no calendar dimension: time is ``--since``/``--until``).
 
     Raises:
-        ValueError: not a dimension.
+        ValueError: not a dimension: ``unknown filter 'tem' (did you mean 'team'?); filter on key,
+            team, ...``, the close name offered when there is one.
     """
-    dimension = ALIASES.get(name, name)
-    if dimension not in DIMENSIONS:
-        raise ValueError(f"unknown grouping {name!r}; choose from {', '.join(DIMENSIONS)}")
-    return dimension
+    dimension = ALIASES.get(name.lower(), name.lower())
+    if dimension in DIMENSIONS:
+        return dimension
+    choices = [d for d in DIMENSIONS if use != "filter" or d not in TIME_DIMENSIONS]
+    names = choices + [alias for alias, d in ALIASES.items() if d in choices]
+    close = difflib.get_close_matches(name.lower(), names, n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    if use == "filter":
+        raise ValueError(f"unknown filter {name!r}{hint}; filter on {', '.join(choices)} (time: --since/--until)")
+    raise ValueError(f"unknown {use} {name!r}{hint}; choose from {', '.join(choices)}")
 
 
 def spend(

@@ -118,7 +118,7 @@ def report(
       tokenward report --since 30d --by day,model --html spend.html
     """  # noqa: D301 - "\b" is click's "keep these lines as they are" mark
     zone = zone_named(tz)
-    now = (parse_when(at_text, zone) if at_text else None) or dt.datetime.now(dt.UTC)
+    now = (parse_when(at_text, zone, hint="--at") if at_text else None) or dt.datetime.now(dt.UTC)
     if fmt == "parquet" and not output:
         raise click.UsageError("--format parquet needs --output FILE")
     if forecast and period is None:
@@ -136,18 +136,24 @@ def report(
             calendar = views.calendar_range(period, tz, now)
             start, end = calendar.since, calendar.until
         else:
-            start, end = parse_when(since, zone, now), parse_when(until, zone, now)
+            start, end = parse_when(since, zone, now, hint="--since"), parse_when(until, zone, now, hint="--until")
         if start is not None and end is not None and start >= end:
             raise click.UsageError(f"--since ({start.isoformat()}) must come before --until ({end.isoformat()})")
         if forecast and (calendar is None or not calendar.to_date):
             raise click.UsageError("--forecast needs a period under way: --period today, this-week or this-month")
         default = "key" if top else ("model" if compare else "model,day")
-        dims = [queries.canonical(d.strip()) for d in (by or default).split(",") if d.strip()]
+        try:
+            dims = [queries.canonical(d.strip()) for d in (by or default).split(",") if d.strip()]
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--by") from exc
         if compare and start is None:
             raise click.UsageError("--compare needs a range to compare: --period or --since")
         if compare and any(d in queries.TIME_DIMENSIONS for d in dims):
             raise click.UsageError("--compare matches groups across periods: group by something other than time")
-        selection = queries.Selection(start, end, _filters(where), tz)
+        try:
+            selection = queries.Selection(start, end, _filters(where), tz)
+        except ValueError as exc:  # an unknown filter, or one on time
+            raise click.BadParameter(str(exc), param_hint="--where") from exc
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from exc
     conn = open_read_only(db, config, wait)

@@ -148,6 +148,13 @@ def test_other_openai_paths_are_not_forwarded(proxy, upstream, path):
     upstream.script = lambda head, body: azure_reply(False)
     reply = httpx.post(proxy.url + path + f"?api-version={API_VERSION}", json={"model": "x"}, headers={"api-key": "k"})
     assert reply.status_code == 404
+    # before: "... the OpenAI-compatible API is under /v1.", as if the deployment URLs did not exist
+    assert reply.json()["error"]["message"] == (
+        f"Unknown path {path}: under /openai/ tokenward serves Azure OpenAI's API: a POST to a deployment's "
+        "model endpoints (/openai/deployments/{deployment}/chat/completions, /completions, /embeddings, "
+        "/images/... and /audio/...) and the OpenAI API's other paths with ?api-version= (/openai/responses, "
+        "/openai/files, /openai/batches, ...) or under /openai/v1/; Anthropic's paths are not Azure's."
+    )
     assert upstream.requests == []
 
 

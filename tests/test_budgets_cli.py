@@ -232,3 +232,95 @@ def test_keys_created_on_the_command_line_work_in_the_running_proxy(start_proxy,
     assert duplicate.exit_code == 1 and "a key named 'bot' was revoked" in duplicate.output
     empty = CliRunner().invoke(main, ["keys", "create", " ", "--db", db])
     assert empty.exit_code == 1 and "a key needs a name" in empty.output
+
+
+KEYS_CONFIG = """\
+upstreams: [{name: a, base_url: "http://upstream.invalid"}]
+auth: {mode: virtual_keys}
+ledger: {path: l.duckdb}
+virtual_keys:
+  - {name: demo, key: tw-demo-0001, team: web}
+  - {name: ci, key: tw-ci-0001, expires: 2026-01-31}
+  - {name: gone, key: tw-gone-0001}
+"""
+
+
+def test_keys_list_shows_config_keys_revoked_ones_included_and_fits_80_columns(tmp_path):
+    """Before: `keys list` showed stored keys only (a revoked config key nowhere), and cut its nine columns at 80."""
+    from tokenward.reports.keys import create_key, revoke_key
+
+    config = tmp_path / "c.yaml"
+    config.write_text(KEYS_CONFIG)
+    # no ledger yet: the file's keys are listed all the same (before: "no ledger at ... yet")
+    fresh = invoke("keys", "list", "--config", str(config), columns=80)
+    assert [line for line in fresh.splitlines() if not line.startswith(" ")] == ["demo: live", "ci: expired", "gone: live"]
+    typo = CliRunner().invoke(main, ["keys", "list", "--config", str(config), "--db", str(tmp_path / "typo.duckdb")])
+    assert typo.exit_code == 1 and "no ledger at" in typo.output  # a --db that is not there is still refused
+    state = DuckLedger(tmp_path / "l.duckdb").state
+    at = dt.datetime(2026, 11, 20, 9, 15, tzinfo=dt.UTC)
+    revoke_key(state, "gone", now=at, configured={"gone": hashlib.sha256(b"tw-gone-0001").hexdigest()})
+    create_key(state, "bot", team="ops", project="triage", now=at, expires_at=dt.datetime(2027, 1, 31, tzinfo=dt.UTC))
+    narrow = invoke("keys", "list", "--config", str(config), columns=80)
+    assert max(len(line) for line in narrow.splitlines()) <= 80
+    month = f"{dt.datetime.now(dt.UTC):%Y-%m}"
+    assert narrow.splitlines() == [
+        "demo: live",
+        "  from      config",
+        "  team      web",
+        "  project   -",
+        "  role      user",
+        "  created   -",
+        "  expires   never",
+        f"  spent     $0.0000 in {month}",
+        "ci: expired",
+        "  from      config",
+        "  team      -",
+        "  project   -",
+        "  role      user",
+        "  created   -",
+        "  expires   2026-01-31 00:00 UTC",
+        f"  spent     $0.0000 in {month}",
+        "gone: revoked 2026-11-20 09:15 UTC",
+        "  from      config",
+        "  team      -",
+        "  project   -",
+        "  role      user",
+        "  created   -",
+        "  expires   never",
+        f"  spent     $0.0000 in {month}",
+        "bot: live",
+        "  from      stored",
+        "  team      ops",
+        "  project   triage",
+        "  role      user",
+        "  created   2026-11-20 09:15 UTC",
+        "  expires   2027-01-31 00:00 UTC",
+        f"  spent     $0.0000 in {month}",
+    ]
+    config.write_text(KEYS_CONFIG.replace("  - {name: gone, key: tw-gone-0001}\n", ""))  # taken out of the file
+    wide = invoke("keys", "list", "--config", str(config), columns=200)
+    gone = next(line for line in wide.splitlines() if "gone" in line)
+    assert "config, removed" in gone and "revoked 2026-11-20 09:15 UTC" in gone
+    assert "…" not in wide and "ops" in next(line for line in wide.splitlines() if "bot" in line)
+    bare = invoke("keys", "list", "--db", str(tmp_path / "l.duckdb"), columns=200)  # without --config: the record
+    assert [line.split("│")[1].strip() for line in bare.splitlines() if "│" in line] == ["gone", "bot"]
+
+
+def test_revoking_a_key_twice_or_one_that_is_not_there_says_which(tmp_path):
+    """Before: "no live key named 'demo'" for a key revoked a minute ago, as for a typo."""
+    config = tmp_path / "c.yaml"
+    config.write_text(KEYS_CONFIG)
+
+    def revoke(*args: str) -> str:
+        result = CliRunner().invoke(main, ["keys", "revoke", *args])
+        assert result.exit_code == (0 if result.output.startswith("key ") and "already" not in result.output else 1)
+        return result.output
+
+    assert revoke("demo", "--config", str(config)) == "key 'demo' revoked\n"
+    again = revoke("demo", "--config", str(config))
+    assert again.startswith("Error: key 'demo' was revoked already, at ") and again.endswith(" UTC\n")
+    assert revoke("demoo", "--config", str(config)) == (
+        f"Error: no key named 'demoo': neither stored nor in {config}'s virtual_keys\n"
+    )
+    db = str(tmp_path / "l.duckdb")
+    assert revoke("demo", "--db", db) == "Error: no stored key named 'demo' (a key of the config file: add --config FILE)\n"

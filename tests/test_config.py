@@ -95,6 +95,9 @@ def test_the_example_configs_commented_budgets_guard_and_alerts_are_valid(tmp_pa
         (f"{UP}server: {{port: 86540}}", "Expected `int` <= 65535 - at `$.server.port`"),
         (f"{UP}server: {{port: 0}}", "Expected `int` >= 1 - at `$.server.port`"),
         (f"{UP}server: {{drain_after_disconnect_s: -1}}", "$.server.drain_after_disconnect_s"),
+        (f"{UP}server: {{shutdown_grace_s: -1}}", "Expected `float` >= 0.0 - at `$.server.shutdown_grace_s`"),
+        (f"{UP}server: {{shutdown_grace_s: 7200}}", "Expected `float` <= 3600.0 - at `$.server.shutdown_grace_s`"),
+        (f"{UP}server: {{shutdown_grace: 5}}", "did you mean `shutdown_grace_s`?"),
         (
             f"{UP}virtual_keys: [{{name: a, key: tw-same}}, {{name: b, key: tw-same}}]",
             "virtual keys 'a' and 'b' have the same key - at `$.virtual_keys[1]`",

@@ -8,9 +8,10 @@ import time
 import uuid
 from decimal import Decimal
 
+import anthropic
 import httpx
+import openai
 
-from tokenward.proxy import server
 from tokenward.proxy.simulator import FAULT_HEADER
 
 from .conftest import read_rows
@@ -61,11 +62,10 @@ def test_sighup_is_logged_and_ignored_while_a_stream_is_open(tmp_path):
     assert [r["cost_usd"] for r in rows] == [COST, COST]
 
 
-def test_a_stream_still_open_when_the_stop_grace_runs_out_is_recorded_interrupted(start_proxy, monkeypatch):
-    # SIGTERM waits SHUTDOWN_GRACE_S (30 s) for requests in flight, then cancels them; such a row said
-    # `proxy_error` ("relay failed: CancelledError"), as if tokenward had a bug, instead of `interrupted`
-    monkeypatch.setattr(server, "SHUTDOWN_GRACE_S", 0.5)
-    proxy = start_proxy()
+def test_a_stream_still_open_when_the_stop_grace_runs_out_is_recorded_interrupted(start_proxy):
+    # SIGTERM waits server.shutdown_grace_s (30 s) for requests in flight, then cancels them; such a row
+    # said `proxy_error` ("relay failed: CancelledError"), as if tokenward had a bug, instead of `interrupted`
+    proxy = start_proxy(server={"shutdown_grace_s": 0.5})
     events: list[bytes] = []
     cut: list[BaseException] = []
     first = threading.Event()
@@ -101,28 +101,65 @@ def test_a_stream_still_open_when_the_stop_grace_runs_out_is_recorded_interrupte
     assert row["cost_usd"] == (8 * Decimal("0.15") + row["output_tokens"] * Decimal("0.60")) / 10**6
 
 
-def test_a_request_still_at_the_upstream_when_the_stop_grace_runs_out_is_recorded_interrupted(
-    start_proxy, simulator, monkeypatch
+def test_a_request_still_at_the_upstream_when_the_stop_grace_runs_out_gets_a_json_503_in_its_dialect(
+    start_proxy, simulator
 ):
-    monkeypatch.setattr(server, "SHUTDOWN_GRACE_S", 0.5)
-    proxy = start_proxy()
+    # before: the grace was a constant 30 s, and a request cancelled at its end got uvicorn's
+    # plain-text 500 "Internal Server Error" (which no SDK can read); its row was right already
+    proxy = start_proxy(server={"shutdown_grace_s": 0.5})
+    errors: dict[str, Exception] = {}
+    markers = {"openai": uuid.uuid4().hex, "anthropic": uuid.uuid4().hex}
 
-    def ask() -> None:
-        body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
-        headers = {"authorization": "Bearer sk-client", FAULT_HEADER: "wait:20000", "x-hangup-test": marker}
-        # the client gets uvicorn's plain-text 500 (the request was cancelled before any reply)
-        httpx.post(f"{proxy.url}/v1/chat/completions", json=body, headers=headers, timeout=60)
+    def ask_openai() -> None:
+        client = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="sk-client", max_retries=0, timeout=60)
+        headers = {FAULT_HEADER: "wait:20000", "x-hangup-test": markers["openai"]}
+        try:
+            client.chat.completions.create(
+                model="gpt-4o-mini", messages=[{"role": "user", "content": "hi"}], max_tokens=5, extra_headers=headers
+            )
+        except Exception as exc:
+            errors["openai"] = exc
 
-    marker = uuid.uuid4().hex  # the simulator keeps its last 1,000 requests: their count stops growing
-    client = threading.Thread(target=ask)
-    client.start()
+    def ask_anthropic() -> None:
+        client = anthropic.Anthropic(base_url=proxy.url, api_key="sk-ant-client", max_retries=0, timeout=60)
+        headers = {FAULT_HEADER: "wait:20000", "x-hangup-test": markers["anthropic"]}
+        try:
+            client.messages.create(
+                model="claude-sonnet-4-5", max_tokens=5, messages=[{"role": "user", "content": "hi"}], extra_headers=headers
+            )
+        except Exception as exc:
+            errors["anthropic"] = exc
+
+    clients = [threading.Thread(target=ask_openai), threading.Thread(target=ask_anthropic)]
+    for client in clients:
+        client.start()
     deadline = time.monotonic() + 30
-    # at the simulator now, which holds it 20 s
-    while not any(r["headers"].get("x-hangup-test") == marker for r in list(simulator.simulator.requests)):
+    # both at the simulator now, which holds them 20 s
+    while not set(markers.values()) <= {r["headers"].get("x-hangup-test") for r in list(simulator.simulator.requests)}:
         assert time.monotonic() < deadline
         time.sleep(0.02)
+    stopped = time.monotonic()
     start_proxy.stop_all()
-    client.join(30)
-    [row] = read_rows(proxy.ledger)
-    assert (row["outcome"], row["price_status"]) == ("interrupted", "usage_unknown"), row["error"]
-    assert row["error"].startswith("tokenward shut down while the request was in flight")
+    for client in clients:
+        client.join(30)
+    assert time.monotonic() - stopped < 10  # the configured 0.5 s grace, not 30 s nor the upstream's 20 s
+    said = (
+        "tokenward shut down before the upstream's reply arrived (the stop's grace period, "
+        "server.shutdown_grace_s, ran out); the provider may still bill this request."
+    )
+    oai = errors["openai"]
+    assert isinstance(oai, openai.InternalServerError) and oai.status_code == 503
+    assert oai.response.headers["content-type"] == "application/json"
+    assert oai.body == {"message": said, "type": "server_error", "param": None, "code": "shutting_down"}
+    ant = errors["anthropic"]
+    assert isinstance(ant, anthropic.InternalServerError) and ant.status_code == 503
+    assert ant.body == {
+        "type": "error",
+        "error": {"type": "api_error", "message": said, "param": None, "code": "shutting_down"},
+    }
+    rows = sorted(read_rows(proxy.ledger), key=lambda r: r["endpoint"])
+    assert [(r["endpoint"], r["outcome"], r["price_status"]) for r in rows] == [
+        ("anthropic_messages", "interrupted", "usage_unknown"),
+        ("chat_completions", "interrupted", "usage_unknown"),
+    ], [r["error"] for r in rows]
+    assert all(r["error"].startswith("tokenward shut down while the request was in flight") for r in rows)

@@ -136,6 +136,28 @@ def test_budget_gauges_and_alert_delivery_failures(start_proxy, simulator):
     assert sample_value(text, 'tokenward_budget_remaining_usd{budget="tiny"}') == 0.00008
 
 
+def test_per_user_budgets_are_exported_the_most_spent_first_and_counted(start_proxy, monkeypatch):
+    """Before: a template's per-user budgets (``chat-user[alice]``) were nowhere in /metrics."""
+    from tokenward.proxy import metrics
+
+    monkeypatch.setattr(metrics, "PER_VALUE_SERIES", 2)  # 20 by default: the cap, at a size a test can pass
+    template = BudgetSettings(name="chat-user", per="end_user", limit_usd=Decimal("0.01"), period="total")
+    proxy = start_proxy(budgets=[template])
+    for user in ("alice", "alice", "carol", "bob"):
+        headers = {RECORD_HEADER: CHAT, "x-tokenward-user": user}
+        assert httpx.post(f"{proxy.url}/v1/chat/completions", json=CHAT_BODY, headers=headers).status_code == 200
+    proxy.rows(4)
+    text = httpx.get(f"{proxy.url}/metrics").text
+    # gpt-4o, each request $0.00012: alice $0.00024 of $0.01; bob and carol $0.00012 each, bob first by name
+    assert sample_value(text, 'tokenward_budget_instances{budget="chat-user"}') == 3
+    assert sample_value(text, 'tokenward_budget_spend_usd{budget="chat-user[alice]"}') == 0.00024
+    assert sample_value(text, 'tokenward_budget_limit_usd{budget="chat-user[alice]"}') == 0.01
+    assert sample_value(text, 'tokenward_budget_reserved_usd{budget="chat-user[alice]"}') == 0
+    assert sample_value(text, 'tokenward_budget_remaining_usd{budget="chat-user[alice]"}') == 0.00976
+    assert sample_value(text, 'tokenward_budget_spend_usd{budget="chat-user[bob]"}') == 0.00012
+    assert "chat-user[carol]" not in text  # past the cap: counted in tokenward_budget_instances only
+
+
 def test_model_labels_are_capped_so_a_key_holder_cannot_grow_metrics_without_end(start_proxy, monkeypatch):
     """An OpenAI-compatible upstream that serves whatever model it is asked for (vLLM, Ollama, a router
     answering with the name it was sent) makes the client choose every row's model: each new name was a

@@ -104,3 +104,55 @@ def test_config_defaults():
         "POST responses/input_tokens",
     ]
     assert auth.attribution == AttributionSettings()
+
+
+EXPIRING = """\
+upstreams: [{{name: sim, base_url: "{url}/openai/v1", provider: openai, api_key_env: SIM_UPSTREAM_KEY}}]
+auth: {{mode: virtual_keys}}
+virtual_keys:
+  - {{name: ci, key: tw-ci-key-0001, expires: 2020-01-01}}                          # a date: midnight UTC
+  - {{name: contractor, key: tw-contractor-0001, expires: "2099-01-31T18:00:00+01:00"}}
+  - {{name: ops, key: tw-ops-admin-0001, role: admin, expires: 2020-06-01T09:30:00+02:00}}
+"""
+
+
+def test_config_keys_expire_with_a_401_key_expired_and_its_row(start_proxy, simulator, tmp_path, monkeypatch):
+    """Before: a config key had no ``expires`` (unknown field); only ``keys create --expires`` keys could expire."""
+    import hashlib
+
+    import httpx
+    import openai
+
+    monkeypatch.setenv("SIM_UPSTREAM_KEY", "sk-upstream")
+    path = tmp_path / "c.yaml"
+    path.write_text(EXPIRING.format(url=simulator.url))
+    config = load_config(path)
+    proxy = start_proxy(upstreams=config.upstreams, auth="virtual_keys", keys=config.virtual_keys)
+
+    def ask(key: str):
+        client = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key=key, max_retries=0)
+        return client.chat.completions.create(model="gpt-4o-mini", messages=[{"role": "user", "content": "hi"}])
+
+    assert ask("tw-contractor-0001").usage.prompt_tokens == 8  # not expired: served
+    with pytest.raises(openai.AuthenticationError) as info:
+        ask("tw-ci-key-0001")
+    assert info.value.status_code == 401 and info.value.body == {
+        "message": "The tokenward virtual key 'ci' expired at 2020-01-01T00:00:00+00:00: ask your admin for a new one.",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "key_expired",
+    }
+    # an expired admin key opens neither /metrics nor the dashboard's API (it did, for stored keys too)
+    metrics = httpx.get(f"{proxy.url}/metrics", headers={"authorization": "Bearer tw-ops-admin-0001"})
+    assert metrics.status_code == 401
+    with pytest.raises(openai.AuthenticationError) as admin:
+        ask("tw-ops-admin-0001")
+    assert "'ops' expired at 2020-06-01T09:30:00+02:00" in admin.value.body["message"]
+    rows = sorted(proxy.rows(expect=3), key=lambda r: r["started_at"])  # /metrics has no row
+    # each refusal's row names the expired key (before: "anonymous", as for a key nobody knows)
+    assert [(r["principal"], r["key_id"], r["http_status"], r["outcome"], r["upstream"]) for r in rows] == [
+        ("contractor", "vk-" + hashlib.sha256(b"tw-contractor-0001").hexdigest()[:12], 200, "ok", "sim"),
+        ("ci", "vk-" + hashlib.sha256(b"tw-ci-key-0001").hexdigest()[:12], 401, "unauthorized", None),
+        ("ops", "vk-" + hashlib.sha256(b"tw-ops-admin-0001").hexdigest()[:12], 401, "unauthorized", None),
+    ]
+    assert "'ci' expired at" in rows[1]["error"] and "'ops' expired at" in rows[2]["error"]

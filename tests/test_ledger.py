@@ -245,3 +245,43 @@ def test_a_move_that_failed_after_its_rows_were_in_the_file_does_not_double_them
     ids = conn.execute("SELECT request_id FROM requests ORDER BY request_id").fetchall()
     conn.close()
     assert ids == [("a",), ("b",)]
+
+
+def test_an_earlier_versions_keys_claims_and_deliveries_are_moved_once_and_logged_by_kind(tmp_path, caplog):
+    """Before: "moved 5 keys, alert claims and deliveries" for 2 keys, 1 claim and 2 deliveries."""
+    import datetime as dt
+    import logging
+
+    from tokenward.proxy.startup import import_legacy_state
+    from tokenward.reports.ledger.state import AlertKey
+
+    path = tmp_path / "l.duckdb"
+    at = dt.datetime(2026, 11, 1, 9, tzinfo=dt.UTC)
+    conn = open_ledger(path)  # the tables earlier versions wrote (migration m003 still makes them)
+    conn.execute(
+        "INSERT INTO virtual_keys VALUES ('ci', 'a' || repeat('0', 63), 'ml', NULL, $1, NULL), "
+        "('old', 'b' || repeat('0', 63), NULL, NULL, $1, $1)",
+        [at],
+    )
+    conn.execute("INSERT INTO budget_alerts VALUES ('monthly', $1, 'threshold', 50, $1, 'sent', 1, NULL, '{}')", [at])
+    conn.execute(  # one mail to two addresses was one row then
+        "INSERT INTO alert_deliveries VALUES ('monthly', $1, 'threshold', 50, 'email', 'a@x.org,b@x.org', $1, true, 1, NULL)",
+        [at],
+    )
+    conn.close()
+    ledger = DuckLedger(path)
+    ledger.use_mover()  # as a serving proxy does: the DuckDB read happens in the mover child
+    try:
+        with caplog.at_level(logging.INFO, logger="tokenward.proxy"):
+            import_legacy_state(ledger)
+            import_legacy_state(ledger)  # once only
+    finally:
+        ledger.close()
+    moved = [r.getMessage() for r in caplog.records if r.getMessage().startswith("moved ")]
+    assert moved == [
+        f"moved 2 stored keys, 1 alert claim and 2 alert deliveries from the ledger file into the state store "
+        f"{ledger.state.path}"
+    ]
+    assert sorted((k.name, k.revoked_at is not None) for k in ledger.state.keys()) == [("ci", False), ("old", True)]
+    key = AlertKey("monthly", at, "threshold", 50)
+    assert sorted(d.target for d in ledger.state.deliveries(key)) == ["a@x.org", "b@x.org"]

@@ -173,6 +173,8 @@ def test_state_claims_are_unique_across_processes(tmp_path, pg_url):
     ends = T0 + dt.timedelta(days=30)  # a key made with --expires: the expiry is kept (m014)
     second.create_key("contractor", "ef" * 32, team=None, project=None, role="user", now=T0, expires_at=ends)
     assert [(k.name, k.expires_at) for k in first.keys()] == [("ci", None), ("contractor", ends)]
+    assert second.revoke("demo", "0F" * 32, T0)  # a config key (keys revoke NAME --config): keys list shows it
+    assert first.config_revocations() == {"0f" * 32: ("demo", T0)}
     first.record_objects([("file-1", "file", "vk-1", T0), ("file-1", "file", "vk-2", T0)])
     assert second.owners(["file-1", "file-2"]) == {"file-1": "vk-1"}
     assert second.owned("vk-1", "file") == {"file-1"}

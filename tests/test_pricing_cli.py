@@ -130,11 +130,31 @@ def test_import_command_writes_a_loadable_price_file(tmp_path):
     assert (entry.rates.input, entry.rates.output) == (Decimal("2"), Decimal("8"))
 
 
+def test_import_command_refuses_a_bad_date_or_a_file_that_is_no_json_in_one_line(tmp_path):
+    out = tmp_path / "mine.yaml"
+    base = ["pricing", "import", str(EXCERPT), "--format", "litellm", "--source", SOURCE, "-o", str(out)]
+    when = CliRunner().invoke(main, [*base, "--checked", "yesterday"])  # before: a ValueError traceback
+    assert when.exit_code == 2 and when.output.endswith(
+        "Error: Invalid value for --checked: 'yesterday' is not a date like 2026-12-01\n"
+    )
+    sheet = tmp_path / "prices.csv"
+    sheet.write_text("provider,model,component,unit,price\n")
+    wrong = CliRunner().invoke(main, ["pricing", "import", str(sheet), "--format", "litellm", "--source", SOURCE, "-o", str(out)])
+    assert wrong.exit_code == 1 and wrong.output == (
+        f"Error: cannot import {sheet}: not JSON (Expecting value: line 1 column 1 (char 0)): "
+        "LiteLLM's model_prices_and_context_window.json is\n"
+    )
+    assert not out.exists()
+
+
 def test_show_names_the_entry_rules_and_source():
     result = CliRunner().invoke(main, ["pricing", "show", "qwen3-max", "--provider", "qwen"], catch_exceptions=False)
     assert "qwen/qwen3-max" in result.output and "context>32000" in result.output and "source:" in result.output
     missing = CliRunner().invoke(main, ["pricing", "show", "nothing-like-it-9"])
     assert missing.exit_code != 0 and "no price for 'nothing-like-it-9'" in missing.output
+    assert "did you mean" not in missing.output
+    typo = CliRunner().invoke(main, ["pricing", "show", "gpt-4o-mnii"])  # before: no hint, as `config check` gives
+    assert typo.exit_code == 1 and typo.output == "Error: no price for 'gpt-4o-mnii' (did you mean 'gpt-4o-mini'?)\n"
 
 
 @pytest.fixture

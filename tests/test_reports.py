@@ -367,6 +367,31 @@ def test_attribution_groupings_and_filters(ledger):
     assert worse.exit_code == 2 and "unknown grouping 'colour'" in worse.output
 
 
+def test_a_misspelt_filter_is_called_a_filter_with_the_close_name_and_the_valid_ones(ledger):
+    # before: "Invalid value: unknown grouping 'tem'; choose from hour, day, week, month, key, ..."
+    typo = CliRunner().invoke(main, ["report", "--db", str(ledger), "--where", "tem=eng"])
+    assert typo.exit_code == 2 and typo.output.endswith(
+        "Error: Invalid value for --where: unknown filter 'tem' (did you mean 'team'?); filter on key, team, "
+        "project, end_user, model, provider, upstream, endpoint, tag, session, outcome (time: --since/--until)\n"
+    )
+    far = CliRunner().invoke(main, ["report", "--db", str(ledger), "--where", "colour=red"])
+    assert far.exit_code == 2 and "Invalid value for --where: unknown filter 'colour'; filter on key, team" in far.output
+    grouping = CliRunner().invoke(main, ["report", "--db", str(ledger), "--by", "modl"])
+    assert grouping.exit_code == 2 and "Invalid value for --by: unknown grouping 'modl' (did you mean 'model'?)" in (
+        grouping.output
+    )
+    # a bad time names its option (before: "Invalid value: 'yesterday' is not a date, ...")
+    when = CliRunner().invoke(main, ["report", "--db", str(ledger), "--since", "yesterday"])
+    assert when.exit_code == 2 and "Invalid value for --since: 'yesterday' is not a date, datetime or duration" in (
+        when.output
+    )
+    expiry = CliRunner().invoke(main, ["keys", "create", "ci", "--db", str(ledger), "--expires", "soon"])
+    assert expiry.exit_code == 2 and "Invalid value for --expires: 'soon' is not a date" in expiry.output
+    # a filter named in another case, or by an alias, is the dimension: research's 4 requests
+    rows = report(ledger, *NOVEMBER, "--by", "team", "--where", "Team=research")
+    assert [(r["team"], r["requests"]) for r in rows] == [("research", 4)]
+
+
 def test_top_spenders(ledger):
     top = report(ledger, *NOVEMBER, "--top", "2")  # --by key by default
     assert [(r["key"], r["cost_usd"]) for r in top] == [("alice", "0.045000000000"), ("bob", "0.024500000000")]

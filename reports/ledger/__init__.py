@@ -61,6 +61,7 @@ if TYPE_CHECKING:
     import duckdb
 
     from tokenward.reports.ledger.duck import open_ledger
+    from tokenward.reports.ledger.legacy import Imported
     from tokenward.reports.ledger.mover import Mover
 
 log = logging.getLogger("tokenward.ledger")
@@ -157,7 +158,7 @@ class DuckLedger:
         self._migrated_file = _identity(self.path)
         return applied
 
-    def import_legacy(self) -> int:
+    def import_legacy(self) -> Imported:
         """Copy an earlier version's keys and alert claims from the file into :attr:`state` (in the mover if set).
 
         Raises:

@@ -11,26 +11,55 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+from typing import NamedTuple
 
 import duckdb
 
 from tokenward.reports.ledger.state import AlertKey, DeliveryRecord, SqliteState
 
-__all__ = ["import_legacy_state"]
+__all__ = ["Imported", "import_legacy_state"]
 
 _DONE = "imported_duckdb_state"
 
 
-def import_legacy_state(conn: duckdb.DuckDBPyConnection, state: SqliteState) -> int:
+class Imported(NamedTuple):
+    """What :func:`import_legacy_state` copied, by kind (each a count of rows in the state store)."""
+
+    keys: int = 0
+    alert_claims: int = 0
+    deliveries: int = 0
+
+    @property
+    def total(self) -> int:
+        """Rows copied, every kind together."""
+        return self.keys + self.alert_claims + self.deliveries
+
+    def __str__(self) -> str:
+        """``2 stored keys, 1 alert claim and 0 alert deliveries``: each kind with its own count."""
+        parts = [
+            _count(self.keys, "stored key", "stored keys"),
+            _count(self.alert_claims, "alert claim", "alert claims"),
+            _count(self.deliveries, "alert delivery", "alert deliveries"),
+        ]
+        return f"{parts[0]}, {parts[1]} and {parts[2]}"
+
+
+def _count(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"
+
+
+def import_legacy_state(conn: duckdb.DuckDBPyConnection, state: SqliteState) -> Imported:
     """Copy keys, alert claims and deliveries from the DuckDB ledger behind ``conn`` into ``state`` once.
 
     Returns:
-        The number of rows copied (0 when done before, or when there was nothing).
+        What was copied, by kind (all 0 when done before, or when there was nothing). A key the
+        state store already has under its name is not copied (nor counted); a delivery to several
+        mail addresses, which earlier versions kept as one row, counts once per address.
     """
     if state.meta(_DONE):
-        return 0
+        return Imported()
     tables = {r[0] for r in conn.execute("SELECT table_name FROM information_schema.tables").fetchall()}
-    copied = 0
+    keys = claims = deliveries = 0
     if "virtual_keys" in tables:
         for name, sha, team, project, created, revoked in conn.execute(
             "SELECT name, key_sha256, team, project, created_at, revoked_at FROM virtual_keys"
@@ -41,7 +70,7 @@ def import_legacy_state(conn: duckdb.DuckDBPyConnection, state: SqliteState) -> 
                 continue
             if revoked is not None:
                 state.revoke(name, None, revoked)
-            copied += 1
+            keys += 1
     if "budget_alerts" in tables:
         for budget, start, kind, threshold, created, status, detail in conn.execute(
             "SELECT budget, period_start, kind, threshold, created_at, status, detail FROM budget_alerts"
@@ -51,7 +80,7 @@ def import_legacy_state(conn: duckdb.DuckDBPyConnection, state: SqliteState) -> 
             if state.claim([key], info, created):
                 if status != "pending":
                     state.set_status(key, status)
-                copied += 1
+                claims += 1
     if "alert_deliveries" in tables:
         for budget, start, kind, threshold, channel, target, at, ok, attempts, error in conn.execute(
             "SELECT budget, period_start, kind, threshold, channel, target, attempted_at, ok, attempts, error "
@@ -61,6 +90,6 @@ def import_legacy_state(conn: duckdb.DuckDBPyConnection, state: SqliteState) -> 
                 state.record_delivery(
                     DeliveryRecord(AlertKey(budget, start, kind, int(threshold)), channel, one, ok, attempts, error, at)
                 )
-                copied += 1
+                deliveries += 1
     state.set_meta(_DONE, dt.datetime.now(dt.UTC).isoformat())
-    return copied
+    return Imported(keys, claims, deliveries)

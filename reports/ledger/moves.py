@@ -11,12 +11,16 @@ import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import duckdb
 
 from tokenward.reports.ledger.duck import insert_lines, open_ledger
 from tokenward.reports.ledger.errors import LedgerBusy, LedgerError
 from tokenward.reports.ledger.wal import dead_writers
+
+if TYPE_CHECKING:
+    from tokenward.reports.ledger.legacy import Imported
 
 __all__ = ["import_legacy", "migrate_file", "move_segments"]
 
@@ -112,8 +116,8 @@ def _schema_current(path: str) -> bool:
     return True
 
 
-def import_legacy(path: str, state_path: str) -> int:
-    """Copy an earlier version's keys and alert claims from the file into the state store; how many.
+def import_legacy(path: str, state_path: str) -> Imported:
+    """Copy an earlier version's keys and alert claims from the file into the state store; how many of each.
 
     Raises:
         LedgerError: the file cannot be read now (another process writes it, say).

@@ -230,6 +230,11 @@ class PgState:
         )
         return {sha.lower() for (sha,) in rows}
 
+    def config_revocations(self) -> dict[str, tuple[str | None, dt.datetime]]:
+        """See :meth:`StateStore.config_revocations`."""
+        rows = self._run("SELECT key_sha256, name, revoked_at FROM revoked_keys")
+        return {sha.lower(): (name, at) for sha, name, at in rows}
+
     # -- provider objects --------------------------------------------------------------------
 
     def record_objects(self, objects: Iterable[tuple[str, str, str, dt.datetime]], *, fsync: bool = True) -> None:

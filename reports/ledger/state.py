@@ -159,6 +159,10 @@ class StateStore(Protocol):
         """sha256 of every revoked key (stored and config keys)."""
         ...
 
+    def config_revocations(self) -> dict[str, tuple[str | None, dt.datetime]]:
+        """Config keys revoked (``tokenward keys revoke NAME --config``): sha256 -> (name then, when)."""
+        ...
+
     def record_objects(self, objects: Iterable[tuple[str, str, str, dt.datetime]], *, fsync: bool = True) -> None:
         """Store ``(object_id, kind, key_id, created_at)`` owners (first owner wins), durably once it returns.
 
@@ -488,6 +492,11 @@ class SqliteState:
             "SELECT key_sha256 FROM revoked_keys UNION SELECT key_sha256 FROM virtual_keys WHERE revoked_at IS NOT NULL"
         )
         return {sha.lower() for (sha,) in rows}
+
+    def config_revocations(self) -> dict[str, tuple[str | None, dt.datetime]]:
+        """See :meth:`StateStore.config_revocations`."""
+        rows = self._run("SELECT key_sha256, name, revoked_at FROM revoked_keys")
+        return {sha.lower(): (name, _when(at)) for sha, name, at in rows}
 
     # -- provider objects --------------------------------------------------------------------
 
