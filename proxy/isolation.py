@@ -247,10 +247,12 @@ class Isolation:
 
     Args:
         owners: the owner cache.
+        shared_models: fine-tuned models every key may run and list (``auth.shared_models``).
     """
 
-    def __init__(self, owners: OwnerCache) -> None:
+    def __init__(self, owners: OwnerCache, *, shared_models: frozenset[str] = frozenset()) -> None:
         self.owners = owners
+        self.shared_models = shared_models
 
     def plan(self, found: Target, identity: Identity, anthropic: bool) -> Plan | None:
         """The plan for an unmetered request (``None``: it names, lists and creates no object).
@@ -262,7 +264,7 @@ class Isolation:
         what = access(found.method, found.tail)
         if what is None or (identity.admin and what.capture is None) or (what.models and anthropic):
             return None
-        return Plan(self.owners, what, found, identity, anthropic)
+        return Plan(self.owners, what, found, identity, anthropic, self.shared_models)
 
     async def check_models(self, identity: Identity, models: Iterable[str | None]) -> None:
         """Refuse a metered request asking for a fine-tuned model (or checkpoint) that is not the caller's.
@@ -276,7 +278,7 @@ class Isolation:
         if identity.key_id is None or identity.admin:
             return
         wanted = [Reference("model", name, CHECKPOINT) for name in models if name and fine_tuned(name)]
-        await _require(self.owners, identity.key_id, wanted)
+        await _require(self.owners, identity.key_id, wanted, self.shared_models)
 
     def plan_metered(self, endpoint: str, found: Target, identity: Identity, body: bytes, store: Any) -> Plan | None:
         """The plan for a metered request: record a stored completion's or response's id, check body ids.
@@ -301,11 +303,18 @@ class Isolation:
         checks = not identity.admin and checked and may_reference(endpoint, body)
         if capture is None and not checks:
             return None
-        return Plan(self.owners, Access(None, capture=capture, reads_body=checks), found, identity, False)
+        what = Access(None, capture=capture, reads_body=checks)
+        return Plan(self.owners, what, found, identity, False, self.shared_models)
 
 
-async def _require(owners: OwnerCache, key_id: str, wanted: list[Reference]) -> None:
-    """Refuse the first of ``wanted`` that is not ``key_id``'s (:class:`ObjectNotFound`, :class:`ModelNotFound`)."""
+async def _require(
+    owners: OwnerCache, key_id: str, wanted: list[Reference], shared: frozenset[str] = frozenset()
+) -> None:
+    """Refuse the first of ``wanted`` that is not ``key_id``'s (:class:`ObjectNotFound`, :class:`ModelNotFound`).
+
+    ``shared``: fine-tuned models anyone may name as a ``model`` (``auth.shared_models``).
+    """
+    wanted = [ref for ref in wanted if ref.field != "model" or ref.object_id not in shared]
     if not wanted:
         return
     ids = {ref.object_id for ref in wanted}
@@ -325,11 +334,20 @@ async def _require(owners: OwnerCache, key_id: str, wanted: list[Reference]) -> 
 class Plan:
     """What isolation does for one request: check it (:meth:`check`, :meth:`check_body`), then its :meth:`reply`."""
 
-    __slots__ = ("access", "admin", "anthropic", "found", "key_id", "owners", "page_limit")
+    __slots__ = ("access", "admin", "anthropic", "found", "key_id", "owners", "page_limit", "shared")
 
-    def __init__(self, owners: OwnerCache, what: Access, found: Target, identity: Identity, anthropic: bool) -> None:
+    def __init__(
+        self,
+        owners: OwnerCache,
+        what: Access,
+        found: Target,
+        identity: Identity,
+        anthropic: bool,
+        shared: frozenset[str] = frozenset(),
+    ) -> None:
         assert identity.key_id is not None
         self.owners = owners
+        self.shared = shared
         self.access = what
         self.found = found
         self.key_id = identity.key_id
@@ -369,6 +387,8 @@ class Plan:
             )
         assert what.kind is not None or not what.ids
         wanted = [Reference("path", object_id, what.kind) for object_id in what.ids if what.kind is not None]
+        if self.found.method == "GET" and self.found.tail[:7].lower() == "models/" and what.ids[0] in self.shared:
+            wanted = []  # GET models/{name} of a shared model (its permissions stay its key's)
         if what.lists and what.kind is not None and self.found.query:
             for name, value in parse_qsl(self.found.query, keep_blank_values=True):
                 if value and name.lower() in _CURSORS:  # either dialect's, in any case: an upstream may read any
@@ -487,7 +507,7 @@ class Plan:
             await reply.aclose()
 
     async def _require(self, wanted: list[Reference]) -> None:
-        await _require(self.owners, self.key_id, wanted)
+        await _require(self.owners, self.key_id, wanted, self.shared)
 
     def prepare(self, found: Target, headers: list[tuple[bytes, bytes]]) -> Target:
         """Adjust the outgoing request: an uncompressed reply when it is read, the largest page for a list.
@@ -700,11 +720,8 @@ class Plan:
         data = document["data"]
         tuned = [i["id"] for i in data if isinstance(i, dict) and isinstance(i.get("id"), str) and fine_tuned(i["id"])]
         owners = await self.owners.owners(tuned) if tuned else {}
-        kept = [
-            item
-            for item in data
-            if not (isinstance(item, dict) and item.get("id") in tuned and owners.get(item["id"]) != self.key_id)
-        ]
+        hidden = {name for name in tuned if owners.get(name) != self.key_id and name not in self.shared}
+        kept = [item for item in data if not (isinstance(item, dict) and item.get("id") in hidden)]
         body = json.dumps(dict(document, data=kept), separators=(",", ":"), ensure_ascii=False).encode()
         headers = [(n, v) for n, v in reply.headers if n not in (b"content-length", b"content-encoding")]
         headers.append((b"content-length", str(len(body)).encode()))

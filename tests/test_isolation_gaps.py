@@ -13,12 +13,28 @@ from typing import Any
 
 import anthropic
 import httpx
+import msgspec
 import openai
 import pytest
 
 from tests.conftest import read_rows
 from tests.object_store import ObjectStore
-from tests.test_isolation import ALICE, BOB, CHAT, OPS, SECRET, VK_ALICE, batch_file, gpt, not_found, proxy, upload
+from tests.test_isolation import (
+    ALICE,
+    BOB,
+    CHAT,
+    OPS,
+    SECRET,
+    VK_ALICE,
+    batch_file,
+    config_for,
+    gpt,
+    not_found,
+    proxy,
+    upload,
+)
+from tokenward.proxy.app import create_app
+from tokenward.proxy.server import running_in_thread
 
 
 @pytest.fixture
@@ -282,4 +298,34 @@ def test_a_get_or_delete_to_an_object_carries_no_body(store, tmp_path):
         ("GET", 400, "client_error"),
         ("DELETE", 200, "ok"),
         ("GET", 200, "ok"),
+    ]
+
+
+def test_a_fine_tuned_model_named_in_shared_models_runs_for_every_key(store, tmp_path):
+    """``auth.shared_models``: a model the operator trained for everyone. Every key runs it, lists it and reads it;
+    its permissions stay its job's key's, and a fine-tuned model not named there stays its key's alone."""
+    ledger = tmp_path / "ledger.duckdb"
+    with proxy(store, ledger) as url, gpt(url, ALICE) as alice:
+        shared, own = fine_tune(alice), fine_tune(alice)
+    config = config_for(store, ledger)
+    auth = msgspec.structs.replace(config.auth, shared_models=[shared])
+    said = [{"role": "user", "content": "hi"}]
+    with running_in_thread(create_app(msgspec.structs.replace(config, auth=auth))) as url, gpt(url, BOB) as bob:
+        assert bob.chat.completions.create(model=shared, messages=said).choices[0].message.content == "not stored"
+        assert [m.id for m in bob.models.list()] == ["gpt-4o-mini", shared]
+        assert bob.models.retrieve(shared).id == shared
+        sent = len(store.requests)
+        with pytest.raises(openai.NotFoundError) as info:
+            bob.fine_tuning.checkpoints.permissions.list(shared)
+        assert info.value.body == not_found("Checkpoint", shared)
+        with pytest.raises(openai.NotFoundError) as info:
+            bob.chat.completions.create(model=own, messages=said)
+        assert info.value.body == model_not_found(own) and store.requests[sent:] == []
+    rows = read_rows(ledger)
+    assert [(r["principal"], r["path"], r["http_status"]) for r in rows[-5:]] == [
+        ("bob", "/v1/chat/completions", 200),
+        ("bob", "/v1/models", 200),
+        ("bob", f"/v1/models/{shared}", 200),
+        ("bob", f"/v1/fine_tuning/checkpoints/{shared}/permissions", 404),
+        ("bob", "/v1/chat/completions", 404),
     ]
