@@ -152,7 +152,10 @@ message batches."""
 
 _BY_COLLECTION = {kind.collection: kind for kind in KINDS}
 _BY_NAME = {kind.name: kind for kind in (*KINDS, RESPONSE_ITEM, AUDIO, UPLOAD_PART)}
-_REFERENCING = frozenset({"messages/count_tokens"})  # not objects, but bodies that may name some
+_REFERENCING = frozenset(
+    {"messages/count_tokens", "fine_tuning/alpha/graders/run", "fine_tuning/alpha/graders/validate"}
+)
+"""Not objects, but bodies that may name some: a grader's ``model`` (a fine-tuned one is its key's)."""
 _STREAMED_UPLOADS = {("files", ""), ("uploads", "parts"), ("videos/characters", "")}
 """Multipart uploads (kind, sub-endpoint): streamed through unread; their forms name no object.
 (``containers/{id}/files`` is read: it takes a ``file_id`` to copy, as JSON or as a form field.)"""

@@ -329,3 +329,25 @@ def test_a_fine_tuned_model_named_in_shared_models_runs_for_every_key(store, tmp
         ("bob", f"/v1/fine_tuning/checkpoints/{shared}/permissions", 404),
         ("bob", "/v1/chat/completions", 404),
     ]
+
+
+def test_a_grader_runs_only_the_callers_fine_tuned_model(store, tmp_path):
+    """Before: ``fine_tuning/alpha/graders/run`` (and ``validate``) named no object, so its body went upstream
+    unread and bob's score-model grader ran alice's fine-tuned model. Its body is now checked: 404
+    ``model_not_found``, nothing sent; alice's own grader is forwarded."""
+    ledger = tmp_path / "ledger.duckdb"
+    with proxy(store, ledger) as url, gpt(url, ALICE) as alice:
+        model = fine_tune(alice)
+        grader = {"type": "score_model", "name": "g", "model": model, "input": [{"role": "user", "content": "x"}]}
+        body = {"grader": grader, "model_sample": "an answer"}
+        sent = len(store.requests)
+        for key, path in ((BOB, "run"), (BOB, "validate"), (ALICE, "run")):
+            reply = httpx.post(
+                f"{url}/v1/fine_tuning/alpha/graders/{path}", json=body, headers={"authorization": f"Bearer {key}"}
+            )
+            if key == BOB:
+                assert (reply.status_code, reply.json()["error"]) == (404, model_not_found(model))
+        assert store.requests[sent:] == [("POST", "/v1/fine_tuning/alpha/graders/run")]  # alice's only
+    rows = read_rows(ledger)
+    assert [(r["principal"], r["http_status"]) for r in rows[-3:]] == [("bob", 404), ("bob", 404), ("alice", 404)]
+    assert rows[-1]["error"] != rows[-2]["error"]  # alice's 404 is the store's unknown path, not a refusal

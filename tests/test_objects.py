@@ -90,6 +90,7 @@ def summary(method: str, tail: str) -> tuple[object, ...] | None:
         ("POST", "messages/batches", ("message_batch", (), False, ("message_batch", ("id",), False), True)),
         ("GET", "messages/batches/msgbatch_1/results", ("message_batch", ("msgbatch_1",), False, None, False)),
         ("POST", "messages/count_tokens", (None, (), False, None, True)),
+        ("POST", "fine_tuning/alpha/graders/run", (None, (), False, None, True)),  # a grader's model
         ("POST", "responses/some_new_endpoint", ("response", ("some_new_endpoint",), False, None, True)),  # an id
         ("GET", "models", (None, (), False, None, False)),  # filtered: only the caller's fine-tuned models
         ("GET", "models/gpt-4o", None),
