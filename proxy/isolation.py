@@ -262,7 +262,7 @@ class Isolation:
         if identity.key_id is None:
             return None
         what = access(found.method, found.tail)
-        if what is None or (identity.admin and what.capture is None) or (what.models and anthropic):
+        if what is None or (identity.admin and what.capture is None):
             return None
         return Plan(self.owners, what, found, identity, anthropic, self.shared_models)
 
