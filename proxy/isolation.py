@@ -571,10 +571,7 @@ class Plan:
         if error is not None:
             return _Replayed(reply, chunks, None, error)
         body = b"".join(chunks)
-        try:
-            document = json.loads(body)
-        except (ValueError, RecursionError):
-            document = None
+        document = _loaded(body)
         if isinstance(document, dict):
             await self._record(ex, capture, captured(capture.fields, document), captured(capture.items, document))
             for more in capture.also:
@@ -714,13 +711,31 @@ class Plan:
     async def _models(self, ex: Exchange, reply: UpstreamReply) -> UpstreamReply:
         """A model list without the fine-tuned models (:func:`~tokenward.proxy.objects.fine_tuned`) not the caller's.
 
-        The list is one page (``GET models`` takes no cursor); every other model stays, in order.
+        The list is one page (``GET models`` takes no cursor); every other model stays, in order, and
+        a list hiding none, or a reply that is not an OpenAI-style list (``data``), is relayed as sent.
+
+        Raises:
+            ProxyError: 502 ``list_not_filtered`` for a compressed or oversized reply (as for a list).
         """
-        document = await _list_page(reply, ex)
-        data = document["data"]
+        if _encoded(reply):
+            await reply.aclose()
+            raise _unfiltered("it came compressed although tokenward asked for identity")
+        chunks, rest, error = await _read(reply, LIST_MAX_BYTES)
+        if rest is not None:
+            await reply.aclose()
+            raise _unfiltered(f"it is over {LIST_MAX_BYTES // (1024 * 1024)} MiB")
+        if error is not None:
+            return _Replayed(reply, chunks, None, error)
+        body = b"".join(chunks)
+        document = _loaded(body)
+        data = document.get("data") if isinstance(document, dict) else None
+        if not isinstance(data, list):
+            return _Replayed(reply, [body], None)
         tuned = [i["id"] for i in data if isinstance(i, dict) and isinstance(i.get("id"), str) and fine_tuned(i["id"])]
         owners = await self.owners.owners(tuned) if tuned else {}
         hidden = {name for name in tuned if owners.get(name) != self.key_id and name not in self.shared}
+        if not hidden:
+            return _Replayed(reply, [body], None)
         kept = [item for item in data if not (isinstance(item, dict) and item.get("id") in hidden)]
         body = json.dumps(dict(document, data=kept), separators=(",", ":"), ensure_ascii=False).encode()
         headers = [(n, v) for n, v in reply.headers if n not in (b"content-length", b"content-encoding")]
@@ -997,7 +1012,11 @@ def _event_data(block: bytes) -> bytes | None:
 
 def _decoded_event(block: bytes) -> Any:
     """The JSON an event's data spells (``None`` for none, or for data that is not JSON)."""
-    data = _event_data(block)
+    return _loaded(_event_data(block))
+
+
+def _loaded(data: bytes | None) -> Any:
+    """``data`` decoded as JSON (``None`` for none, or for bytes that are not JSON)."""
     try:
         return json.loads(data) if data is not None else None
     except (ValueError, RecursionError):
