@@ -144,7 +144,8 @@ def create_app(
         log.warning("auth mode virtual_keys, no keys in the config: only keys from `tokenward keys create` work")
     isolation = None
     if config.auth.mode == "virtual_keys":  # in passthrough mode each client's own provider key isolates it
-        isolation = Isolation(OwnerCache(ledger.state, fsync=config.ledger.fsync))
+        owners = OwnerCache(ledger.state, fsync=config.ledger.fsync)
+        isolation = Isolation(owners, shared_models=frozenset(config.auth.shared_models))
     forwarder = Forwarder(
         client,
         Router(config.upstreams),

@@ -241,12 +241,16 @@ class AuthConfig(_Section):
     Default: the free endpoints, :data:`~tokenward.proxy.edge.FREE_ENDPOINTS`. ``attribution``:
     the default rules for ``end_user``, ``tags`` and ``session`` (:class:`AttributionRule`).
     ``runs``: what callers may do with run budgets (:class:`RunSettings`; per key: ``runs``).
+    ``shared_models`` (``virtual_keys`` mode): fine-tuned models (exact ``ft:...`` names) every key
+    may run and see in ``GET models``, whichever key's job made them (one the operator trained
+    for everyone); any other fine-tuned model is its job's key's.
     """
 
     mode: Literal["passthrough", "virtual_keys"] = "passthrough"
     allow_unmetered: list[str] = msgspec.field(default_factory=lambda: list(FREE_ENDPOINTS))
     attribution: AttributionSettings = msgspec.field(default_factory=AttributionSettings)
     runs: RunSettings = msgspec.field(default_factory=RunSettings)
+    shared_models: list[str] = msgspec.field(default_factory=list)
 
     def __post_init__(self) -> None:
         _check_unmetered(self.allow_unmetered)

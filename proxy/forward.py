@@ -60,7 +60,16 @@ from tokenward.proxy.errors import ProxyError
 from tokenward.proxy.exchange import Exchange, Outcome
 from tokenward.proxy.guard import BudgetGuard, BudgetRefusal
 from tokenward.proxy.isolation import Isolation, ObjectNotFound
-from tokenward.proxy.keys import AUTH_HEADERS, Authenticator, Identity, KeyExpired, presented_key, upstream_credential
+from tokenward.proxy.keys import (
+    AUTH_HEADERS,
+    GOOGLE_KEY_HEADER,
+    Authenticator,
+    Identity,
+    KeyExpired,
+    presented_key,
+    query_credentials,
+    upstream_credential,
+)
 from tokenward.proxy.limits import CONNECTION_SCOPE_KEY, BodyLimits, body_stream, read_body
 from tokenward.proxy.media import MediaRequest, MediaRequestError, read_request
 from tokenward.proxy.media import estimate as media_estimate
@@ -137,6 +146,8 @@ _FIELD_MASK = b"x-goog-fieldmask"
 # the others it names hop-by-hop): the credential the upstream checks (the client's own in
 # passthrough mode: the one its row is attributed to), and what tokenward read the request by (the
 # body's length, type and coding; Anthropic's headers, which chose the dialect and upstream).
+_WRITES = frozenset({"POST", "PUT", "PATCH"})
+"""Methods whose body isolation reads (:attr:`~tokenward.proxy.objects.Access.reads_body`); any other takes none."""
 _KEPT_ON_CONNECTION = AUTH_HEADERS | _ANTHROPIC_HEADERS | {b"content-length", b"content-type", b"content-encoding"}
 AZURE_PATHS = (
     "under /openai/ tokenward serves Azure OpenAI's API: a POST to a deployment's model endpoints "
@@ -415,6 +426,15 @@ class Forwarder:
                         body = await asyncio.to_thread(decode_request_body, body, codings, self.limits.max_bytes)
                         inbound.headers = _as_identity(inbound.headers, len(body))
                     await plan.check_body(body, scope["headers"])
+                elif has_body and found.method not in _WRITES:  # a body nobody checks: the upstream may read it
+                    body = await read_body(request.receive, scope["headers"], self.limits)
+                    if body:
+                        raise ProxyError(
+                            400,
+                            f"A {found.method} request to {found.path} takes no body: tokenward does not forward "
+                            "one it has not checked for the objects it names.",
+                            "body_not_allowed",
+                        )
             self._attach(ex, route, inbound)
             if found.method == "POST" and found.tail.lower() == _TEXT_COMPLETIONS and self.guard is not None:
                 if body is None and has_body:
@@ -559,6 +579,8 @@ class Forwarder:
         plan = isolation.plan_metered(endpoint.name, found, inbound.identity, body, head.store) if isolation else None
         if plan is not None:
             await plan.check_body(body)
+        if isolation is not None:  # a fine-tuned model is its job's key's to run
+            await isolation.check_models(inbound.identity, (ex.requested_model, *ex.fallback_models))
         if found.azure is not None:
             route = self.router.pick_azure(inbound.upstream, deployment=found.deployment is not None)
         else:
@@ -1020,6 +1042,7 @@ class Forwarder:
         claimed_names = self.auth.attribution_headers
         credential: tuple[bytes, bytes] | None = None
         credentials = 0
+        secrets: set[str] = set()  # passthrough: every credential the upstream may check, in whatever form
         hop = connection_options(scope["headers"], _KEPT_ON_CONNECTION)
         for name, value in scope["headers"]:
             if name in dropped:
@@ -1029,6 +1052,9 @@ class Forwarder:
                 credentials += 1
                 if not passthrough:
                     continue
+                secrets.add(upstream_credential(name, value) or "")
+            elif name == GOOGLE_KEY_HEADER and passthrough:
+                secrets.add(value.decode("latin-1").strip())
             elif name in _ACCOUNT_HEADERS and not passthrough:
                 continue
             elif name in _METHOD_OVERRIDES:
@@ -1068,16 +1094,21 @@ class Forwarder:
         if not has_encoding:
             inbound.headers.append((b"accept-encoding", b"identity"))
         ex.client_request_id = inbound.client_request_id
-        if credentials > 1:
+        if passthrough:
+            secrets.update(query_credentials(scope["query_string"]))
+            secrets.discard("")
+        if (credentials > 1 and not passthrough) or len(secrets) > 1:
             raise ProxyError(
                 400,
-                "The request carries more than one credential header (authorization, x-api-key, api-key): "
-                "send exactly one, so that the key tokenward attributes is the key the upstream uses.",
+                "The request carries more than one credential (authorization, x-api-key, api-key, x-goog-api-key, "
+                "?key=): send exactly one, so that the key tokenward attributes is the key the upstream uses.",
                 "ambiguous_credentials",
             )
         if credential is not None:
             inbound.anthropic = inbound.anthropic or credential[0] == b"x-api-key"
             inbound.key = upstream_credential(*credential) if passthrough else presented_key(*credential)
+        if passthrough:  # one caller, one fingerprint, whichever form its one credential took
+            inbound.key = next(iter(secrets), None)
         try:
             identity = inbound.identity = self.auth.identify(inbound.key)
         except KeyExpired as exc:  # the row says whose key it was (before: "anonymous")

@@ -53,6 +53,7 @@ from tokenward.proxy.form import FormError, boundary_of, read_form
 from tokenward.proxy.keys import Identity
 from tokenward.proxy.objects import (
     AUDIO,
+    CHECKPOINT,
     FILE,
     KINDS,
     RESPONSE_ITEM,
@@ -64,6 +65,7 @@ from tokenward.proxy.objects import (
     access,
     captured,
     derived_capture,
+    fine_tuned,
     form_documents,
     may_reference,
     references,
@@ -71,7 +73,7 @@ from tokenward.proxy.objects import (
     video_sources,
 )
 from tokenward.proxy.sse import Fragment, SSEDecoder, parse_event
-from tokenward.proxy.upstream import UpstreamError, UpstreamReply
+from tokenward.proxy.upstream import Failure, FailureKind, UpstreamError, UpstreamReply
 from tokenward.reports.ledger.state import StateStore
 
 __all__ = [
@@ -79,6 +81,7 @@ __all__ = [
     "LIST_MAX_BYTES",
     "MAX_PAGES",
     "Isolation",
+    "ModelNotFound",
     "ObjectNotFound",
     "OwnerCache",
     "Plan",
@@ -98,8 +101,15 @@ _CHAT = _KIND["chat_completion"]
 _RESPONSE = _KIND["response"]
 _EVAL = _KIND["eval"]
 _CONTAINER = _KIND["container"]
-_AUDIO_ANSWERS = (Capture(AUDIO, ("choices[].message.audio.id",)),)
-"""A chat completion's audio answers, the caller's (a later request naming another key's is refused)."""
+_AUDIO_ANSWERS = (Capture(AUDIO, ("choices[].message.audio.id",), streamed=("choices[].delta.audio.id",)),)
+"""A chat completion's audio answers, the caller's (a later request naming another key's is refused); a stream
+names each in the first ``delta.audio`` of its choice (platform.openai.com/docs/guides/audio, streaming)."""
+_ANTHROPIC_CONTAINER = Capture(
+    _KIND["container"], ("container.id",), streamed=("message.container.id", "delta.container.id")
+)
+"""The container Anthropic's code execution (or a skill) ran in: the reply's ``container.id``, in a stream the
+``message_start`` message's or a ``message_delta``'s (docs.anthropic.com/en/docs/agents-and-tools/tool-use/
+code-execution-tool, "Containers": a later request reuses one by naming its id). The caller's from then on."""
 _CONTAINERS_RUN = (Capture(_CONTAINER, ("output[].container_id",)),)
 """A response's code interpreter calls name the container they ran in: one the provider started for the
 request (``"container": {"type": "auto"}``) is the caller's from then on (platform.openai.com/docs/guides/
@@ -129,6 +139,20 @@ class ObjectNotFound(ProxyError):
         super().__init__(404, f"No such {kind.label} object: {object_id}", None)  # type: ignore[arg-type]
         whose = f"belongs to key {owner}" if owner else "has no recorded owner"
         self.note = f"refused by isolation: {kind.name} {object_id} {whose}"
+
+
+class ModelNotFound(ObjectNotFound):
+    """404 ``model_not_found`` for a fine-tuned model the caller may not run, worded as OpenAI words an unknown model.
+
+    A fine-tuned model (and each of its checkpoints) is its job's key's (:data:`~tokenward.proxy.objects.CHECKPOINT`):
+    another key naming it as a ``model`` hears what it would hear for a model that does not exist.
+    """
+
+    def __init__(self, model: str, owner: str | None) -> None:
+        super().__init__(CHECKPOINT, model, owner)
+        self.message = f"The model `{model}` does not exist or you do not have access to it."
+        self.args = (self.message,)
+        self.code = "model_not_found"
 
 
 class OwnerCache:
@@ -223,10 +247,12 @@ class Isolation:
 
     Args:
         owners: the owner cache.
+        shared_models: fine-tuned models every key may run and list (``auth.shared_models``).
     """
 
-    def __init__(self, owners: OwnerCache) -> None:
+    def __init__(self, owners: OwnerCache, *, shared_models: frozenset[str] = frozenset()) -> None:
         self.owners = owners
+        self.shared_models = shared_models
 
     def plan(self, found: Target, identity: Identity, anthropic: bool) -> Plan | None:
         """The plan for an unmetered request (``None``: it names, lists and creates no object).
@@ -238,7 +264,21 @@ class Isolation:
         what = access(found.method, found.tail)
         if what is None or (identity.admin and what.capture is None):
             return None
-        return Plan(self.owners, what, found, identity, anthropic)
+        return Plan(self.owners, what, found, identity, anthropic, self.shared_models)
+
+    async def check_models(self, identity: Identity, models: Iterable[str | None]) -> None:
+        """Refuse a metered request asking for a fine-tuned model (or checkpoint) that is not the caller's.
+
+        ``models``: the ``model`` the request names and its fallbacks (``models``, ``fallbacks``).
+        Only :func:`~tokenward.proxy.objects.fine_tuned` names are checked; an admin key runs any.
+
+        Raises:
+            ModelNotFound: 404 ``model_not_found``, before anything is sent upstream.
+        """
+        if identity.key_id is None or identity.admin:
+            return
+        wanted = [Reference("model", name, CHECKPOINT) for name in models if name and fine_tuned(name)]
+        await _require(self.owners, identity.key_id, wanted, self.shared_models)
 
     def plan_metered(self, endpoint: str, found: Target, identity: Identity, body: bytes, store: Any) -> Plan | None:
         """The plan for a metered request: record a stored completion's or response's id, check body ids.
@@ -257,21 +297,57 @@ class Isolation:
             capture = Capture(_RESPONSE, ("id",), items=_OUTPUT, also=_CONTAINERS_RUN)
         elif endpoint == "responses":  # not stored, but the containers its code ran in are the caller's
             capture = Capture(_RESPONSE, (), also=_CONTAINERS_RUN)
+        elif endpoint == "anthropic_messages" and _runs_code(body):
+            capture = _ANTHROPIC_CONTAINER
         checked = endpoint in _BODY_CHECKED or (endpoint in _JSON_CHECKED and body.lstrip()[:1] == b"{")
         checks = not identity.admin and checked and may_reference(endpoint, body)
         if capture is None and not checks:
             return None
-        return Plan(self.owners, Access(None, capture=capture, reads_body=checks), found, identity, False)
+        what = Access(None, capture=capture, reads_body=checks)
+        return Plan(self.owners, what, found, identity, False, self.shared_models)
+
+
+async def _require(
+    owners: OwnerCache, key_id: str, wanted: list[Reference], shared: frozenset[str] = frozenset()
+) -> None:
+    """Refuse the first of ``wanted`` that is not ``key_id``'s (:class:`ObjectNotFound`, :class:`ModelNotFound`).
+
+    ``shared``: fine-tuned models anyone may name as a ``model`` (``auth.shared_models``).
+    """
+    wanted = [ref for ref in wanted if ref.field != "model" or ref.object_id not in shared]
+    if not wanted:
+        return
+    ids = {ref.object_id for ref in wanted}
+    cached = {object_id for object_id in ids if owners.cached(object_id)}
+    found = await owners.owners(ids)
+    for ref in wanted:
+        owner = found.get(ref.object_id)
+        if owner == key_id or (ref.lenient and owner is None):
+            continue
+        if ref.object_id in cached:  # as slow as an unknown id's refusal: one store lookup each
+            await owners.lookup(ref.object_id)
+        if ref.field == "model":
+            raise ModelNotFound(ref.object_id, owner)
+        raise ObjectNotFound(ref.kind, ref.object_id, owner)
 
 
 class Plan:
     """What isolation does for one request: check it (:meth:`check`, :meth:`check_body`), then its :meth:`reply`."""
 
-    __slots__ = ("access", "admin", "anthropic", "found", "key_id", "owners", "page_limit")
+    __slots__ = ("access", "admin", "anthropic", "found", "key_id", "owners", "page_limit", "shared")
 
-    def __init__(self, owners: OwnerCache, what: Access, found: Target, identity: Identity, anthropic: bool) -> None:
+    def __init__(
+        self,
+        owners: OwnerCache,
+        what: Access,
+        found: Target,
+        identity: Identity,
+        anthropic: bool,
+        shared: frozenset[str] = frozenset(),
+    ) -> None:
         assert identity.key_id is not None
         self.owners = owners
+        self.shared = shared
         self.access = what
         self.found = found
         self.key_id = identity.key_id
@@ -287,7 +363,7 @@ class Plan:
     @property
     def reads_reply(self) -> bool:
         """Whether the reply is read before it is relayed (a list to filter, ids to record)."""
-        return self.access.capture is not None or (self.access.lists and not self.admin)
+        return self.access.capture is not None or ((self.access.lists or self.access.models) and not self.admin)
 
     # -- the request ---------------------------------------------------------------------------
 
@@ -311,6 +387,8 @@ class Plan:
             )
         assert what.kind is not None or not what.ids
         wanted = [Reference("path", object_id, what.kind) for object_id in what.ids if what.kind is not None]
+        if self.found.method == "GET" and self.found.tail[:7].lower() == "models/" and what.ids[0] in self.shared:
+            wanted = []  # GET models/{name} of a shared model (its permissions stay its key's)
         if what.lists and what.kind is not None and self.found.query:
             for name, value in parse_qsl(self.found.query, keep_blank_values=True):
                 if value and name.lower() in _CURSORS:  # either dialect's, in any case: an upstream may read any
@@ -429,18 +507,7 @@ class Plan:
             await reply.aclose()
 
     async def _require(self, wanted: list[Reference]) -> None:
-        if not wanted:
-            return
-        ids = {ref.object_id for ref in wanted}
-        cached = {object_id for object_id in ids if self.owners.cached(object_id)}
-        owners = await self.owners.owners(ids)
-        for ref in wanted:
-            owner = owners.get(ref.object_id)
-            if owner == self.key_id or (ref.lenient and owner is None):
-                continue
-            if ref.object_id in cached:  # as slow as an unknown id's refusal: one store lookup each
-                await self.owners.lookup(ref.object_id)
-            raise ObjectNotFound(ref.kind, ref.object_id, owner)
+        await _require(self.owners, self.key_id, wanted, self.shared)
 
     def prepare(self, found: Target, headers: list[tuple[bytes, bytes]]) -> Target:
         """Adjust the outgoing request: an uncompressed reply when it is read, the largest page for a list.
@@ -483,6 +550,8 @@ class Plan:
         if self.access.lists and not self.admin:
             assert resend is not None
             return await self._filtered(ex, reply, resend)
+        if self.access.models and not self.admin:
+            return await self._models(ex, reply)
         capture = self.access.capture
         if capture is None:
             return reply
@@ -502,10 +571,7 @@ class Plan:
         if error is not None:
             return _Replayed(reply, chunks, None, error)
         body = b"".join(chunks)
-        try:
-            document = json.loads(body)
-        except (ValueError, RecursionError):
-            document = None
+        document = _loaded(body)
         if isinstance(document, dict):
             await self._record(ex, capture, captured(capture.fields, document), captured(capture.items, document))
             for more in capture.also:
@@ -523,8 +589,11 @@ class Plan:
         size = 0
         object_id: str | None = None
         rest: AsyncIterator[bytes] | None = stream
-        watched = capture.items or (capture.also and capture.kind is _RESPONSE)  # a chat stream's audio: not read
+        watched = capture.items or (capture.also and capture.kind is _RESPONSE)
         items = _ItemWatch(self, ex, capture, decoder) if watched else None
+        named = [each for each in (capture, *capture.also) if each.streamed]
+        names = _StreamWatch(self, ex, named, decoder) if named and items is None else None
+        held: list[bytes] = []  # the events read before the first chunk is relayed
         try:
             while size <= CAPTURE_MAX_BYTES:
                 try:
@@ -535,6 +604,7 @@ class Plan:
                 chunks.append(chunk)
                 size += len(chunk)
                 blocks = decoder.feed(chunk)
+                held.extend(blocks)
                 data = next((d for d in map(_event_data, blocks) if d is not None), None)
                 if data is not None:
                     object_id = _stream_id(data)
@@ -546,7 +616,10 @@ class Plan:
         first = [object_id] if object_id and "id" in capture.fields else []
         if items is None:
             await self._record(ex, capture, first)
-            return _Replayed(reply, chunks, rest)
+            if names is None:
+                return _Replayed(reply, chunks, rest)
+            await names.save(names.scan(held))
+            return _Replayed(reply, chunks, None if rest is None else names.relay(rest))
         await self._record(ex, capture, first, items.take() if items.ended or rest is None else [])
         for more, made in items.take_also():
             await self._record(ex, more, made)
@@ -635,6 +708,40 @@ class Plan:
         headers.append((b"content-length", str(len(body)).encode()))
         return _Replayed(reply, [body], None, headers=headers)
 
+    async def _models(self, ex: Exchange, reply: UpstreamReply) -> UpstreamReply:
+        """A model list without the fine-tuned models (:func:`~tokenward.proxy.objects.fine_tuned`) not the caller's.
+
+        The list is one page (``GET models`` takes no cursor); every other model stays, in order, and
+        a list hiding none, or a reply that is not an OpenAI-style list (``data``), is relayed as sent.
+
+        Raises:
+            ProxyError: 502 ``list_not_filtered`` for a compressed or oversized reply (as for a list).
+        """
+        if _encoded(reply):
+            await reply.aclose()
+            raise _unfiltered("it came compressed although tokenward asked for identity")
+        chunks, rest, error = await _read(reply, LIST_MAX_BYTES)
+        if rest is not None:
+            await reply.aclose()
+            raise _unfiltered(f"it is over {LIST_MAX_BYTES // (1024 * 1024)} MiB")
+        if error is not None:
+            return _Replayed(reply, chunks, None, error)
+        body = b"".join(chunks)
+        document = _loaded(body)
+        data = document.get("data") if isinstance(document, dict) else None
+        if not isinstance(data, list):
+            return _Replayed(reply, [body], None)
+        tuned = [i["id"] for i in data if isinstance(i, dict) and isinstance(i.get("id"), str) and fine_tuned(i["id"])]
+        owners = await self.owners.owners(tuned) if tuned else {}
+        hidden = {name for name in tuned if owners.get(name) != self.key_id and name not in self.shared}
+        if not hidden:
+            return _Replayed(reply, [body], None)
+        kept = [item for item in data if not (isinstance(item, dict) and item.get("id") in hidden)]
+        body = json.dumps(dict(document, data=kept), separators=(",", ":"), ensure_ascii=False).encode()
+        headers = [(n, v) for n, v in reply.headers if n not in (b"content-length", b"content-encoding")]
+        headers.append((b"content-length", str(len(body)).encode()))
+        return _Replayed(reply, [body], None, headers=headers)
+
     async def _record_derived(self, ex: Exchange, kind: Kind, items: list[dict[str, Any]]) -> None:
         """Record what the provider made for the caller's objects in a list (a batch's output, a job's models)."""
         capture = derived_capture(kind, parent=False)
@@ -669,11 +776,7 @@ class _ItemWatch:
         for block in blocks:
             if b"delta" in block[:64] or isinstance(block, Fragment) or _ITEM_MARKERS.search(block) is None:
                 continue
-            data = _event_data(block)
-            try:
-                event = json.loads(data) if data is not None else None
-            except (ValueError, RecursionError):
-                continue
+            event = _decoded_event(block)
             kind = event.get("type") if isinstance(event, dict) else None
             if kind == "response.output_item.added":
                 self._ids.update(dict.fromkeys(captured(("item.id",), event)))
@@ -720,6 +823,64 @@ class _ItemWatch:
                         await plan.owners.record(more.kind.name, made, owner)
         except Exception:
             log.exception("request %s: could not record the owner of %s", self._ex.request_id, ids)
+
+
+class _StreamWatch:
+    """Objects a stream's events name (:attr:`Capture.streamed`), each recorded before the chunk naming it is relayed.
+
+    A chat stream's audio answers, an Anthropic stream's container. An event is decoded only when
+    it holds the quoted name of what it may hold (``"audio"``, ``"container"``); oversized events
+    (:class:`Fragment`) are not read. When the store fails, the stream is broken off there
+    (:class:`UpstreamError`): the id never reaches the client unowned.
+    """
+
+    __slots__ = ("_captures", "_decoder", "_ex", "_markers", "_plan", "_seen")
+
+    def __init__(self, plan: Plan, ex: Exchange, captures: list[Capture], decoder: SSEDecoder) -> None:
+        self._plan = plan
+        self._ex = ex
+        self._captures = captures
+        self._decoder = decoder
+        self._markers = tuple({f'"{path.split(".")[-2]}"'.encode() for c in captures for path in c.streamed})
+        self._seen: set[str] = set()
+
+    def scan(self, blocks: list[bytes]) -> list[tuple[Capture, list[str]]]:
+        """The new ids the complete events ``blocks`` name, by capture."""
+        found: list[tuple[Capture, list[str]]] = []
+        for block in blocks:
+            if isinstance(block, Fragment) or not any(marker in block for marker in self._markers):
+                continue
+            event = _decoded_event(block)
+            for capture in self._captures:
+                new = [i for i in dict.fromkeys(captured(capture.streamed, event)) if i not in self._seen]
+                if new:
+                    self._seen.update(new)
+                    found.append((capture, new))
+        return found
+
+    async def save(self, found: list[tuple[Capture, list[str]]]) -> None:
+        """Record what :meth:`scan` found.
+
+        Raises:
+            ProxyError: 500 ``owner_not_recorded`` (before the reply starts: the client hears it).
+        """
+        for capture, ids in found:
+            await self._plan._record(self._ex, capture, ids)
+
+    async def relay(self, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """The rest of the stream, unchanged; what a chunk names is recorded before it is yielded.
+
+        Raises:
+            UpstreamError: the store failed (the chunk naming the object is not relayed).
+        """
+        async for chunk in rest:
+            found = self.scan(self._decoder.feed(chunk))
+            if found:
+                try:
+                    await self.save(found)
+                except ProxyError as exc:
+                    raise UpstreamError(Failure(FailureKind.DISCONNECTED, True, exc.message)) from None
+            yield chunk
 
 
 class _Replayed:
@@ -847,6 +1008,24 @@ def _header(reply: UpstreamReply, name: bytes) -> str | None:
 
 def _event_data(block: bytes) -> bytes | None:
     return parse_event(block)[1]
+
+
+def _decoded_event(block: bytes) -> Any:
+    """The JSON an event's data spells (``None`` for none, or for data that is not JSON)."""
+    return _loaded(_event_data(block))
+
+
+def _loaded(data: bytes | None) -> Any:
+    """``data`` decoded as JSON (``None`` for none, or for bytes that are not JSON)."""
+    try:
+        return json.loads(data) if data is not None else None
+    except (ValueError, RecursionError):
+        return None
+
+
+def _runs_code(body: bytes) -> bool:
+    """Whether a Messages reply may name a container: the body has the tool, the field, or an escape spelling either."""
+    return b"code_execution" in body or may_reference("anthropic_messages", body)
 
 
 def _stream_id(data: bytes) -> str | None:

@@ -2,7 +2,9 @@
 
 Clients present a key the way their SDK does: ``Authorization: Bearer <key>`` (OpenAI SDKs),
 ``x-api-key`` (Anthropic SDKs) or ``api-key`` (Azure), and exactly one of them (a request with
-two is refused: the upstream would pick one and tokenward could attribute the other). In
+two is refused: the upstream would pick one and tokenward could attribute the other; in
+passthrough mode Google's ``x-goog-api-key`` and ``?key=`` count too, and one key given in
+several of these forms is one credential). In
 ``virtual_keys`` mode the key must be one of the configured tokenward keys, compared by sha256 so
 that config files may hold only hashes. In ``passthrough`` mode the key goes upstream untouched
 and usage is attributed to ``fp-`` plus the first 12 hex digits of the sha256 of the credential
@@ -17,8 +19,10 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from urllib.parse import unquote_to_bytes
 
 from tokenward.pricing.runs import RunPolicy
 from tokenward.proxy.config import AttributionRule, AttributionSettings, AuthConfig, VirtualKeyConfig
@@ -30,11 +34,13 @@ __all__ = [
     "Attribution",
     "Authenticator",
     "Identity",
+    "GOOGLE_KEY_HEADER",
     "KeyExpired",
     "Rule",
     "fingerprint",
     "key_id",
     "presented_key",
+    "query_credentials",
     "upstream_credential",
 ]
 
@@ -68,6 +74,28 @@ def upstream_credential(name: bytes, value: bytes) -> str | None:
         if scheme.lower() == "bearer":
             return token.strip() or None
     return text or None
+
+
+GOOGLE_KEY_HEADER = b"x-goog-api-key"
+"""Google's API key header (Gemini's SDKs), a credential beside :data:`AUTH_HEADERS` in passthrough mode."""
+_QUERY_CREDENTIALS = frozenset({b"key", b"$key", b"access_token", b"oauth_token"})
+"""Query parameters Google's front ends read a credential from (cloud.google.com/apis/docs/system-parameters)."""
+
+
+def query_credentials(query: bytes) -> list[str]:
+    """The credentials a raw query string carries (``key=``, ``access_token=``, ...), percent-decoded.
+
+    Names are matched percent-decoded and in any case, split at ``&`` or ``;``, as
+    :func:`~tokenward.proxy.edge.parameter_names` reads them; empty values are left out.
+    """
+    found: list[str] = []
+    for part in re.split(rb"[&;]", query):
+        name, _, value = part.partition(b"=")
+        if unquote_to_bytes(name.replace(b"+", b" ")).lower() in _QUERY_CREDENTIALS:
+            text = unquote_to_bytes(value.replace(b"+", b" ")).decode("latin-1").strip()
+            if text:
+                found.append(text)
+    return found
 
 
 def key_id(digest: str) -> str:

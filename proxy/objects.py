@@ -39,6 +39,7 @@ __all__ = [
     "KINDS",
     "RESPONSE_ITEM",
     "REFERENCE_FIELDS",
+    "UPLOAD_PART",
     "Access",
     "Capture",
     "DuplicateMember",
@@ -47,6 +48,7 @@ __all__ = [
     "access",
     "captured",
     "derived_capture",
+    "fine_tuned",
     "form_documents",
     "kind_named",
     "may_reference",
@@ -117,6 +119,11 @@ AUDIO = Kind("chat_audio", "Audio", "chat/completions/*/audio", creates=False)
 multi-turn conversation, in which an assistant message names it (``{"role": "assistant", "audio": {"id": ...}}``)
 and the model reads it again (platform.openai.com/docs/guides/audio). No path names one (not in :data:`KINDS`)."""
 
+UPLOAD_PART = Kind("upload_part", "UploadPart", "uploads/*/parts", creates=False)
+"""One part of an upload (``part_...``, the reply to ``POST uploads/{id}/parts``): it belongs to the upload's
+owner, and ``POST uploads/{id}/complete`` names the parts to join by ``part_ids``
+(platform.openai.com/docs/api-reference/uploads/complete). No path names one (not in :data:`KINDS`)."""
+
 KINDS: tuple[Kind, ...] = (
     FILE,
     _UPLOAD,
@@ -144,8 +151,11 @@ evals, video characters, ChatKit sessions and threads; Anthropic: files (the sam
 message batches."""
 
 _BY_COLLECTION = {kind.collection: kind for kind in KINDS}
-_BY_NAME = {kind.name: kind for kind in (*KINDS, RESPONSE_ITEM, AUDIO)}
-_REFERENCING = frozenset({"messages/count_tokens"})  # not objects, but bodies that may name some
+_BY_NAME = {kind.name: kind for kind in (*KINDS, RESPONSE_ITEM, AUDIO, UPLOAD_PART)}
+_REFERENCING = frozenset(
+    {"messages/count_tokens", "fine_tuning/alpha/graders/run", "fine_tuning/alpha/graders/validate"}
+)
+"""Not objects, but bodies that may name some: a grader's ``model`` (a fine-tuned one is its key's)."""
 _STREAMED_UPLOADS = {("files", ""), ("uploads", "parts"), ("videos/characters", "")}
 """Multipart uploads (kind, sub-endpoint): streamed through unread; their forms name no object.
 (``containers/{id}/files`` is read: it takes a ``file_id`` to copy, as JSON or as a form field.)"""
@@ -171,6 +181,9 @@ class Capture:
     items: tuple[str, ...] = ()
     also: tuple[Capture, ...] = ()
     """More objects of other kinds the same reply names (a fine-tuning job's files and its models)."""
+    streamed: tuple[str, ...] = ()
+    """Where a stream's events name objects of ``kind`` (``choices[].delta.audio.id``): each is recorded
+    before the chunk holding it is relayed."""
 
 
 _CREATED = ("id",)
@@ -193,6 +206,8 @@ class Access:
     capture: Capture | None = None
     reads_body: bool = False
     reads_form: bool = False
+    models: bool = False
+    """A model list (``GET models``): the fine-tuned models in it that are not the caller's are left out."""
 
 
 def access(method: str, tail: str) -> Access | None:
@@ -208,8 +223,11 @@ def access(method: str, tail: str) -> Access | None:
         kind = _BY_COLLECTION.get(segments[0].lower())
         taken = 1
     writes = method in ("POST", "PUT", "PATCH")
-    if kind is None and method == "DELETE" and len(segments) == 2 and segments[0].lower() == "models":
-        return Access(CHECKPOINT, ids=(unquote(segments[1]),))  # deleting a fine-tuned model: its job's key's
+    if kind is None and segments[0].lower() == "models":
+        if len(segments) == 1 and method == "GET":
+            return Access(None, models=True)  # every key sees the base models, only its own fine-tuned ones
+        if len(segments) == 2 and (method == "DELETE" or fine_tuned(unquote(segments[1]))):
+            return Access(CHECKPOINT, ids=(unquote(segments[1]),))  # a fine-tuned model: its job's key's
     if kind is None:
         return Access(None, reads_body=writes) if tail.lower() in _REFERENCING else None
     rest = segments[taken:]
@@ -251,6 +269,8 @@ def _sub_capture(kind: Kind, method: str, sub: str, depth: int) -> Capture | Non
         return Capture(CHECKPOINT, ("data[].fine_tuned_model_checkpoint", "data[].id"), parent=True)
     if kind is _UPLOAD and method == "POST" and sub == "complete":
         return Capture(FILE, ("file.id",), parent=True)
+    if kind is _UPLOAD and method == "POST" and sub == "parts" and depth == 2:  # the part's id: the upload's owner's
+        return Capture(UPLOAD_PART, _CREATED, parent=True)
     if kind is _VIDEO and method == "POST" and sub == "remix":
         return Capture(_VIDEO, _CREATED)
     if method == "GET" and kind is _RESPONSE:  # a retrieved (background) response's output, its input items
@@ -316,6 +336,7 @@ REFERENCE_FIELDS: dict[str, Kind] = {
     "conversation": _CONVERSATION,
     "assistant_id": _ASSISTANT,
     "container": _CONTAINER,
+    "part_ids": UPLOAD_PART,
 }
 """Body fields that name objects, anywhere in a request body, and the kind each names.
 
@@ -439,6 +460,8 @@ def _walk(document: Any) -> Iterator[Reference]:
                 yield from _named(name, value, kind)
             elif name == "audio" and isinstance(value, dict) and isinstance(value.get("id"), str):
                 yield Reference("audio", value["id"], AUDIO, lenient=True)  # an earlier audio answer
+            elif name == "model" and isinstance(value, str) and fine_tuned(value):  # run, trained on, graded by
+                yield Reference("model", value, CHECKPOINT)
             if name in _CLIENT_SHAPES or (name == "input" and isinstance(value, dict)):  # a tool call's input
                 continue
             if isinstance(value, dict | list):
@@ -454,8 +477,22 @@ def _named(field: str, value: Any, kind: Kind) -> Iterator[Reference]:
         for item in value:
             if isinstance(item, str):
                 yield Reference(field, item, kind, lenient)
-    elif isinstance(value, dict) and kind is _CONVERSATION and isinstance(value.get("id"), str):
-        yield Reference(field, value["id"], kind)
+    elif isinstance(value, dict) and kind in (_CONVERSATION, _CONTAINER) and isinstance(value.get("id"), str):
+        yield Reference(field, value["id"], kind, lenient)  # {"id": ...}: Anthropic's container with its skills
+
+
+_FINE_TUNED = re.compile(r"(?:^|/)\s*ft:", re.IGNORECASE)
+
+
+def fine_tuned(model: str) -> bool:
+    """Whether ``model`` names a fine-tuned model or checkpoint of the account (``ft:gpt-4o-mini-...:org::id``).
+
+    OpenAI names every model its fine-tuning jobs make ``ft:<base>:<org>:<suffix>:<id>``, a
+    checkpoint the same plus ``:ckpt-step-<n>`` (platform.openai.com/docs/guides/fine-tuning).
+    Matched in any case, after a provider prefix (``openai/ft:...``) or leading blanks too: an
+    upstream that is lenient about either must not run another key's model by that spelling.
+    """
+    return _FINE_TUNED.search(model) is not None
 
 
 def selects_stored(document: Any) -> bool:

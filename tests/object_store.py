@@ -1,6 +1,6 @@
 """A provider account's object store as a real HTTP upstream: files, batches, vector stores, stored chat
-completions and responses, videos and video characters, containers and their files (OpenAI), files and message batches (Anthropic, under
-``/anthropic``).
+completions and responses, videos and video characters, containers and their files (OpenAI), files, message batches and Messages with code execution containers (Anthropic, under ``/anthropic``); uploads
+and their parts, text completions and embeddings.
 
 It behaves like the provider where isolation depends on it: one account (every key's objects in one
 place), lists newest first with ``after``/``limit`` cursors (``after_id`` for Anthropic) and a page cap
@@ -154,6 +154,12 @@ class ObjectStore:
         method = request.method
         if parts[0] == "files":
             return await self._files(request, method, parts, anthropic)
+        if anthropic and parts == ["messages"]:
+            return await self._anthropic_messages(request)
+        if parts[0] == "uploads":
+            return await self._uploads(request, method, parts[1:])
+        if parts == ["completions"] or parts == ["embeddings"]:
+            return await self._inference(request, parts[0])
         if anthropic and parts[:2] == ["messages", "batches"]:
             return await self._message_batches(request, method, parts[2:])
         if parts[0] == "batches":
@@ -170,6 +176,12 @@ class ObjectStore:
             return await self._containers(request, method, parts[1:])
         if parts[0] == "chatkit":
             return await self._chatkit(request, method, parts[1:])
+        if parts[0] == "models" and method == "GET":  # the base model and every fine-tuned one of the account
+            tuned = [o["fine_tuned_model"] for o in self.objects.values() if o.get("fine_tuned_model")]
+            models = [{"id": m, "object": "model", "created": 1, "owned_by": "org"} for m in ["gpt-4o-mini", *tuned]]
+            if len(parts) == 1:
+                return web.json_response({"object": "list", "data": models})
+            return web.json_response(next(m for m in models if m["id"] == parts[1]))
         if parts[0] == "models" and method == "DELETE":  # a fine-tuned model (and its checkpoints) deleted
             job = next((o for o in self.objects.values() if o.get("fine_tuned_model") == parts[1]), None)
             if job is None:
@@ -202,6 +214,74 @@ class ObjectStore:
                 {**deleted, "type": "file_deleted"} if anthropic else {**deleted, "object": "file"}
             )
         return web.json_response(obj)
+
+    async def _uploads(self, request: web.Request, method: str, rest: list[str]) -> web.Response:
+        """Uploads: parts (multipart ``data``) joined by ``complete`` in the order of its ``part_ids``, into a file.
+
+        Like one account, it takes any of the account's parts, whichever upload they were added to.
+        """
+        if not rest:
+            body = await request.json()
+            upload = {"id": self.new_id("upload_"), "object": "upload", "status": "pending", "file": None}
+            upload.update(bytes=body["bytes"], filename=body["filename"], purpose=body["purpose"], expires_at=9)
+            return web.json_response(self.add(upload))
+        upload = self.of(rest[0], "upload")
+        if rest[1:] == ["parts"]:
+            form = await request.post()
+            data = form["data"]
+            assert isinstance(data, web.FileField)
+            part = {"id": self.new_id("part_"), "object": "upload.part", "upload_id": upload["id"]}
+            self.contents[part["id"]] = data.file.read()
+            return web.json_response(self.add(part))
+        if rest[1:] == ["complete"]:
+            body = await request.json()
+            data = b"".join(self.contents[self.of(p, "upload.part")["id"]] for p in body["part_ids"])
+            upload.update(status="completed", file=self.add_file(upload["filename"], data, upload["purpose"]))
+        elif rest[1:] == ["cancel"]:
+            upload["status"] = "cancelled"
+        return web.json_response(upload)
+
+    async def _inference(self, request: web.Request, endpoint: str) -> web.Response:
+        """Text completions and embeddings of whatever model is named (a fine-tuned one included)."""
+        body = await request.json()
+        if endpoint == "embeddings":
+            data = [{"object": "embedding", "index": 0, "embedding": [0.5, 0.25]}]
+            usage = {"prompt_tokens": 12, "total_tokens": 12}
+            return web.json_response({"object": "list", "data": data, "model": body["model"], "usage": usage})
+        choice = {"text": "done", "index": 0, "logprobs": None, "finish_reason": "stop"}
+        completion = {"id": self.new_id("cmpl-"), "object": "text_completion", "created": 1, "model": body["model"]}
+        return web.json_response({**completion, "choices": [choice], "usage": USAGE})
+
+    async def _anthropic_messages(self, request: web.Request) -> web.StreamResponse:
+        """Messages; code execution runs in the container named (an id, or ``{"id": ...}``) or in a new one.
+
+        The reply names it as ``container``; a stream, in its ``message_delta`` event's ``delta``.
+        """
+        body = await request.json()
+        given = body.get("container")
+        given = given.get("id") if isinstance(given, dict) else given
+        runs = any(str(t.get("type", "")).startswith("code_execution") for t in body.get("tools", []))
+        container = None
+        if isinstance(given, str):
+            container = self.of(given, "anthropic.container")
+        elif runs:
+            container = self.add({"id": self.new_id("container_"), "type": "anthropic.container"})
+        shown = {"id": container["id"], "expires_at": "2025-01-01T01:00:00Z"} if container else None
+        usage = {"input_tokens": 12, "output_tokens": 4}
+        message = {"id": self.new_id("msg_"), "type": "message", "role": "assistant", "model": body["model"]}
+        message.update(content=[{"type": "text", "text": "ran"}], stop_reason="end_turn", stop_sequence=None)
+        if not body.get("stream"):
+            return web.json_response({**message, "usage": usage, "container": shown})
+        start = {**message, "content": [], "stop_reason": None, "usage": {"input_tokens": 12, "output_tokens": 1}}
+        events: list[tuple[str | None, dict[str, Any]]] = [
+            ("message_start", {"type": "message_start", "message": start}),
+            ("content_block_start", {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}),
+            ("content_block_delta", {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "ran"}}),
+            ("content_block_stop", {"type": "content_block_stop", "index": 0}),
+            ("message_delta", {"type": "message_delta", "delta": {"stop_reason": "end_turn", "stop_sequence": None, "container": shown}, "usage": {"output_tokens": 4}}),
+            ("message_stop", {"type": "message_stop"}),
+        ]  # fmt: skip
+        return await _stream(request, events)
 
     async def _batches(self, request: web.Request, method: str, parts: list[str]) -> web.Response:
         if len(parts) == 1 and method == "POST":
@@ -520,9 +600,12 @@ def _error(status: int, message: str) -> web.HTTPException:
 
 def _chat_events(completion: dict[str, Any]) -> list[tuple[str | None, dict[str, Any]]]:
     base = {"id": completion["id"], "object": "chat.completion.chunk", "model": completion["model"], "created": 1}
-    content = completion["choices"][0]["message"]["content"]
+    message = completion["choices"][0]["message"]
+    first: dict[str, Any] = {"role": "assistant", "content": message["content"]}
+    if message.get("audio"):  # the answer's audio, its id in the first delta (as the API streams it)
+        first["audio"] = message["audio"]
     return [
-        (None, {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": content}}]}),
+        (None, {**base, "choices": [{"index": 0, "delta": first}]}),
         (None, {**base, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}),
         (None, {**base, "choices": [], "usage": USAGE}),
     ]

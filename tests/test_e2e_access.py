@@ -292,3 +292,40 @@ def test_a_virtual_key_cannot_pick_the_accounts_organization_or_project(servers,
             client.chat.completions.create(**CHAT)
     sent = servers.requests[-1]["headers"]
     assert (sent["openai-organization"], sent["openai-project"]) == ("org-someone-else", "proj-someone-else")
+
+
+def test_a_google_key_in_a_header_or_the_query_is_one_caller_with_one_fingerprint(servers, tmp_path):
+    """Before, in passthrough mode: Google's credentials (``x-goog-api-key``, ``?key=``) were not read, so a Gemini
+    client that sent its key that way was ``anonymous``, and one that added a made-up ``Authorization`` beside it
+    was attributed to that decoy: every new decoy minted a new ``fp-`` principal (a new per-key budget) while the
+    upstream billed the same key. Now each form of one key is that key's fingerprint, and two different
+    credentials in one request are 400 ``ambiguous_credentials``, nothing sent."""
+    ledger = tmp_path / "ledger.duckdb"
+    body = b'{"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}'
+    json_type = {"content-type": "application/json"}
+    with proxy(servers, ledger, AuthConfig(mode="passthrough")) as url:
+        sent = len(servers.requests)
+        refused = [
+            httpx.post(f"{url}/v1/chat/completions{query}", content=body, headers={**json_type, **headers})
+            for query, headers in (
+                ("", {"x-goog-api-key": "AIza-real", "authorization": "Bearer decoy-1"}),
+                ("?key=AIza-real", {"authorization": "Bearer decoy-2"}),
+                ("?key=AIza-real", {"x-goog-api-key": "AIza-other"}),
+                ("?key=AIza-real&%4Bey=AIza-other", {}),
+            )
+        ]
+        assert [(r.status_code, r.json()["error"]["code"]) for r in refused] == [(400, "ambiguous_credentials")] * 4
+        assert len(servers.requests) == sent
+        accepted = [
+            httpx.post(f"{url}/v1/chat/completions{query}", content=body, headers={**json_type, **headers})
+            for query, headers in (
+                ("", {"x-goog-api-key": "AIza-real"}),
+                ("?key=AIza-real", {}),
+                ("?key=AIza%2Dreal", {"x-goog-api-key": "AIza-real", "authorization": "Bearer AIza-real"}),
+            )
+        ]
+        assert [r.status_code for r in accepted] == [200, 200, 200]
+    rows = read_rows(ledger)
+    assert [(r["principal"], r["http_status"]) for r in rows] == [("anonymous", 400)] * 4 + [
+        (fingerprint("AIza-real"), 200)
+    ] * 3

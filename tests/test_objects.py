@@ -60,7 +60,7 @@ def summary(method: str, tail: str) -> tuple[object, ...] | None:
             ("batch", ("batch_1",), False, ("file", ("output_file_id", "error_file_id"), True), True),
         ),
         ("POST", "uploads/upload_1/complete", ("upload", ("upload_1",), False, ("file", ("file.id",), True), True)),
-        ("POST", "uploads/upload_1/parts", ("upload", ("upload_1",), False, None, False)),
+        ("POST", "uploads/upload_1/parts", ("upload", ("upload_1",), False, ("upload_part", ("id",), True), False)),
         ("GET", "vector_stores/vs_1/files/file-9", ("vector_store", ("vs_1",), False, None, False)),
         ("POST", "vector_stores/vs_1/file_batches", ("vector_store", ("vs_1",), False, None, True)),
         ("GET", "chat/completions", ("chat_completion", (), True, None, False)),
@@ -90,9 +90,12 @@ def summary(method: str, tail: str) -> tuple[object, ...] | None:
         ("POST", "messages/batches", ("message_batch", (), False, ("message_batch", ("id",), False), True)),
         ("GET", "messages/batches/msgbatch_1/results", ("message_batch", ("msgbatch_1",), False, None, False)),
         ("POST", "messages/count_tokens", (None, (), False, None, True)),
+        ("POST", "fine_tuning/alpha/graders/run", (None, (), False, None, True)),  # a grader's model
         ("POST", "responses/some_new_endpoint", ("response", ("some_new_endpoint",), False, None, True)),  # an id
-        ("GET", "models", None),
-        ("GET", "models/ft:x", None),  # a model: any key may read and use it
+        ("GET", "models", (None, (), False, None, False)),  # filtered: only the caller's fine-tuned models
+        ("GET", "models/gpt-4o", None),
+        ("GET", "models/ft:x", ("fine_tuned_checkpoint", ("ft:x",), False, None, False)),  # its job's key's
+        ("GET", "models/FT:x", ("fine_tuned_checkpoint", ("FT:x",), False, None, False)),  # in any case
         ("DELETE", "models/ft%3Ax", ("fine_tuned_checkpoint", ("ft:x",), False, None, False)),  # deleting: its key's
         ("POST", "audio/speech", None),
         ("GET", "fine_tuning/checkpoints/ft:x/permissions", ("fine_tuned_checkpoint", ("ft:x",), False, None, False)),
@@ -214,6 +217,19 @@ def test_references_in_request_bodies():
         ("container", "cntr_1", "container", True),
     ]
     assert refs({"conversation": "conv_2"}) == [("conversation", "conv_2", "conversation", False)]
+    assert refs({"container": {"id": "container_1", "skills": []}}) == [("container", "container_1", "container", True)]
+    assert refs({"part_ids": ["part_1", "part_2"], "md5": "x"}) == [
+        ("part_ids", "part_1", "upload_part", False),
+        ("part_ids", "part_2", "upload_part", False),
+    ]
+    tuned = {"model": "ft:gpt-4o:org::a", "testing_criteria": [{"model": " FT:o3:org::b"}, {"model": "gpt-4o"}]}
+    assert refs(tuned) == [
+        ("model", "ft:gpt-4o:org::a", "fine_tuned_checkpoint", False),
+        ("model", " FT:o3:org::b", "fine_tuned_checkpoint", False),
+    ]
+    assert refs({"metadata": {"model": "ft:x"}, "model": "openai/ft:y"}) == [
+        ("model", "openai/ft:y", "fine_tuned_checkpoint", False)
+    ]
     anthropic = {
         "messages": [
             {"role": "user", "content": [{"type": "document", "source": {"type": "file", "file_id": "file_1"}}]},
