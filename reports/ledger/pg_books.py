@@ -20,7 +20,7 @@ import psycopg
 from tokenward.pricing.budgets import Budget
 from tokenward.reports.ledger.books import Ask, BookKey, BooksUnavailable, Hold, Refused
 from tokenward.reports.ledger.errors import LedgerError
-from tokenward.reports.ledger.pg_pool import AsyncPool, SyncPool
+from tokenward.reports.ledger.pg_pool import AsyncPool, ConnectionLost, SyncPool
 from tokenward.reports.ledger.pg_spend import pg_scope_clause
 from tokenward.reports.ledger.schema import SPEND_EXPRESSION
 
@@ -247,16 +247,26 @@ class PgBooks:
         seeds = [a for a in asks if a.key in self._seeds]
         seed = [[a.key[0] for a in seeds], [a.key[1] for a in seeds], [a.limit for a in seeds]]
         seed.append([self._seeds[a.key] for a in seeds])
-        for attempt in (1, 2):
+        renewed = lost = False
+        while True:
             try:
                 async with self._pool.connection() as conn:
+                    if lost:  # the lost call may have committed its hold before the path died: give it back
+                        await conn.execute(_RELEASE_NAMED, [self.replica, request_id])
                     if seeds:
                         await conn.execute(_SEED, seed)
                     row = await (await conn.execute(_RESERVE_FOR if named else _RESERVE, params)).fetchone()
                 break
             except psycopg.Error as exc:
-                if getattr(exc, "sqlstate", None) == "TW001" and attempt == 1:
+                if getattr(exc, "sqlstate", None) == "TW001" and not renewed:
+                    renewed = True
                     await self._renew()  # the lease ended (a stall): take it again, then retry once
+                    continue
+                if isinstance(exc, ConnectionLost) and request_id is not None and not lost:
+                    # a silent network drop: its session is ended, so nothing more of that call can
+                    # commit; on a fresh connection, its hold (if it made one) is released, then made again
+                    lost = True
+                    log.warning("budget reservation for %s: %s; sent again on a new connection", request_id, exc)
                     continue
                 if request_id is not None:  # the hold may be in the database all the same: given back later
                     self._unsure.append(request_id)
