@@ -147,6 +147,7 @@ def create_app(
     else:
         client = AiohttpUpstream()
     auth = Authenticator(config.auth, config.virtual_keys)
+    auth.clock = clock.now  # a key expires at the same instant on every replica
     if config.auth.mode == "virtual_keys" and not config.virtual_keys:
         log.warning("auth mode virtual_keys, no keys in the config: only keys from `tokenward keys create` work")
     isolation = None
