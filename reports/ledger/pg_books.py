@@ -233,7 +233,10 @@ class PgBooks:
 
         With ``request_id`` (and the request's start), the hold is named after its request
         (``tw_reserve_for``): should this replica die, the hold keeps counting as that request's
-        spend until its row arrives, instead of being given back.
+        spend until its row arrives, instead of being given back. A named reservation whose
+        connection broke (a restart of the server, a silent drop: :func:`_broken`) is sent again
+        on new connections for up to :data:`RECONNECT_S` seconds, its hold (if that call made
+        one) given back first, so it holds once.
         """
         named = [request_id, started] if request_id is not None else []
         params = [
