@@ -64,6 +64,7 @@ from tokenward.proxy.upstream import AiohttpUpstream, HttpxUpstream, UpstreamCli
 from tokenward.proxy.velocity_books import VelocityBooks
 from tokenward.reports.alerts import Notifier
 from tokenward.reports.ledger import DuckLedger
+from tokenward.reports.ledger.server_clock import SYNC_EVERY_S, ServerClock
 from tokenward.reports.ledger.spend import SpendSource
 
 if TYPE_CHECKING:
@@ -112,6 +113,8 @@ def create_app(
     ledger = config.open_ledger()
     if isinstance(ledger, DuckLedger):  # DuckDB's work in a child: the serving process never imports it
         ledger.use_mover()
+    # the instant requests start at and periods turn: on Postgres the database server's, for every replica
+    clock = ServerClock()
     books: PgBooks | None = None  # shared budget books (Postgres); None: in this process's memory
     blocking = any(b.blocking for b in [*budgets, *templates])
     if ledger.shared and (blocking or runs_on):
@@ -123,7 +126,11 @@ def create_app(
     if budgets or templates or runs_on:
         delay = config.ledger.flush_interval_s + 0.5  # after the row that crossed is in the ledger
         guard = BudgetGuard(
-            budgets, dt.datetime.now(dt.UTC), lambda _: run_budget_check_soon(scheduler, delay), store=books
+            budgets,
+            clock.now(),
+            lambda _: run_budget_check_soon(scheduler, delay),
+            store=books,
+            clock=clock.now,
         )
         horizon = max(p.policy("").max_ttl_s for p in policies)
         dynamic = DynamicBudgets(guard, templates, horizon_s=horizon)
@@ -140,6 +147,7 @@ def create_app(
     else:
         client = AiohttpUpstream()
     auth = Authenticator(config.auth, config.virtual_keys)
+    auth.clock = clock.now  # a key expires at the same instant on every replica
     if config.auth.mode == "virtual_keys" and not config.virtual_keys:
         log.warning("auth mode virtual_keys, no keys in the config: only keys from `tokenward keys create` work")
     isolation = None
@@ -158,6 +166,7 @@ def create_app(
         limits=BodyLimits.from_config(config.server),
         isolation=isolation,
         dynamic=dynamic,
+        clock=clock,
     )
     for warning in price_warnings(config, catalog):
         log.warning("%s", warning)
@@ -169,12 +178,12 @@ def create_app(
             from tokenward.reports.ledger.pg_spend import PgSpend
 
             return PgSpend(ledger.pool)  # type: ignore[attr-defined]
-        return BooksSpend(guard, dt.datetime.now(dt.UTC), recorder.unpriced_seen)
+        return BooksSpend(guard, clock.now(), recorder.unpriced_seen)
 
     sender = recorder.metrics.counting(notifier or Notifier(config.alerts))  # failed deliveries feed /metrics
     # velocity rules: this process's per-minute books, or on a shared ledger every replica's rows
     rates = (lambda: velocity.snapshot(dt.datetime.now(dt.UTC))) if velocity and books is None else None
-    add_alert_jobs(scheduler, ledger, spend, budgets, config.alerts, sender, auth, rates)  # type: ignore[arg-type]
+    add_alert_jobs(scheduler, ledger, spend, budgets, config.alerts, sender, auth, rates, clock.now)  # type: ignore[arg-type]
     dashboard = Dashboard(recorder.live, guard, ledger, AdminAuth(config, keys=auth))
     refresh = config.pricing.refresh
     if refresh is not None:
@@ -198,7 +207,7 @@ def create_app(
             id="price-refresh",
         )
     if books is not None and guard is not None:
-        windows = partial(lambda g: g.book_windows(dt.datetime.now(dt.UTC)), guard)
+        windows = partial(lambda g: g.book_windows(g.clock()), guard)
         scheduler.add_job(
             on_one_replica,
             "interval",
@@ -208,9 +217,14 @@ def create_app(
         )
         # books made while serving (runs, per-user budgets) differ by replica: each reconciles its own
         # (one transaction per book, its row locked first, so replicas doing the same book agree)
-        made = partial(lambda g: g.book_windows(dt.datetime.now(dt.UTC), made=True), guard)
+        made = partial(lambda g: g.book_windows(g.clock(), made=True), guard)
         scheduler.add_job(
             reconcile_books, "interval", seconds=RECONCILE_S, args=[ledger, made], id="books-reconcile-made"
+        )
+
+    if ledger.shared:
+        scheduler.add_job(
+            asyncio.to_thread, "interval", seconds=SYNC_EVERY_S, args=[clock.sync, ledger.pool], id="clock-sync"
         )
 
     if ledger.shared and guard is not None and any(not b.blocking for b in guard.budgets):
@@ -232,6 +246,8 @@ def create_app(
                 dynamic.runs_off = "another tokenward proxy serves this ledger, and its runs"
                 log.warning("another proxy holds %s: this one refuses X-Tokenward-Run (503)", ledger.path)
         try:
+            if ledger.shared:  # before the books open: their periods follow the database's clock
+                await asyncio.to_thread(clock.sync, ledger.pool)  # type: ignore[attr-defined]
             await recorder.start()
             await asyncio.to_thread(import_legacy_state, ledger)
             if config.alerts.admins:
@@ -292,6 +308,7 @@ def create_app(
     app.state.velocity = velocity
     app.state.ledger = ledger
     app.state.dashboard = dashboard
+    app.state.clock = clock
     return app
 
 

@@ -21,6 +21,7 @@ import datetime as dt
 import logging
 import math
 import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from decimal import Decimal
@@ -325,6 +326,8 @@ class Forwarder:
         limits: request body size and time limits (:mod:`tokenward.proxy.limits`).
         isolation: keeps each virtual key to its own provider objects (``None``: passthrough mode).
         dynamic: run budgets and per-value budgets (:mod:`tokenward.proxy.run_budgets`).
+        clock: epoch seconds now (on a Postgres ledger the database server's clock, so every
+            replica puts a request into the same budget period).
     """
 
     def __init__(
@@ -341,7 +344,10 @@ class Forwarder:
         limits: BodyLimits | None = None,
         isolation: Isolation | None = None,
         dynamic: DynamicBudgets | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
+        self.clock = clock
+        """Epoch seconds a request starts at (on a Postgres ledger, the database server's clock)."""
         self.client = client
         self.router = router
         self.auth = auth
@@ -367,13 +373,14 @@ class Forwarder:
             found = target(raw, scope["method"], scope["query_string"])
         except EdgeError as exc:
             shown = raw[:1000].decode("ascii", "backslashreplace")
-            ex = Exchange(endpoint="unknown", method=scope["method"], path=shown)
+            ex = Exchange(endpoint="unknown", method=scope["method"], path=shown, started_at=self.clock())
             return self._refuse(ex, ProxyError(exc.status, exc.message, exc.code))
         if found is None:
             return self.not_found(request)
         framing = _framing_refused(scope)
         if framing is not None:
-            return self._refuse(Exchange(endpoint="unknown", method=scope["method"], path=found.path), framing)
+            ex = Exchange(endpoint="unknown", method=scope["method"], path=found.path, started_at=self.clock())
+            return self._refuse(ex, framing)
         if found.endpoint is not None:
             return await self.metered(request, found)
         return await self.passthrough(request, found)
@@ -381,7 +388,7 @@ class Forwarder:
     async def metered(self, request: Request[Any, Any, Any], found: Target) -> Relay:
         """Forward a request to a metered endpoint; the returned relay meters and records the reply."""
         assert found.endpoint is not None
-        ex = Exchange(endpoint=found.endpoint.name, method="POST", path=found.path)
+        ex = Exchange(endpoint=found.endpoint.name, method="POST", path=found.path, started_at=self.clock())
         watch: list[DisconnectWatch] = []
         try:
             return await self._metered(request, found, found.endpoint, ex, watch)
@@ -397,7 +404,7 @@ class Forwarder:
         creates are held to the caller's own (:mod:`tokenward.proxy.isolation`).
         """
         scope = request.scope
-        ex = Exchange(endpoint="passthrough", method=scope["method"], path=found.path)
+        ex = Exchange(endpoint="passthrough", method=scope["method"], path=found.path, started_at=self.clock())
         content = None
         try:
             inbound = self._inbound(scope, ex, keep_length=True)
@@ -519,7 +526,7 @@ class Forwarder:
         raw: bytes = scope.get("raw_path") or scope["path"].encode()
         path = raw[:1000].decode("ascii", "backslashreplace")
         method = scope["method"][:32]
-        ex = Exchange(endpoint="unknown", method=method, path=path)
+        ex = Exchange(endpoint="unknown", method=method, path=path, started_at=self.clock())
         message = f"Method {method} is not allowed: the API takes {_ALLOWED_METHODS.decode()}."
         return self._refuse(ex, ProxyError(405, message, "method_not_allowed", headers=[(b"allow", _ALLOWED_METHODS)]))
 
@@ -532,7 +539,7 @@ class Forwarder:
         scope = request.scope
         raw: bytes = scope.get("raw_path") or scope["path"].encode()
         path = raw[:1000].decode("ascii", "backslashreplace")
-        ex = Exchange(endpoint="unknown", method=scope["method"], path=path)
+        ex = Exchange(endpoint="unknown", method=scope["method"], path=path, started_at=self.clock())
         message = f"Unknown path {path}: the OpenAI-compatible API is under /v1."
         if raw.lower().startswith(b"/openai/"):  # Azure's pre-v1 paths: say which of them tokenward serves
             message = f"Unknown path {path}: {AZURE_PATHS}"
@@ -662,7 +669,7 @@ class Forwarder:
         """Headers of a whole (not streamed) reply, once it is recorded: its cost, the budgets after it."""
         headers = [(b"x-tokenward-cost-usd", usd_text(ex.cost_usd).encode())] if ex.cost_usd is not None else []
         if self.guard is not None:
-            headers += reply_headers(self.guard, _attributes(ex), dt.datetime.now(dt.UTC))
+            headers += reply_headers(self.guard, _attributes(ex), dt.datetime.fromtimestamp(self.clock(), dt.UTC))
         return headers
 
     async def _read_media(self, found: Target, body: bytes, scope: Scope) -> tuple[MediaRequest, _RequestHead]:

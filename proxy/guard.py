@@ -105,6 +105,10 @@ class _Book:
             self.events.append((started, amount, model, key))
 
 
+def _utc_now() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
 def _add(totals: dict[str, Decimal], name: str, amount: Decimal) -> None:
     value = totals.get(name, Decimal(0)) + amount
     if value:
@@ -195,6 +199,8 @@ class BudgetGuard:
             proxy uses it to run the alert check soon rather than at the next scheduled pass).
         store: the books of blocking budgets (default: this process's memory); other budgets'
             books stay in memory.
+        clock: the current instant where a caller gives none (default: this host's clock; on a
+            Postgres ledger the database server's, :class:`~tokenward.reports.ledger.server_clock.ServerClock`).
     """
 
     def __init__(
@@ -203,7 +209,9 @@ class BudgetGuard:
         now: dt.datetime,
         on_crossing: Callable[[Budget], None] | None = None,
         store: BookStore | None = None,
+        clock: Callable[[], dt.datetime] | None = None,
     ) -> None:
+        self.clock = clock or _utc_now
         self.local = MemoryBooks()
         self.store: BookStore = store if store is not None else self.local
         self._books = [self._new_book(b, now) for b in budgets]
@@ -358,7 +366,7 @@ class BudgetGuard:
     def _matching(self, attributes: Mapping[str, Any], now: dt.datetime | None = None) -> list[_Book]:
         books = [book for book in self._books if book.budget.matches(attributes)]
         if self.scopes:
-            at = now or dt.datetime.now(dt.UTC)
+            at = now or self.clock()
             dynamic = self._dynamic
             for scope in self.scopes:
                 books += [dynamic[name] for name in scope(attributes, at) if name in dynamic]
@@ -428,7 +436,7 @@ class BudgetGuard:
         hold = reservation.hold if reservation is not None else None
         if hold is not None or spends:
             request_id = str(rows[0].get("parent_request_id") or rows[0]["request_id"]) if rows else None
-            self.store.settle(hold, list(spends.items()), request_id, started or dt.datetime.now(dt.UTC))
+            self.store.settle(hold, list(spends.items()), request_id, started or self.clock())
         if reservation is not None:
             reservation.holds = []
         for row in rows:

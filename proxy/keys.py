@@ -20,7 +20,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from urllib.parse import unquote_to_bytes
 
@@ -301,6 +301,8 @@ class Authenticator:
     def __init__(self, mode: str | AuthConfig, keys: list[VirtualKeyConfig]) -> None:
         settings = mode if isinstance(mode, AuthConfig) else AuthConfig(mode=mode)  # type: ignore[arg-type]
         self.mode = settings.mode
+        self.clock: Callable[[], dt.datetime] = lambda: dt.datetime.now(dt.UTC)
+        """Now, for key expiry (on a Postgres ledger the app sets the database server's clock)."""
         unmetered = UnmeteredPolicy(settings.allow_unmetered)
         attribution = Attribution.from_settings(("auth.attribution", settings.attribution))
         runs = settings.runs.policy("auth.runs")
@@ -416,7 +418,7 @@ class Authenticator:
             raise ProxyError(
                 401, f"Incorrect API key provided: {shown}. It is not a tokenward virtual key.", "invalid_api_key"
             )
-        if identity.expires_at is not None and dt.datetime.now(dt.UTC) >= identity.expires_at:
+        if identity.expires_at is not None and self.clock() >= identity.expires_at:
             raise KeyExpired(
                 identity,
                 401,

@@ -39,7 +39,16 @@ from tokenward.proxy.metrics import Metrics
 from tokenward.reports.ledger import DuckLedger, Ledger, LedgerBusy, LedgerError, WriteAheadLog
 from tokenward.reports.ledger.wal import encode_row
 
-__all__ = ["FLUSH_ROWS", "FLUSH_SHARE", "PriceStatus", "Recorder", "build_row", "build_rows", "fallback_row"]
+__all__ = [
+    "FLUSH_ROWS",
+    "FLUSH_SHARE",
+    "MOVER_SILENT_S",
+    "PriceStatus",
+    "Recorder",
+    "build_row",
+    "build_rows",
+    "fallback_row",
+]
 
 log = logging.getLogger("tokenward.recorder")
 
@@ -56,6 +65,9 @@ request at 115 streams/s. Rows are durable in the write-ahead log before their r
 budgets and live figures count them at once, so a later move only delays what readers of the file
 (reports, the dashboard's history) see: by up to half of :attr:`Recorder.stale_after_s` (5 s by
 default) under load, while a quiet proxy still moves its rows within ``flush_interval_s``."""
+
+MOVER_SILENT_S = 1.5
+"""Seconds a mover child working on a move may go unheard (it speaks every 0.5 s) before ``/healthz`` says so."""
 
 FLUSH_ROWS = 20_000
 """Rows waiting in the log that start a move at once, so that a busy proxy's log (and the lag of
@@ -501,14 +513,17 @@ class Recorder:
             return 0
         except (LedgerError, OSError) as exc:
             self._moving = 0
-            if self.flush_error is None:
+            hung = type(exc).__name__ == "MoverHung"  # the mover's module loads only with a DuckDB ledger
+            if hung:
+                log.error("%s; rows wait in %s", exc, self.ledger.spool_dir)
+            elif self.flush_error is None:
                 log.exception("cannot write the ledger; rows wait in %s", self.ledger.spool_dir)
-            self.flush_error, self._write_problem = str(exc), "ledger_error"
+            self.flush_error, self._write_problem = str(exc), "mover_hung" if hung else "ledger_error"
             if not quiet:
                 raise
             return 0
         self._moving = 0
-        if self.flush_error is not None and self._write_problem == "ledger_error":
+        if self.flush_error is not None and self._write_problem in ("ledger_error", "mover_hung"):
             # only after a failure that was logged: a reader holding the file (busy) is routine
             log.warning("ledger rows are being written again")
         self.flush_error = None
@@ -535,7 +550,12 @@ class Recorder:
             ``log_write_failed``) or ``None``; ``queued_rows``: rows waiting for the log's writer
             (a full disk); ``in_flight``: requests admitted and not yet ended;
             ``spool_files``/``spool_rows``: log segments waiting for the ledger (this process's
-            and dead writers') and the rows this process appended to them.
+            and dead writers') and the rows this process appended to them; ``mover`` (a DuckDB
+            ledger): ``restarts``, the children that died or hung in a call and were replaced,
+            the last such ``incident`` with its ``incident_age_s`` (``None`` before any), and
+            ``silent_s``, how long the child working on a move has not been heard from (``problem``
+            is ``mover_not_answering`` past :data:`MOVER_SILENT_S`; it is killed at 5 s, and
+            ``mover_hung`` then stays until a new child has moved the rows).
         """
         age = time.monotonic() - self._written_at
         failing = self.wal.failing is not None
@@ -543,11 +563,31 @@ class Recorder:
             "writable": age <= self.stale_after_s and not failing,
             "last_write_age_s": round(age, 3),
             "stale_after_s": self.stale_after_s,
-            "problem": "log_write_failed" if failing else self._write_problem,
+            "problem": "log_write_failed" if failing else self._mover_silent() or self._write_problem,
             "queued_rows": self.wal.queued,
             "in_flight": self.wal.in_flight,
             "spool_files": self.ledger.waiting_segments(self.wal),
             "spool_rows": self._logged_rows,
+            **self._mover_health(),
+        }
+
+    def _mover_silent(self) -> str | None:
+        mover = getattr(self.ledger, "mover", None)
+        silent = mover.silent_s if mover is not None else None
+        return "mover_not_answering" if silent is not None and silent > MOVER_SILENT_S else None
+
+    def _mover_health(self) -> dict[str, Any]:
+        mover = getattr(self.ledger, "mover", None)
+        if mover is None:
+            return {}
+        last = mover.incidents[-1] if mover.incidents else None
+        return {
+            "mover": {
+                "restarts": mover.restarts,
+                "silent_s": None if mover.silent_s is None else round(mover.silent_s, 1),
+                "incident": last[1] if last else None,
+                "incident_age_s": round(time.time() - last[0], 1) if last else None,
+            }
         }
 
     async def stop(self, wait_busy_s: float = 5.0) -> None:

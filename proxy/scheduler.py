@@ -172,15 +172,17 @@ async def check_budgets(
     *,
     now: dt.datetime | None = None,
     rates: SpendFactory | None = None,
+    clock: Callable[[], dt.datetime] | None = None,
 ) -> int:
     """Evaluate budgets and send the alerts now due (the scheduled job); returns how many were sent.
 
     Spend comes from the proxy's books and claims go to the state store, so a reader holding
     the ledger file delays nothing. ``rates`` makes the source velocity rules read (the proxy's
-    per-minute books).
+    per-minute books). ``clock`` tells the instant when ``now`` is not given (default: this host's
+    clock; the proxy on Postgres: the database server's).
     """
     try:
-        at = now or dt.datetime.now(dt.UTC)
+        at = now or (clock() if clock is not None else dt.datetime.now(dt.UTC))
         sent = await evaluate_and_notify(
             spend(), state, budgets, settings, notifier, at, rates=rates() if rates is not None else None
         )
@@ -246,10 +248,14 @@ def add_alert_jobs(
     notifier: Notifier,
     auth: Authenticator,
     rates: SpendFactory | None = None,
+    clock: Callable[[], dt.datetime] | None = None,
 ) -> None:
-    """Register the budget check, the digest and the stored-key reload on ``scheduler``."""
+    """Register the budget check, the digest and the stored-key reload on ``scheduler``.
+
+    ``clock``: the budget check's instant (see :func:`check_budgets`).
+    """
     if budgets or settings.admins:
-        check = partial(check_budgets, rates=rates)
+        check = partial(check_budgets, rates=rates, clock=clock)
         scheduler.add_job(
             on_one_replica,
             "interval",

@@ -132,7 +132,7 @@ def load_books(
     if ledger.shared:
         from tokenward.reports.ledger.pg_books import reconcile
 
-        now = dt.datetime.now(dt.UTC)
+        now = guard.clock()  # the database server's clock: every replica opens the same periods
         ledger.read_spend(partial(_load, guard, now, [], loaders))
         reconcile(ledger.pool, guard.book_windows(now))  # type: ignore[attr-defined]
         return
@@ -188,7 +188,7 @@ async def refresh_local_books(ledger: Ledger, guard: BudgetGuard) -> None:
     threshold checks would count only its own traffic. Rows this replica has not moved yet show
     at the next pass (within a flush interval).
     """
-    now = dt.datetime.now(dt.UTC)
+    now = guard.clock()
     try:
         figures = await asyncio.to_thread(ledger.read_spend, partial(guard.read_local, now=now))
     except LedgerError as exc:

@@ -119,8 +119,9 @@ def write_config(directory: Path, upstream_url: str, port: int, extra: str = "")
 class ProxyProcess:
     """``tokenward serve --config ...`` as a real subprocess."""
 
-    def __init__(self, config: Path, port: int) -> None:
+    def __init__(self, config: Path, port: int, env: dict[str, str] | None = None) -> None:
         self.config, self.port = config, port
+        self.env = env or {}  # added to the environment (a skewed clock's PYTHONPATH, say)
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -134,7 +135,7 @@ class ProxyProcess:
                 [*command, "--log-level", "warning"],
                 stdout=log,
                 stderr=log,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env},
             )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -198,3 +198,60 @@ def test_the_mover_dies_with_the_proxy_and_leaves_the_file_free(tmp_path, moving
         finally:
             load.stop()
     duckdb.connect(str(tmp_path / "ledger.duckdb")).close()  # nobody holds the file's lock
+
+
+def test_a_stopped_mover_is_killed_and_replaced_and_healthz_says_so(tmp_path, monkeypatch):
+    """SIGSTOP the mover: within ~5 s it is taken for hung, killed, and a new child moves every row once.
+
+    Before: the proxy waited for the stopped child's reply for ever; no row reached the file
+    again, /healthz said nothing of why, and the proxy could not stop (its last flush waited too).
+    """
+    monkeypatch.setenv("TOKENWARD_MOVER_IDLE_S", "120")  # the mover stays between moves
+    port = free_port()
+    body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
+    with CountingUpstream(wait_s=0.0) as upstream:
+        proxy = ProxyProcess(write_config(tmp_path, upstream.url, port), port).start()
+        assert proxy.process is not None
+        pid = proxy.process.pid
+        stopped = None
+        try:
+            with httpx.Client(timeout=10) as client:
+
+                def send(count: int) -> list[int]:
+                    return [
+                        client.post(f"{proxy.url}/v1/chat/completions", json=body,
+                                    headers={"authorization": "Bearer sk"}).status_code
+                        for _ in range(count)
+                    ]
+
+                assert send(10) == [200] * 10
+                stopped = _wait_for(lambda: children(pid), timeout=30)[0]  # the mover moving those rows
+                _wait_for(lambda: _rows_in(tmp_path / "ledger.duckdb") == 10, timeout=30)
+                os.kill(stopped, signal.SIGSTOP)
+                assert send(10) == [200] * 10  # served meanwhile: their rows wait in the log
+                seen = set()
+
+                def replaced() -> bool:
+                    health = client.get(f"{proxy.url}/healthz").json()
+                    seen.add(health["problem"])
+                    return health.get("mover", {}).get("restarts") == 1 and health["status"] == "ok"
+
+                _wait_for(replaced, timeout=30)
+                health = client.get(f"{proxy.url}/healthz").json()
+            assert "mover_not_answering" in seen  # while the rows waited, /healthz said why
+            assert health["status"] == "ok", health
+            assert health["mover"]["incident"] == (
+                f"the ledger's mover process (pid {stopped}) gave no sign of life for 5 s during move: "
+                "killed, a new one takes over"
+            )
+            assert _dead(stopped)
+            assert children(pid) and children(pid)[0] != stopped
+            _wait_for(lambda: _rows_in(tmp_path / "ledger.duckdb") == 20, timeout=30)
+        finally:
+            if stopped is not None and _alive(stopped):
+                os.kill(stopped, signal.SIGKILL)
+            proxy.stop()
+    rows = ledger_rows(tmp_path / "ledger.duckdb")
+    assert len(rows) == 20 and len({r["request_id"] for r in rows}) == 20
+    assert sum(r["cost_usd"] for r in rows) == 20 * COST
+    assert "gave no sign of life for 5 s during move" in proxy.log()

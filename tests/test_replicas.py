@@ -36,7 +36,13 @@ def free_port() -> int:
 
 
 def replicas(
-    tmp_path: Path, upstream: str, url: str, extra: str, count: int = 3, lease_s: float = 15
+    tmp_path: Path,
+    upstream: str,
+    url: str,
+    extra: str,
+    count: int = 3,
+    lease_s: float = 15,
+    envs: dict[int, dict[str, str]] | None = None,
 ) -> list[ProxyProcess]:
     procs = []
     for number in range(count):
@@ -51,7 +57,7 @@ def replicas(
             f"ledger: {{url: '{url}', spool_dir: spool, flush_interval_s: 0.5, lease_s: {lease_s}}}\n"
             "guard: {input_margin: 1, input_margin_tokens: 0}\n" + extra  # count input exactly, as written above
         )
-        procs.append(ProxyProcess(config, port))
+        procs.append(ProxyProcess(config, port, (envs or {}).get(number)))
     for proc in procs:
         proc.start()
     return procs

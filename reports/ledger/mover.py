@@ -14,6 +14,14 @@ with de-duplication (their rows may be committed already), logs the death, and s
 child at the next move. The child dies with the proxy: ``PR_SET_PDEATHSIG`` kills it at once
 (a child left moving would hold the file's lock, and lock ``tokenward report`` out), and when the
 proxy's end of the socket closes it exits after the request in hand.
+
+Hangs. A child that stops without dying (SIGSTOP, a frozen cgroup, a host that pauses it) would
+leave the proxy waiting for its reply for ever, the rows piling up in the log. While it works on
+a request the child says so every :data:`TICK_S` seconds (a thread, so a long DuckDB statement,
+which releases the GIL, does not silence it); a child silent for :data:`HUNG_S` seconds (or
+:data:`START_S` after it was started) is killed and the call raises :class:`MoverHung`: the work
+is retried, as after any death, by a new child. :attr:`Mover.incidents` keeps what happened,
+for ``/healthz``.
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ from typing import Any
 
 from tokenward.reports.ledger.errors import LedgerBusy, LedgerError
 
-__all__ = ["IDLE_S", "Mover", "MoverDied", "RemoteSpend", "main"]
+__all__ = ["HUNG_S", "IDLE_S", "START_S", "TICK_S", "Mover", "MoverDied", "MoverHung", "RemoteSpend", "main"]
 
 log = logging.getLogger("tokenward.ledger")
 
@@ -47,11 +55,26 @@ memory back within half a minute of the last move.
 """
 
 
+TICK_S = 0.5
+"""Seconds between two signs of life of a child working on a request."""
+
+HUNG_S = 5.0
+"""Seconds without a sign of life after which a working child is taken for hung and killed."""
+
+START_S = 30.0
+"""Seconds a child just started has to give its first sign of life (Python and its imports on a loaded host)."""
+
+_TICK = ("tick",)
+
 _IN_SESSION = ("spend", "read_close")  # requests that need the connection an earlier request opened
 
 
 class MoverDied(LedgerError):
     """The mover child ended before it answered (killed, out of memory); the work is retried."""
+
+
+class MoverHung(MoverDied):
+    """The mover child gave no sign of life for :data:`HUNG_S` seconds (stopped): it was killed; the work is retried."""
 
 
 class Mover:
@@ -61,8 +84,15 @@ class Mover:
         idle_s: stop the child after this many seconds without a request (:meth:`retire_if_idle`).
     """
 
-    def __init__(self, idle_s: float = IDLE_S) -> None:
+    def __init__(self, idle_s: float = IDLE_S, hung_s: float = HUNG_S) -> None:
         self.idle_s = idle_s
+        self.hung_s = hung_s
+        self.incidents: list[tuple[float, str]] = []
+        """``(time.time(), what happened)`` for each child that died or hung in a call, oldest first (last 20)."""
+        self.restarts = 0
+        """Children that died or hung in a call (each replaced by a new one at the next call)."""
+        self._fresh = False  # the child was started for this call: it may take START_S to answer
+        self._heard: float | None = None  # while a call waits: when the child last gave a sign of life
         self._lock = threading.Lock()
         self._proc: subprocess.Popen[bytes] | None = None
         self._conn: Connection | None = None
@@ -92,11 +122,11 @@ class Mover:
             assert self._conn is not None
             try:
                 self._conn.send(request)
-                reply = self._conn.recv()
+                reply = self._receive(request["op"])
             except (EOFError, OSError) as exc:
                 code = self._reap()
-                raise MoverDied(
-                    f"the ledger's mover process ended (exit status {code}) during {request['op']}"
+                raise self._incident(
+                    MoverDied(f"the ledger's mover process ended (exit status {code}) during {request['op']}")
                 ) from exc
             finally:
                 self._last = time.monotonic()
@@ -104,6 +134,42 @@ class Mover:
         for level, name, message in notes:
             logging.getLogger(name).log(level, "%s", message)
         return kind, value, extra
+
+    @property
+    def silent_s(self) -> float | None:
+        """Seconds since the child last gave a sign of life while a call waits for it (``None``: no call waits)."""
+        heard = self._heard
+        return None if heard is None else time.monotonic() - heard
+
+    def _receive(self, op: str) -> Any:
+        """The child's reply, skipping its signs of life; a child silent too long is killed (:class:`MoverHung`)."""
+        self._heard = time.monotonic()
+        try:
+            return self._replied(op)
+        finally:
+            self._heard = None
+
+    def _replied(self, op: str) -> Any:
+        assert self._conn is not None and self._proc is not None
+        while True:
+            wait = START_S if self._fresh else self.hung_s
+            if not self._conn.poll(wait):
+                pid = self._proc.pid
+                self._proc.kill()  # SIGKILL ends a stopped process too; what it left unfinished is moved again
+                self._reap()
+                raise self._incident(
+                    MoverHung(f"the ledger's mover process (pid {pid}) gave no sign of life for {wait:g} s during "
+                              f"{op}: killed, a new one takes over")
+                )
+            message = self._conn.recv()
+            self._fresh, self._heard = False, time.monotonic()
+            if message != _TICK:
+                return message
+
+    def _incident(self, exc: MoverDied) -> MoverDied:
+        self.restarts += 1
+        self.incidents = [*self.incidents[-19:], (time.time(), str(exc))]
+        return exc
 
     def retire_if_idle(self) -> None:
         """Stop the child if it has had no request for :attr:`idle_s` seconds."""
@@ -134,6 +200,7 @@ class Mover:
         finally:
             theirs.close()
         self._conn = Connection(ours.detach())
+        self._fresh = True
 
     def _reap(self) -> int | None:
         """Close the socket and wait for the child (killed after 5 s); its exit status."""
@@ -268,6 +335,7 @@ def main(argv: list[str]) -> int:
     logger.addHandler(notes)
     logger.setLevel(logging.INFO)
     logger.propagate = False
+    sending = threading.Lock()
     while True:
         try:
             request = conn.recv()
@@ -277,16 +345,35 @@ def main(argv: list[str]) -> int:
             return 0
         unsure = {Path(p) for p in request.get("unsure", ())}
         notes.notes = []
+        done = threading.Event()
+        ticker = threading.Thread(target=_tick, args=(conn, sending, done), daemon=True)
+        ticker.start()
         try:
             reply: tuple[str, Any] = ("ok", _run(request, unsure))
         except LedgerBusy as exc:
             reply = ("busy", str(exc))
         except Exception as exc:  # noqa: BLE001 - every failure is the proxy's to log and retry
             reply = ("error", f"{exc}" if isinstance(exc, LedgerError) else f"{type(exc).__name__}: {exc}")
+        finally:
+            done.set()
+            ticker.join()
         try:
-            conn.send((*reply, sorted(str(p) for p in unsure), notes.notes))
+            with sending:
+                conn.send((*reply, sorted(str(p) for p in unsure), notes.notes))
         except OSError:
             return 0
+
+
+def _tick(conn: Connection, sending: threading.Lock, done: threading.Event) -> None:
+    """Tell the proxy this child is alive, now and every :data:`TICK_S` seconds until ``done``."""
+    while True:
+        try:
+            with sending:
+                conn.send(_TICK)
+        except OSError:
+            return
+        if done.wait(TICK_S):
+            return
 
 
 if __name__ == "__main__":

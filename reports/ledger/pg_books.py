@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import logging
+import time
 from collections.abc import Sequence
 from decimal import Decimal
 from typing import Any
@@ -20,7 +21,7 @@ import psycopg
 from tokenward.pricing.budgets import Budget
 from tokenward.reports.ledger.books import Ask, BookKey, BooksUnavailable, Hold, Refused
 from tokenward.reports.ledger.errors import LedgerError
-from tokenward.reports.ledger.pg_pool import AsyncPool, SyncPool
+from tokenward.reports.ledger.pg_pool import AsyncPool, ConnectionLost, SyncPool
 from tokenward.reports.ledger.pg_spend import pg_scope_clause
 from tokenward.reports.ledger.schema import SPEND_EXPRESSION
 
@@ -232,7 +233,10 @@ class PgBooks:
 
         With ``request_id`` (and the request's start), the hold is named after its request
         (``tw_reserve_for``): should this replica die, the hold keeps counting as that request's
-        spend until its row arrives, instead of being given back.
+        spend until its row arrives, instead of being given back. A named reservation whose
+        connection broke (a restart of the server, a silent drop: :func:`_broken`) is sent again
+        on new connections for up to :data:`RECONNECT_S` seconds, its hold (if that call made
+        one) given back first, so it holds once.
         """
         named = [request_id, started] if request_id is not None else []
         params = [
@@ -247,22 +251,41 @@ class PgBooks:
         seeds = [a for a in asks if a.key in self._seeds]
         seed = [[a.key[0] for a in seeds], [a.key[1] for a in seeds], [a.limit for a in seeds]]
         seed.append([self._seeds[a.key] for a in seeds])
-        for attempt in (1, 2):
+        renewed = lost = False
+        give_up: float | None = None  # once a connection broke: until when the reservation is sent again
+        while True:
             try:
                 async with self._pool.connection() as conn:
+                    if lost:  # the lost call may have committed its hold before the path died: give it back
+                        await conn.execute(_RELEASE_NAMED, [self.replica, request_id])
                     if seeds:
                         await conn.execute(_SEED, seed)
                     row = await (await conn.execute(_RESERVE_FOR if named else _RESERVE, params)).fetchone()
                 break
             except psycopg.Error as exc:
-                if getattr(exc, "sqlstate", None) == "TW001" and attempt == 1:
+                if getattr(exc, "sqlstate", None) == "TW001" and not renewed:
+                    renewed = True
                     await self._renew()  # the lease ended (a stall): take it again, then retry once
+                    continue
+                if request_id is not None and _broken(exc) and _again(give_up):
+                    # a silent network drop (its session ended by us) or a server that ended the session
+                    # (a restart): nothing more of that call can commit; on a fresh connection, its hold
+                    # (if it made one) is released, then made again
+                    if give_up is None:
+                        give_up = time.monotonic() + RECONNECT_S
+                        log.warning("budget reservation for %s: %s; sent again on a new connection", request_id, exc)
+                    lost = True
                     continue
                 if request_id is not None:  # the hold may be in the database all the same: given back later
                     self._unsure.append(request_id)
                 self._down(exc)
                 raise BooksUnavailable(f"budget books unavailable: {exc}") from exc
             except (LedgerError, OSError) as exc:
+                if give_up is not None and _again(give_up):  # the server restarting: not accepting yet
+                    await asyncio.sleep(0.25)
+                    continue
+                if lost:  # the call that broke may have left its hold: given back once the database is back
+                    self._unsure.append(str(request_id))
                 self._down(exc)
                 raise BooksUnavailable(str(exc)) from exc
         self._up()
@@ -334,6 +357,22 @@ class PgBooks:
     def queued(self) -> int:
         """Settlements waiting for the database."""
         return len(self._queued)
+
+
+RECONNECT_S = 5.0
+"""Seconds a reservation whose connection broke (a restart of the server, a silent drop) is tried again for."""
+
+
+def _broken(exc: psycopg.Error) -> bool:
+    """Whether ``exc`` ended the session (the server shut down or vanished), rather than refusing the statement."""
+    if isinstance(exc, ConnectionLost):
+        return True
+    state = getattr(exc, "sqlstate", None)
+    return isinstance(exc, psycopg.OperationalError) and (state is None or state[:2] in ("08", "57"))
+
+
+def _again(give_up: float | None) -> bool:
+    return give_up is None or time.monotonic() < give_up
 
 
 SETTLE_ONCE_DAYS = 2

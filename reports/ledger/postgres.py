@@ -33,7 +33,7 @@ from tokenward.reports.ledger.errors import LedgerError
 from tokenward.reports.ledger.isolate import insert_isolating
 from tokenward.reports.ledger.mirror import Mirror
 from tokenward.reports.ledger.pg_migrations import INGEST_LOCK, PG_TYPES
-from tokenward.reports.ledger.pg_pool import SyncPool, redact
+from tokenward.reports.ledger.pg_pool import SyncPool, connect_watched, redact
 from tokenward.reports.ledger.pg_spend import PgSpend
 from tokenward.reports.ledger.pg_state import PgState
 from tokenward.reports.ledger.schema import ROW_COLUMNS
@@ -285,7 +285,7 @@ class PgLedger:
             LedgerError: the database cannot be reached.
         """
         try:
-            conn = psycopg.connect(self.url, autocommit=True, connect_timeout=5)
+            conn = connect_watched(self.url)  # the server ends the lock with a session whose client vanished
         except psycopg.Error as exc:
             raise LedgerError(f"cannot connect to the ledger {self.name}: {exc}") from exc
         try:
