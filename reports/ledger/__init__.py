@@ -61,7 +61,7 @@ if TYPE_CHECKING:
     import duckdb
 
     from tokenward.reports.ledger.duck import open_ledger
-    from tokenward.reports.ledger.legacy import Imported
+    from tokenward.reports.ledger.imported import Imported
     from tokenward.reports.ledger.mover import Mover
 
 log = logging.getLogger("tokenward.ledger")

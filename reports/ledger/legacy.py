@@ -11,41 +11,15 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-from typing import NamedTuple
 
 import duckdb
 
+from tokenward.reports.ledger.imported import Imported
 from tokenward.reports.ledger.state import AlertKey, DeliveryRecord, SqliteState
 
 __all__ = ["Imported", "import_legacy_state"]
 
 _DONE = "imported_duckdb_state"
-
-
-class Imported(NamedTuple):
-    """What :func:`import_legacy_state` copied, by kind (each a count of rows in the state store)."""
-
-    keys: int = 0
-    alert_claims: int = 0
-    deliveries: int = 0
-
-    @property
-    def total(self) -> int:
-        """Rows copied, every kind together."""
-        return self.keys + self.alert_claims + self.deliveries
-
-    def __str__(self) -> str:
-        """``2 stored keys, 1 alert claim and 0 alert deliveries``: each kind with its own count."""
-        parts = [
-            _count(self.keys, "stored key", "stored keys"),
-            _count(self.alert_claims, "alert claim", "alert claims"),
-            _count(self.deliveries, "alert delivery", "alert deliveries"),
-        ]
-        return f"{parts[0]}, {parts[1]} and {parts[2]}"
-
-
-def _count(n: int, one: str, many: str) -> str:
-    return f"{n} {one if n == 1 else many}"
 
 
 def import_legacy_state(conn: duckdb.DuckDBPyConnection, state: SqliteState) -> Imported:

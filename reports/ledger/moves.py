@@ -20,7 +20,7 @@ from tokenward.reports.ledger.errors import LedgerBusy, LedgerError
 from tokenward.reports.ledger.wal import dead_writers
 
 if TYPE_CHECKING:
-    from tokenward.reports.ledger.legacy import Imported
+    from tokenward.reports.ledger.imported import Imported
 
 __all__ = ["import_legacy", "migrate_file", "move_segments"]
 
