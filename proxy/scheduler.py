@@ -6,7 +6,8 @@ jobs coalesce missed runs and never run twice at once (``max_instances=1``).
 * Price refresh (``pricing.refresh``): fetch a LiteLLM-format price map, append changed prices
   as new effective-dated versions to the refresh file, and swap the recorder's catalog.
 * Budget check (every ``alerts.evaluate_every_s``, and soon after a threshold is crossed):
-  claim and send the alerts due (:mod:`tokenward.reports.budget_check`).
+  claim the alerts due (:mod:`tokenward.reports.budget_check`) and hand them to
+  :class:`Deliveries`, which sends them in the background (a slow mail server delays no check).
 * Digest (``alerts.digest``): a daily or weekly spend summary by email.
 * Stored keys: keys created or revoked with ``tokenward keys`` take effect within 5 s (they live in
   the state store, which no ledger reader can block), on every replica.
@@ -37,7 +38,14 @@ from tokenward.pricing.refresh import plan_refresh
 from tokenward.pricing.settings import RefreshSettings
 from tokenward.proxy.keys import Authenticator
 from tokenward.reports.alerts import Alert, AlertSettings, Notifier
-from tokenward.reports.budget_check import deliver, digest_alert, evaluate_and_notify, record_deliveries
+from tokenward.reports.budget_check import (
+    claim_alerts,
+    deliver,
+    digest_alert,
+    evaluate_and_notify,
+    notify_one,
+    record_deliveries,
+)
 from tokenward.reports.ledger import Ledger, LedgerError
 from tokenward.reports.ledger.spend import SpendSource
 from tokenward.reports.ledger.state import StateStore
@@ -47,6 +55,7 @@ if TYPE_CHECKING:  # imported by the refresh job only: not in every proxy's memo
 
 __all__ = [
     "KEY_RELOAD_S",
+    "Deliveries",
     "RECONCILE_S",
     "add_alert_jobs",
     "check_budgets",
@@ -163,6 +172,46 @@ SpendFactory = Callable[[], SpendSource]
 """Makes the spend source a budget check reads (the proxy's books, snapshotted on the event loop)."""
 
 
+class Deliveries:
+    """Alert deliveries under way in the proxy's event loop, apart from the checks that claimed them.
+
+    A check claims its alerts and hands their delivery here, so that a mail server that hangs
+    (until its ``timeout_s``, at every retry) holds up no later check: the next threshold's mail
+    goes out while the last one's still waits (the leases keep any alert from being sent twice
+    at once). :meth:`aclose` (at shutdown) cancels what is left; each gives its lease up.
+    """
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    def start(
+        self, state: StateStore, notifier: Notifier, settings: AlertSettings, alert: Alert, at: dt.datetime
+    ) -> None:
+        """Deliver ``alert`` in the background (:func:`~tokenward.reports.budget_check.notify_one`)."""
+        task = asyncio.create_task(self._deliver(state, notifier, settings, alert, at))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    @staticmethod
+    async def _deliver(
+        state: StateStore, notifier: Notifier, settings: AlertSettings, alert: Alert, at: dt.datetime
+    ) -> None:
+        try:
+            await notify_one(state, notifier, settings, alert, at)
+        except Exception:
+            log.exception("alert delivery failed (%s, %s)", alert.budget, alert.kind)
+
+    async def aclose(self) -> None:
+        """Cancel the deliveries still under way and wait for them to give their leases up."""
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 async def check_budgets(
     spend: SpendFactory,
     state: StateStore,
@@ -172,22 +221,27 @@ async def check_budgets(
     *,
     now: dt.datetime | None = None,
     rates: SpendFactory | None = None,
+    deliveries: Deliveries | None = None,
 ) -> int:
-    """Evaluate budgets and send the alerts now due (the scheduled job); returns how many were sent.
+    """Evaluate budgets and send the alerts now due (the scheduled job); returns how many were claimed.
 
     Spend comes from the proxy's books and claims go to the state store, so a reader holding
     the ledger file delays nothing. ``rates`` makes the source velocity rules read (the proxy's
-    per-minute books).
+    per-minute books). With ``deliveries`` the alerts are delivered there, in the background, and
+    the check returns once they are claimed; without, it returns once they are delivered.
     """
     try:
         at = now or dt.datetime.now(dt.UTC)
-        sent = await evaluate_and_notify(
-            spend(), state, budgets, settings, notifier, at, rates=rates() if rates is not None else None
-        )
+        velocity = rates() if rates is not None else None
+        if deliveries is None:
+            return len(await evaluate_and_notify(spend(), state, budgets, settings, notifier, at, rates=velocity))
+        alerts = await asyncio.to_thread(claim_alerts, spend(), state, budgets, settings, at, rates=velocity)
     except Exception:
         log.exception("budget check failed")
         return 0
-    return len(sent)
+    for alert in alerts:
+        deliveries.start(state, notifier, settings, alert, at)
+    return len(alerts)
 
 
 async def send_digest(
@@ -246,10 +300,15 @@ def add_alert_jobs(
     notifier: Notifier,
     auth: Authenticator,
     rates: SpendFactory | None = None,
+    deliveries: Deliveries | None = None,
 ) -> None:
-    """Register the budget check, the digest and the stored-key reload on ``scheduler``."""
+    """Register the budget check, the digest and the stored-key reload on ``scheduler``.
+
+    ``deliveries``: where the checks' alerts are delivered (in the background); without, each
+    check waits for its deliveries.
+    """
     if budgets or settings.admins:
-        check = partial(check_budgets, rates=rates)
+        check = partial(check_budgets, rates=rates, deliveries=deliveries)
         scheduler.add_job(
             on_one_replica,
             "interval",

@@ -49,6 +49,7 @@ __all__ = [
     "deliver",
     "digest_alert",
     "evaluate_and_notify",
+    "notify_one",
     "record_deliveries",
     "status_of",
     "usd",
@@ -579,7 +580,8 @@ async def deliver(state: StateStore, notifier: Notifier, alert: Alert) -> tuple[
     (replicas, ``tokenward budgets check``, a restart) one only delivers them; the lease lasts one
     target's longest delivery (:meth:`AlertSettings.target_bound_s`) plus :data:`LEASE_MARGIN_S`,
     and is renewed after each target. A process killed mid-delivery leaves the claims to whoever
-    evaluates once the lease has run out: at least once, never twice at once.
+    evaluates once the lease has run out: at least once, never twice at once; a delivery
+    cancelled (a proxy stopping) gives its lease up at once.
 
     Returns:
         The alert as sent (the thresholds leased, the targets they had not reached) and its
@@ -616,7 +618,16 @@ async def deliver(state: StateStore, notifier: Notifier, alert: Alert) -> tuple[
         except _STORE_DOWN as exc:  # the lease runs out on its own; the outcome is recorded already
             log.warning("alert lease not renewed (%s)", exc)
 
-    return alert, await notifier.send(alert, on_delivery=stored)
+    try:
+        return alert, await notifier.send(alert, on_delivery=stored)
+    except asyncio.CancelledError:
+        # stopped mid-delivery (a proxy shutting down): the lease is given up, so that whoever
+        # evaluates next (the restarted proxy) sends what is left at once, not once it has run out
+        try:
+            await asyncio.to_thread(state.lease, keys, holder, 0)
+        except _STORE_DOWN as exc:
+            log.warning("alert lease not given up (%s)", exc)
+        raise
 
 
 _STORE_DOWN = (LedgerError, sqlite3.OperationalError, OSError)
@@ -669,24 +680,33 @@ async def evaluate_and_notify(
     )
     if dry_run:
         return [(alert, []) for alert in alerts]
-
-    async def one(due: Alert) -> list[tuple[Alert, list[Delivery]]]:
-        done = await deliver(state, notifier, due)
-        if done is None:  # another evaluator is delivering it (or has)
-            return []
-        alert, deliveries = done
-        failed = await asyncio.to_thread(record_deliveries, state, alert, deliveries, now)
-        out = [(alert, deliveries)]
-        if failed is not None and settings.admins:
-            reported = await deliver(state, notifier, replace(failed, targets=tuple(settings.admins)))
-            if reported is not None:
-                await asyncio.to_thread(record_deliveries, state, *reported, now)
-                out.append(reported)
-        return out
-
     # each alert on its own (its claims leased apart): a receiver that hangs until its timeout_s
     # delays no other alert's mail
-    return [item for group in await asyncio.gather(*map(one, alerts)) for item in group]
+    sends = (notify_one(state, notifier, settings, alert, now) for alert in alerts)
+    return [item for group in await asyncio.gather(*sends) for item in group]
+
+
+async def notify_one(
+    state: StateStore, notifier: Notifier, settings: AlertSettings, due: Alert, now: dt.datetime
+) -> list[tuple[Alert, list[Delivery]]]:
+    """Deliver one claimed alert (:func:`deliver`), record it, and tell the admins once if it failed.
+
+    Returns:
+        The alert as sent and its deliveries, then the ``delivery_failed`` alert and its
+        deliveries if one was sent; empty when another evaluator holds (or has delivered) it.
+    """
+    done = await deliver(state, notifier, due)
+    if done is None:  # another evaluator is delivering it (or has)
+        return []
+    alert, deliveries = done
+    failed = await asyncio.to_thread(record_deliveries, state, alert, deliveries, now)
+    out = [(alert, deliveries)]
+    if failed is not None and settings.admins:
+        reported = await deliver(state, notifier, replace(failed, targets=tuple(settings.admins)))
+        if reported is not None:
+            await asyncio.to_thread(record_deliveries, state, *reported, now)
+            out.append(reported)
+    return out
 
 
 def digest_alert(
