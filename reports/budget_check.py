@@ -138,12 +138,12 @@ def claim_alerts(
         refused = budget.blocking and spend.refusals(budget, status.start) > 0
         if budget.period.kind == "rolling" and not dry_run:
             state.rearm(budget.name, key, status.crossed, bool(refused))
-        claimed = state.claimed(budget.name, key)
+        claimed = _claimed_in(state, status, key)
         if not dry_run and any(k == "threshold" and t not in status.crossed for k, t in claimed):
             # a threshold claimed but no longer crossed: the limit was raised since (a rolling window is re-armed above)
             _mark_rearmed(state, budget, key, status.crossed, now)
             state.rearm(budget.name, key, status.crossed, bool(refused), limit=str(budget.limit_usd))
-            claimed = state.claimed(budget.name, key)
+            claimed = _claimed_in(state, status, key)
         if any(k == REARMED for k, _ in claimed):
             rearmed = _rearmed_at(state) if rearmed is None else rearmed
             # mailed at this very limit before a newer one re-armed it: a replica not restarted yet
@@ -168,6 +168,41 @@ def claim_alerts(
         fresh = {(a.budget, a.period_start, a.kind, t) for a in alerts for t in a.thresholds}
         alerts += _pending(state, budgets, settings, exclude=fresh)
     return [a for a in alerts if a.targets]
+
+
+def _claimed_in(state: StateStore, status: BudgetStatus, key: dt.datetime) -> set[tuple[str, int]]:
+    """``(kind, threshold)`` claimed for ``status``'s budget in its period, under any time zone it had.
+
+    A calendar period's claims are keyed by its start (UTC), which moves when the budget's
+    ``timezone`` is edited mid-period (a restart with ``UTC`` -> ``Europe/Paris`` starts November
+    an hour earlier). The month is still the one whose thresholds were mailed: a claim made for
+    the same period kind starting on the same local calendar day, hour and minute in the zone it
+    was made in (claims before the zone was stored: whose window covers more than half of this
+    one and this one more than half of it) counts as this period's, so it is not mailed again.
+    """
+    claimed = state.claimed(status.budget.name, key)
+    period = status.budget.period
+    if period.kind not in ("day", "week", "month"):
+        return claimed  # an hour starts at the same instant in (almost) every zone; other kinds never move
+    span = status.end - status.start
+    local = status.start.astimezone(ZoneInfo(period.timezone)).replace(tzinfo=None)
+    for claim in state.claims(budget=status.budget.name, starting=(status.start - span, status.end)):
+        payload = claim.detail.get("payload") or {}
+        if claim.key.period_start == key or not isinstance(payload, dict):
+            continue
+        try:
+            start, end = (dt.datetime.fromisoformat(payload[k]) for k in ("period_start", "period_end"))
+            zone = ZoneInfo(payload["timezone"]) if payload.get("timezone") else None
+        except (KeyError, TypeError, ValueError):
+            continue
+        if zone is not None:
+            same = payload.get("period") == period.kind and start.astimezone(zone).replace(tzinfo=None) == local
+        else:
+            overlap = min(end, status.end) - max(start, status.start)
+            same = overlap * 2 > span and overlap * 2 > end - start
+        if same:
+            claimed.add((claim.key.kind, claim.key.threshold))
+    return claimed
 
 
 REARMED = "rearmed"
@@ -253,7 +288,7 @@ def _ended_period_alerts(
         ended = evaluate(budget, spend.spend_in(budget, before, start), last)
     except LookupError:  # a source that no longer has that period
         return []
-    claimed = state.claimed(budget.name, before)
+    claimed = _claimed_in(state, ended, before)
     new = tuple(t for t in ended.crossed if ("threshold", t) not in claimed)
     return _claimed(spend, state, ended, before, [("threshold", new, None)], now, dry_run) if new else []
 
@@ -335,6 +370,8 @@ def _budget_alert(
         "spent_usd": str(status.spent),
         "limit_usd": str(budget.limit_usd),
         "percent": str(status.percent),
+        "period": budget.period.kind,
+        "timezone": budget.period.timezone,
         "period_start": status.start.isoformat(),
         "period_end": status.end.isoformat(),
         "forecast_usd": None if status.forecast is None else str(status.forecast),

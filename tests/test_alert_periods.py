@@ -1,0 +1,79 @@
+"""Alerts and the calendar: a budget's time zone edited mid-period, over a real SMTP server (aiosmtpd)."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import msgspec
+import pytest
+
+from tokenward.pricing.settings import BudgetSettings
+from tokenward.reports.ledger.state import AlertKey
+
+from .test_alert_delivery_races import engine_state
+from .test_alerts import cost_row, run_check, seed, settings_for, smtp  # noqa: F401 - smtp: fixture
+
+MONTH_UTC = BudgetSettings(
+    name="team-month",
+    limit_usd=100,
+    scope={"team": "research"},
+    period="month",
+    timezone="UTC",
+    thresholds=[50, 80],
+    notify=["lead@example.com"],
+)
+
+
+def test_a_time_zone_edited_mid_month_does_not_mail_the_months_thresholds_again(tmp_path, smtp):  # noqa: F811
+    """November in UTC, then (config edited, proxy restarted) November in Paris: the same month.
+
+    Before, a claim was found by its period's start only: Paris's November starts an hour before
+    UTC's (2026-10-31T23:00Z), so the 50 % mailed on the 20th was mailed again at the restart,
+    and the ended-month check after the reset mailed November's thresholds once more.
+    """
+    inbox, port = smtp
+    path = tmp_path / "l.duckdb"
+    # $55 on the 18th; at 10:00Z on the 20th 466 of 720 hours have gone: $84.98 forecast, under the limit
+    seed(path, [cost_row("a", "2026-11-18T09:00:00+00:00", "55.00")])
+    utc = MONTH_UTC.to_budget()
+    sent = run_check(path, [utc], settings_for(port), "2026-11-20T10:00:00+00:00")
+    assert [(a.thresholds, a.period_start.isoformat()) for a, _ in sent] == [((50,), "2026-11-01T00:00:00+00:00")]
+    paris = msgspec.structs.replace(MONTH_UTC, timezone="Europe/Paris").to_budget()
+    assert run_check(path, [paris], settings_for(port), "2026-11-20T11:00:00+00:00") == []
+    # 80 % is new in November, whichever zone: mailed once, for Paris's November ($85 in 659 of 720
+    # hours: $92.87 forecast, under the limit)
+    seed(path, [cost_row("b", "2026-11-28T09:00:00+00:00", "30.00")])
+    sent = run_check(path, [paris], settings_for(port), "2026-11-28T10:00:00+00:00")
+    assert [(a.thresholds, a.period_start.isoformat()) for a, _ in sent] == [((80,), "2026-10-31T23:00:00+00:00")]
+    # after Paris's midnight, the ended month's check finds nothing it has not mailed
+    assert run_check(path, [paris], settings_for(port), "2026-11-30T23:00:30+00:00") == []
+    # December is a new month: its 50 % is mailed (the first hour of Paris's December is not UTC's
+    # November), and its forecast: $60 in 20 minutes of 744 hours is $133,920 by the end
+    seed(path, [cost_row("c", "2026-11-30T23:10:00+00:00", "60.00")])
+    sent = run_check(path, [paris], settings_for(port), "2026-11-30T23:20:00+00:00")
+    assert [(a.kind, a.thresholds, a.period_start.isoformat()) for a, _ in sent] == [
+        ("threshold", (50,), "2026-11-30T23:00:00+00:00"),
+        ("forecast", (0,), "2026-11-30T23:00:00+00:00"),
+    ]
+    assert sorted(m["Subject"] for m in inbox.wait_for(4)) == [
+        "[tokenward] budget team-month: 55.00% of $100.00 (crossed 50%)",
+        "[tokenward] budget team-month: 60.00% of $100.00 (crossed 50%)",
+        "[tokenward] budget team-month: 60.00% of $100.00 (projected to reach $133,920.00 by 2027-01-01T00:00:00+01:00)",
+        "[tokenward] budget team-month: 85.00% of $100.00 (crossed 80%)",
+    ]
+    assert len(inbox.wait_for(5, timeout=0.5)) == 4
+
+
+@pytest.mark.parametrize("engine", ["sqlite", "postgres"])
+def test_claims_of_one_budget_by_period_start_in_each_state_store(engine, tmp_path, request):
+    """What the time-zone check reads: one budget's claims whose period starts in ``[since, until)``."""
+    state = engine_state(engine, tmp_path, request)
+    at = dt.datetime(2026, 11, 10, 10, tzinfo=dt.UTC)
+    utc, paris = dt.datetime(2026, 11, 1, tzinfo=dt.UTC), dt.datetime(2026, 10, 31, 23, tzinfo=dt.UTC)
+    keys = [AlertKey("a", utc, "threshold", 50), AlertKey("a", paris, "threshold", 80), AlertKey("b", utc, "threshold", 50)]
+    for key in keys:
+        state.claim([key], {"payload": {}}, at)
+    found = state.claims(budget="a", starting=(paris, utc))
+    assert [c.key for c in found] == [keys[1]]  # the end is left out, and other budgets
+    assert [c.key for c in state.claims(budget="a", starting=(paris, utc + dt.timedelta(seconds=1)))] == keys[:2]
+    assert [c.key for c in state.claims(budget="b")] == [keys[2]]
