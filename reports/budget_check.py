@@ -49,6 +49,7 @@ __all__ = [
     "deliver",
     "digest_alert",
     "evaluate_and_notify",
+    "exact_usd",
     "notify_one",
     "record_deliveries",
     "status_of",
@@ -73,6 +74,26 @@ def usd(amount: Decimal) -> str:
         return f"${amount:,.2f}"
     small = amount.quantize(Decimal("0.000001")).normalize()
     return f"${small:.2f}" if -small.as_tuple().exponent <= 2 else f"${small:f}"
+
+
+def exact_usd(amount: Decimal) -> str:
+    """Dollars to the last digit the ledger has (``$12.345``, ``$0.0000042``), at least cents (``$0.30``).
+
+    What a budget alert says of spend, limit and what is left: rounded to cents, a limit of
+    $12.345 read $12.34 and $99.996 spent read $100.00, under a limit not reached yet.
+    """
+    exact = amount.normalize()
+    if exact.as_tuple().exponent > -2:  # type: ignore[operator]
+        exact = exact.quantize(Decimal("0.01"))
+    return f"${exact:,f}"
+
+
+def _figure(amount: Decimal) -> str:
+    """An exact amount for a webhook's figures, the same whatever engine summed it: ``6.3000042``, ``11``.
+
+    (DuckDB's sums carry 12 decimal places, ``6.300004200000``; the proxy's books, those of their rows.)
+    """
+    return f"{amount.normalize():f}"
 
 
 def status_of(spend: SpendSource, budget: Budget, now: dt.datetime) -> BudgetStatus:
@@ -339,13 +360,14 @@ def _budget_alert(
         "forecast": f"projected to reach {money(status.forecast or 0)} by {resets}",
         "refusing": "requests are being refused",
     }[kind]
-    subject = f"[tokenward] budget {_shown(budget.name)}: {status.percent}% of {money(budget.limit_usd)} ({headline})"
+    exact = exact_usd  # spend and limits to the last digit; a forecast is an estimate, in cents
+    subject = f"[tokenward] budget {_shown(budget.name)}: {status.percent}% of {exact(budget.limit_usd)} ({headline})"
     facts = [
         ("Budget", _shown(budget.name)),
         ("Scope", budget.describe_scope()),
-        ("Spent", f"{money(status.spent)} ({status.percent}%)"),
-        ("Limit", money(budget.limit_usd)),
-        ("Remaining", money(status.remaining)),
+        ("Spent", f"{exact(status.spent)} ({status.percent}%)"),
+        ("Limit", exact(budget.limit_usd)),
+        ("Remaining", exact(status.remaining)),
         (
             "Period",
             f"{budget.period.kind} ({budget.period.timezone}), since {status.start.astimezone(zone).isoformat()}",
@@ -356,8 +378,8 @@ def _budget_alert(
         ("At the limit", "requests are refused (429)" if budget.blocking else "alerts only"),
     ]
     sections = [
-        ("Top models", [(_shown(m), money(c)) for m, c in models]),
-        ("Top keys", [(_shown(k), money(c)) for k, c in keys]),
+        ("Top models", [(_shown(m), exact(c)) for m, c in models]),
+        ("Top keys", [(_shown(k), exact(c)) for k, c in keys]),
     ]
     text = "\n".join([f"{subject}\n", *(f"{k}: {v}" for k, v in facts)])
     for heading, items in sections:
@@ -367,14 +389,14 @@ def _budget_alert(
         "budget": budget.name,
         "kind": kind,
         "thresholds": list(thresholds),
-        "spent_usd": str(status.spent),
-        "limit_usd": str(budget.limit_usd),
+        "spent_usd": _figure(status.spent),
+        "limit_usd": _figure(budget.limit_usd),
         "percent": str(status.percent),
         "period": budget.period.kind,
         "timezone": budget.period.timezone,
         "period_start": status.start.isoformat(),
         "period_end": status.end.isoformat(),
-        "forecast_usd": None if status.forecast is None else str(status.forecast),
+        "forecast_usd": None if status.forecast is None else _figure(status.forecast),
         "runs_out_at": None if runs_out is None else runs_out.isoformat(),
     }
     return Alert(

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import datetime as dt
+from decimal import Decimal
 
 import msgspec
 import pytest
 
 from tokenward.pricing.settings import BudgetSettings
+from tokenward.reports.alerts import Notifier, WebhookSettings
 from tokenward.reports.ledger.state import AlertKey
 
 from .test_alert_delivery_races import engine_state
-from .test_alerts import cost_row, run_check, seed, settings_for, smtp  # noqa: F401 - smtp: fixture
+from .test_alerts import cost_row, run_check, seed, settings_for, smtp, webhook_inbox  # noqa: F401 - smtp: fixture
 
 MONTH_UTC = BudgetSettings(
     name="team-month",
@@ -77,3 +79,45 @@ def test_claims_of_one_budget_by_period_start_in_each_state_store(engine, tmp_pa
     assert [c.key for c in found] == [keys[1]]  # the end is left out, and other budgets
     assert [c.key for c in state.claims(budget="a", starting=(paris, utc + dt.timedelta(seconds=1)))] == keys[:2]
     assert [c.key for c in state.claims(budget="b")] == [keys[2]]
+
+
+def test_mail_and_webhook_give_spend_and_limit_to_the_micro_dollar(tmp_path, smtp):  # noqa: F811
+    """$0.10 + $0.20 + $6.0000042 against $12.345: every figure exact, none rounded to cents, no float artefacts.
+
+    Before, amounts from $1 up were shown in cents and smaller ones to 6 places: the limit read
+    $12.34 (half-even), and a spend of $0.0000084 read $0.000008.
+    """
+    inbox, port = smtp
+    posted, hooks = webhook_inbox()
+    path = tmp_path / "l.duckdb"
+    seed(
+        path,
+        [
+            cost_row("a", "2026-11-10T09:00:00+00:00", "0.1"),
+            cost_row("b", "2026-11-10T09:01:00+00:00", "0.2"),
+            cost_row("c", "2026-11-10T09:02:00+00:00", "6.0000042", model="gpt-4o-mini"),
+        ],
+    )
+    budget = BudgetSettings(
+        name="exact", limit_usd="12.345", period="total", thresholds=[50, 100], notify=["lead@example.com", "ops"]
+    ).to_budget()
+    settings = settings_for(port, webhooks=[WebhookSettings(name="ops", url="https://hooks.example/x")])
+    sent = run_check(path, [budget], settings, "2026-11-10T10:00:00+00:00", notifier=Notifier(settings, transport=hooks))
+    assert [a.thresholds for a, _ in sent] == [(50,)]
+    (mail,) = inbox.wait_for(1)
+    # 6.3000042 / 12.345 = 51.0332... %
+    assert mail["Subject"] == "[tokenward] budget exact: 51.03% of $12.345 (crossed 50%)"
+    text = mail.get_body(("plain",)).get_content().splitlines()
+    for line in (
+        "Spent: $6.3000042 (51.03%)",
+        "Limit: $12.345",
+        "Remaining: $6.0449958",
+        "  gpt-4o-mini: $6.0000042",
+        "  gpt-4o: $0.30",
+    ):
+        assert line in text, (line, text)
+    [message] = posted
+    figures = message["tokenward"]
+    assert (figures["spent_usd"], figures["limit_usd"], figures["percent"]) == ("6.3000042", "12.345", "51.03")
+    assert Decimal(figures["spent_usd"]) == Decimal("0.1") + Decimal("0.2") + Decimal("6.0000042")
+    assert "$6.3000042" in message["text"] and "$12.345" in message["text"]
