@@ -54,6 +54,7 @@ if TYPE_CHECKING:  # imported by the refresh job only: not in every proxy's memo
     import httpx
 
 __all__ = [
+    "FIRST_CHECK_S",
     "KEY_RELOAD_S",
     "Deliveries",
     "RECONCILE_S",
@@ -72,6 +73,9 @@ log = logging.getLogger("tokenward.scheduler")
 
 KEY_RELOAD_S = 5
 """Seconds between reloads of stored keys and revocations (a revoked key stops working within this)."""
+
+FIRST_CHECK_S = 1.0
+"""Seconds after the scheduler starts (the books loaded) that the first budget check runs."""
 
 RECONCILE_S = 30
 """Seconds between reconciliations of shared budget books from the ledger (Postgres)."""
@@ -313,6 +317,9 @@ def add_alert_jobs(
             on_one_replica,
             "interval",
             seconds=settings.evaluate_every_s,
+            # the first check as the proxy starts, not one interval later: what a stopped or
+            # crashed proxy left due (a crossing not mailed yet, a mail cut off) goes out at once
+            next_run_time=dt.datetime.now(dt.UTC) + dt.timedelta(seconds=FIRST_CHECK_S),
             id="budgets",
             args=[ledger, "budgets", check, spend, ledger.state, budgets, settings, notifier],
         )

@@ -309,10 +309,7 @@ class Notifier:
         # with "[" right after "Subject:", which some parsers read back with a leading space.
         import aiosmtplib
 
-        await aiosmtplib.send(
-            message.as_bytes(policy=_SMTP_POLICY),
-            sender=smtp.sender,
-            recipients=recipients,
+        client = aiosmtplib.SMTP(
             hostname=smtp.host,
             port=smtp.port,
             use_tls=smtp.security == "ssl",
@@ -321,6 +318,22 @@ class Notifier:
             password=password,
             timeout=smtp.timeout_s,
         )
+        # Not aiosmtplib.send: its ``async with`` answers any other failure, a cancellation too (the
+        # attempt's timeout_s, a proxy stopping), with a QUIT that waits for the server, which may
+        # be the very server that hangs: the attempt outlived its bound (and its lease) by up to
+        # timeout_s more, and a stopping proxy waited for it. A failed attempt just hangs up.
+        try:
+            await client.connect()
+            await client.sendmail(smtp.sender, recipients, message.as_bytes(policy=_SMTP_POLICY))
+        except BaseException:
+            client.close()
+            raise
+        try:
+            await client.quit()
+        except aiosmtplib.SMTPException:
+            pass  # the mail was accepted: a QUIT that fails changes nothing
+        finally:
+            client.close()
 
     async def _webhook(self, alert: Alert, hook: WebhookSettings) -> None:
         url = hook.resolved_url()

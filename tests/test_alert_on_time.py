@@ -30,11 +30,16 @@ alerts:
 
 
 class FirstMailHangs(Inbox):
-    """Takes ``hang_s`` to answer the first message's DATA (the mail is then accepted); later ones at once."""
+    """Takes ``hang_s`` to answer the first message's DATA, later ones at once.
 
-    def __init__(self, hang_s: float) -> None:
+    The first mail is then accepted, or with ``accept_first=False`` refused for now (451): a
+    sender that left meanwhile has not delivered it.
+    """
+
+    def __init__(self, hang_s: float, *, accept_first: bool = True) -> None:
         super().__init__()
         self.hang_s = hang_s
+        self.accept_first = accept_first
         self.hanging = threading.Event()
         self.release = asyncio.Event()
 
@@ -45,6 +50,8 @@ class FirstMailHangs(Inbox):
                 await asyncio.wait_for(self.release.wait(), self.hang_s)
             except TimeoutError:
                 pass
+            if not self.accept_first:
+                return "451 4.3.0 try again later"
         return await super().handle_DATA(server, session, envelope)
 
 
@@ -90,3 +97,38 @@ def test_the_next_threshold_is_mailed_while_the_mail_of_the_last_one_hangs(tmp_p
             proxy.stop()
             smtp.stop()
     assert len(inbox.messages) == 2
+
+
+def test_a_proxy_stopped_while_a_mail_hangs_is_mailed_by_the_restarted_one_at_once(tmp_path: Path) -> None:
+    """SIGTERM while the 50 % mail hangs at the mail server; the proxy is started again at once.
+
+    Before, the stopped proxy's delivery kept its lease (every attempt at the 120 s timeout, plus
+    5 s), and the restarted proxy's first check came one ``evaluate_every_s`` after its start (an
+    hour here, 60 s by default): the mail waited for both. Now a stopped delivery gives its lease
+    up, and a proxy checks its budgets as it starts.
+    """
+    inbox = FirstMailHangs(hang_s=60, accept_first=False)
+    smtp = Controller(inbox, hostname="127.0.0.1", port=free_port())
+    smtp.start()
+    port = free_port()
+    try:
+        with CountingUpstream() as upstream:
+            config = write_config(tmp_path, upstream.url, port, AGENT_BUDGET % smtp.port)
+            first = ProxyProcess(config, port).start()
+            try:
+                _chat(first.url)
+                assert inbox.hanging.wait(15), first.log()
+            finally:
+                first.stop()  # SIGTERM: a clean stop, with the mail still unanswered
+            second = ProxyProcess(config, port).start()
+            try:
+                mails = inbox.wait_for(1, timeout=15)
+                assert [m["Subject"] for m in mails] == [
+                    "[tokenward] budget agent: 52.50% of $0.000008 (crossed 50%)"
+                ], second.log()
+            finally:
+                second.stop()
+    finally:
+        smtp.loop.call_soon_threadsafe(inbox.release.set)
+        smtp.stop()
+    assert len(inbox.messages) == 1
