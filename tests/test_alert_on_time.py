@@ -14,6 +14,8 @@ from pathlib import Path
 import httpx
 from aiosmtpd.controller import Controller
 
+from tokenward.pricing.settings import BudgetSettings
+
 from .crashkit import CountingUpstream, ProxyProcess, free_port, write_config
 from .test_alerts import Inbox
 
@@ -132,3 +134,43 @@ def test_a_proxy_stopped_while_a_mail_hangs_is_mailed_by_the_restarted_one_at_on
         smtp.loop.call_soon_threadsafe(inbox.release.set)
         smtp.stop()
     assert len(inbox.messages) == 1
+
+
+class HangsUpAfterTheFirstMail(Inbox):
+    """Keeps the first message, then drops the connection instead of answering 250; later ones answered."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dropped = 0
+
+    async def handle_DATA(self, server, session, envelope):  # noqa: N802 - aiosmtpd's hook name
+        reply = await super().handle_DATA(server, session, envelope)
+        if not self.dropped:
+            self.dropped += 1
+            server.transport.abort()  # the mail is in, the reply never leaves
+        return reply
+
+
+def test_a_mail_server_that_hangs_up_before_its_reply_gets_the_mail_again_with_the_same_message_id(tmp_path):
+    """The at-least-once choice: a mail whose 250 never arrived may not have been taken, so it is sent again.
+
+    The receiver has it twice, with one ``Message-ID`` (a mail store or client drops the second);
+    the delivery is recorded once, ok at the second attempt, and nothing is sent after that.
+    """
+    from .test_alerts import cost_row, run_check, seed, settings_for
+
+    inbox = HangsUpAfterTheFirstMail()
+    smtp = Controller(inbox, hostname="127.0.0.1", port=free_port())
+    smtp.start()
+    try:
+        path = tmp_path / "l.duckdb"
+        seed(path, [cost_row("a", "2026-11-10T09:00:00+00:00", "6")])
+        budget = BudgetSettings(name="b", limit_usd=10, period="total", thresholds=[50], notify=["lead@example.com"])
+        [(_, [delivery])] = run_check(path, [budget.to_budget()], settings_for(smtp.port), "2026-11-10T10:00:00+00:00")
+        assert delivery.ok and delivery.attempts == 2
+        first, second = inbox.wait_for(2)
+        assert first["Message-ID"] == second["Message-ID"] and first["Subject"] == second["Subject"]
+        assert run_check(path, [budget.to_budget()], settings_for(smtp.port), "2026-11-10T10:01:00+00:00") == []
+        assert len(inbox.wait_for(3, timeout=0.5)) == 2
+    finally:
+        smtp.stop()
