@@ -22,6 +22,7 @@ Callers: the proxy's scheduled job and ``tokenward budgets check``.
 from __future__ import annotations
 
 import asyncio
+import calendar
 import datetime as dt
 import logging
 import sqlite3
@@ -370,7 +371,7 @@ def _budget_alert(
         ("Remaining", exact(status.remaining)),
         (
             "Period",
-            f"{budget.period.kind} ({budget.period.timezone}), since {status.start.astimezone(zone).isoformat()}",
+            f"{_period_kind(budget)} ({budget.period.timezone}), since {status.start.astimezone(zone).isoformat()}",
         ),
         ("Resets", resets),
         ("Forecast for the period", money(status.forecast) if status.forecast is not None else "n/a"),
@@ -411,6 +412,14 @@ def _budget_alert(
         payload,
         thresholds=thresholds,
     )
+
+
+def _period_kind(budget: Budget) -> str:
+    """``month``, ``week`` (from Monday), ``week from Sunday``: what a mail calls the budget's period."""
+    period = budget.period
+    if period.kind == "week" and period.week_start:
+        return f"week from {calendar.day_name[period.week_start]}"
+    return period.kind
 
 
 def _velocity_alerts(

@@ -121,3 +121,46 @@ def test_mail_and_webhook_give_spend_and_limit_to_the_micro_dollar(tmp_path, smt
     assert (figures["spent_usd"], figures["limit_usd"], figures["percent"]) == ("6.3000042", "12.345", "51.03")
     assert Decimal(figures["spent_usd"]) == Decimal("0.1") + Decimal("0.2") + Decimal("6.0000042")
     assert "$6.3000042" in message["text"] and "$12.345" in message["text"]
+
+
+def test_a_week_that_starts_on_sunday_in_new_york_across_the_end_of_summer_time(tmp_path, smtp):  # noqa: F811
+    """``week_start: sunday``: the week of 2026-11-01 (the day New York leaves summer time) is 169 hours.
+
+    Before, a week always started on Monday (ISO): Saturday's $40 and Sunday's $55 were one week's
+    $95, and a US team's Sunday-to-Saturday budget could not be written.
+    """
+    inbox, port = smtp
+    path = tmp_path / "l.duckdb"
+    seed(
+        path,
+        [
+            cost_row("sat", "2026-10-31T23:30:00-04:00", "40.00"),  # the week before (from Sunday 25 October)
+            cost_row("sun", "2026-11-01T00:30:00-04:00", "55.00"),
+        ],
+    )
+    budget = BudgetSettings(
+        name="us-week",
+        limit_usd=100,
+        scope={"team": "research"},
+        period="week",
+        timezone="America/New_York",
+        week_start="sunday",
+        thresholds=[50],
+        notify=["lead@example.com"],
+    ).to_budget()
+    start, end = budget.period.window(dt.datetime.fromisoformat("2026-11-07T23:59:59-05:00"))
+    assert (start.isoformat(), end.isoformat()) == ("2026-11-01T04:00:00+00:00", "2026-11-08T05:00:00+00:00")
+    assert end - start == dt.timedelta(hours=169)
+    # Sunday 07:00 EST (12:00Z): 8 of 169 hours gone, $55 spent: $1,161.88 projected (55 x 169 / 8)
+    sent = run_check(path, [budget], settings_for(port), "2026-11-01T07:00:00-05:00")
+    assert [(a.kind, a.payload["spent_usd"], a.period_start.isoformat()) for a, _ in sent] == [
+        ("threshold", "55", "2026-11-01T04:00:00+00:00"),
+        ("forecast", "55", "2026-11-01T04:00:00+00:00"),
+    ]
+    mails = {m["Subject"]: m for m in inbox.wait_for(2)}
+    mail = mails["[tokenward] budget us-week: 55.00% of $100.00 (crossed 50%)"]
+    text = mail.get_body(("plain",)).get_content()
+    assert "Period: week from Sunday (America/New_York), since 2026-11-01T00:00:00-04:00" in text
+    assert "Resets: 2026-11-08T00:00:00-05:00" in text and "Forecast for the period: $1,161.88" in text
+    with pytest.raises(msgspec.ValidationError, match="week_start"):
+        msgspec.convert({"name": "x", "limit_usd": 1, "period": "week", "week_start": "sun"}, BudgetSettings)
