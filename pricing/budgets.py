@@ -2,10 +2,10 @@
 
 Pure: no clock reads (every function takes ``now``), no I/O. A budget's **period** is a window
 of time aligned to the calendar in a named time zone (an hour from the local hour's start; a
-day from local midnight to local midnight, DST included: a 23- or 25-hour day; an ISO week from
-Monday; a calendar month), a rolling window of the last N hours, or ``total`` (no reset).
-Windows are returned as aware UTC instants, so comparisons never mix local and UTC time (field
-case B34).
+day from local midnight to local midnight, DST included: a 23- or 25-hour day; a week from
+Monday, as ISO 8601, or the day ``week_start`` names; a calendar month), a rolling window of
+the last N hours, or ``total`` (no reset). Windows are returned as aware UTC instants, so
+comparisons never mix local and UTC time (field case B34).
 
 A budget's **scope** is a set of attribution conditions a ledger row must all meet: ``key``
 (the virtual key's name, or a passthrough key's ``fp-`` fingerprint), ``team``, ``project``,
@@ -65,17 +65,22 @@ class Period:
     """When a budget's spend resets.
 
     Args:
-        kind: ``hour``, ``day``, ``week`` (ISO, from Monday), ``month``, ``total`` or ``rolling``.
+        kind: ``hour``, ``day``, ``week`` (from local midnight of ``week_start``), ``month``,
+            ``total`` or ``rolling``.
         timezone: IANA zone the calendar periods follow.
         rolling_hours: the window length of a ``rolling`` period.
+        week_start: the day a week starts, as :meth:`datetime.date.weekday` counts (0 Monday, as
+            ISO 8601, ... 6 Sunday, as in the US).
 
     Raises:
-        ValueError: unknown kind or zone, or a rolling period without a positive length.
+        ValueError: unknown kind or zone, a rolling period without a positive length, a
+            ``week_start`` outside 0-6.
     """
 
     kind: PeriodKind = "month"
     timezone: str = "UTC"
     rolling_hours: float | None = None
+    week_start: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in ("hour", "day", "week", "month", "total", "rolling"):
@@ -86,6 +91,8 @@ class Period:
             raise ValueError(f"unknown time zone {self.timezone!r}") from exc
         if self.kind == "rolling" and not (self.rolling_hours and self.rolling_hours > 0):
             raise ValueError("a rolling period needs rolling_hours > 0")
+        if self.week_start not in range(7):
+            raise ValueError(f"week_start {self.week_start!r} is not a day of the week (0 Monday to 6 Sunday)")
 
     def window(self, now: dt.datetime) -> tuple[dt.datetime, dt.datetime]:
         """The ``[start, end)`` window containing the aware instant ``now``, as UTC instants.
@@ -111,7 +118,7 @@ class Period:
         if self.kind == "day":
             first, following = local, local + dt.timedelta(days=1)
         elif self.kind == "week":
-            first = local - dt.timedelta(days=local.weekday())
+            first = local - dt.timedelta(days=(local.weekday() - self.week_start) % 7)
             following = first + dt.timedelta(days=7)
         else:
             first = local.replace(day=1)

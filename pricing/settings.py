@@ -162,11 +162,15 @@ def _amount(value: Any, what: str) -> Decimal | None:
     return amount
 
 
+_WEEKDAYS = ("monday", "tuesday", "wednesday", "thursday", "friday", "saturday", "sunday")
+
+
 class BudgetSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """One ``budgets:`` entry of the configuration (see :class:`tokenward.pricing.budgets.Budget`).
 
     ``period``: ``hour``, ``day``, ``week``, ``month`` (the default), ``total`` or ``rolling``
-    (with ``rolling_hours``), aligned to the calendar in ``timezone``. ``notify``: email
+    (with ``rolling_hours``), aligned to the calendar in ``timezone``; a week starts at local
+    midnight of ``week_start`` (``monday``, as ISO 8601; ``sunday`` as in the US). ``notify``: email
     addresses and webhook names. Instead of ``limit_usd`` and ``period``, ``windows`` gives
     several at once (``$5/hour and $50/day``), each a budget of its own named ``<name>/<window>``.
     ``per``: one budget per value of that dimension (``end_user``: each user gets ``limit_usd``),
@@ -179,6 +183,7 @@ class BudgetSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     scope: dict[str, str] = {}
     period: Literal["hour", "day", "week", "month", "total", "rolling"] | None = None
     timezone: str = "UTC"
+    week_start: Literal["monday", "tuesday", "wednesday", "thursday", "friday", "saturday", "sunday"] = "monday"
     rolling_hours: float | None = None
     thresholds: list[int] = msgspec.field(default_factory=lambda: [50, 80, 100])
     action: Literal["alert", "block"] = "alert"
@@ -196,6 +201,9 @@ class BudgetSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if limit.is_finite() and (limit.adjusted() > 15 or limit.as_tuple().exponent < -12):
             raise ValueError(f"budget {self.name!r}: {where} {value!r} is out of range ($1e-12 to $1e15)")
         return limit
+
+    def _week_start(self) -> int:
+        return _WEEKDAYS.index(self.week_start)
 
     def to_budgets(self) -> list[Budget]:
         """The budgets this entry describes: one, or one per window (velocity rides on the first).
@@ -227,7 +235,7 @@ class BudgetSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if not self.windows:
             if self.limit_usd is None:
                 raise ValueError(f"budget {self.name!r}: give limit_usd (or windows)")
-            period = Period(self.period or "month", self.timezone, self.rolling_hours)
+            period = Period(self.period or "month", self.timezone, self.rolling_hours, self._week_start())
             limit = self._limit(self.limit_usd, "limit_usd")
             thresholds = tuple(sorted(set(self.thresholds)))
             return [Budget(self.name, limit, period=period, thresholds=thresholds, velocity=velocity, **common)]
@@ -239,7 +247,7 @@ class BudgetSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 f"{window.rolling_hours:g}h" if window.period == "rolling" and window.rolling_hours else window.period
             )
             limit = self._limit(window.limit_usd, f"windows[{i}].limit_usd")
-            period = Period(window.period, self.timezone, window.rolling_hours)
+            period = Period(window.period, self.timezone, window.rolling_hours, self._week_start())
             thresholds = tuple(sorted(set(window.thresholds if window.thresholds is not None else self.thresholds)))
             budgets.append(
                 Budget(

@@ -41,6 +41,7 @@ from tokenward.proxy.routing import Router
 from tokenward.proxy.run_budgets import DynamicBudgets
 from tokenward.proxy.scheduler import (
     RECONCILE_S,
+    Deliveries,
     add_alert_jobs,
     create_scheduler,
     on_one_replica,
@@ -183,7 +184,8 @@ def create_app(
     sender = recorder.metrics.counting(notifier or Notifier(config.alerts))  # failed deliveries feed /metrics
     # velocity rules: this process's per-minute books, or on a shared ledger every replica's rows
     rates = (lambda: velocity.snapshot(dt.datetime.now(dt.UTC))) if velocity and books is None else None
-    add_alert_jobs(scheduler, ledger, spend, budgets, config.alerts, sender, auth, rates, clock.now)  # type: ignore[arg-type]
+    deliveries = Deliveries()  # alerts are sent apart from the checks: a hanging mail server delays none
+    add_alert_jobs(scheduler, ledger, spend, budgets, config.alerts, sender, auth, rates, deliveries, clock.now)  # type: ignore[arg-type]
     dashboard = Dashboard(recorder.live, guard, ledger, AdminAuth(config, keys=auth))
     refresh = config.pricing.refresh
     if refresh is not None:
@@ -276,6 +278,7 @@ def create_app(
             yield
         finally:
             scheduler.shutdown(wait=False)
+            await deliveries.aclose()
             try:
                 await recorder.stop()
             finally:

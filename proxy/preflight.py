@@ -7,7 +7,7 @@ without the proxy's secrets). Each environment variable a config names gets one 
 * ``alerts.smtp.username_env`` / ``password_env`` unset: **fail**. The operator asked for
   authenticated mail; without the secret every alert mail would be refused (or sent
   unauthenticated), and the first sign of it would be a budget alert that never arrives.
-* a webhook's ``url_env`` unset: **fail** when a budget, ``alerts.admins`` or the digest sends
+* a webhook's ``url_env`` or ``secret_env`` unset: **fail** when a budget, ``alerts.admins`` or the digest sends
   to that webhook (alerts would be lost the same way); **warn** when nothing sends to it.
 * an upstream's ``api_key_env`` unset: **warn** in ``virtual_keys`` mode, where tokenward sends
   that key. Other upstreams keep working and requests to this one are refused with an error
@@ -66,14 +66,16 @@ def check_environment(config: Config, environ: Mapping[str, str] | None = None) 
     if config.alerts.digest is not None:
         used.update(config.alerts.digest.to)
     for index, hook in enumerate(config.alerts.webhooks):
-        if hook.url_env and not env.get(hook.url_env):
-            where = f"alerts.webhooks[{index}].url_env"
+        for option, variable in (("url_env", hook.url_env), ("secret_env", hook.secret_env)):
+            if not variable or env.get(variable):
+                continue
+            where = f"alerts.webhooks[{index}].{option}"
             if hook.name in used:
                 raise ConfigError(
-                    f"{where}: environment variable {hook.url_env} is not set "
+                    f"{where}: environment variable {variable} is not set "
                     f"(alerts to webhook {hook.name!r} would be lost)"
                 )
-            warnings.append(f"{where}: environment variable {hook.url_env} is not set (nothing sends to {hook.name!r})")
+            warnings.append(f"{where}: environment variable {variable} is not set (nothing sends to {hook.name!r})")
     if config.auth.mode == "virtual_keys":
         for upstream in config.upstreams:
             variable = upstream.api_key_env

@@ -6,7 +6,8 @@ jobs coalesce missed runs and never run twice at once (``max_instances=1``).
 * Price refresh (``pricing.refresh``): fetch a LiteLLM-format price map, append changed prices
   as new effective-dated versions to the refresh file, and swap the recorder's catalog.
 * Budget check (every ``alerts.evaluate_every_s``, and soon after a threshold is crossed):
-  claim and send the alerts due (:mod:`tokenward.reports.budget_check`).
+  claim the alerts due (:mod:`tokenward.reports.budget_check`) and hand them to
+  :class:`Deliveries`, which sends them in the background (a slow mail server delays no check).
 * Digest (``alerts.digest``): a daily or weekly spend summary by email.
 * Stored keys: keys created or revoked with ``tokenward keys`` take effect within 5 s (they live in
   the state store, which no ledger reader can block), on every replica.
@@ -37,7 +38,14 @@ from tokenward.pricing.refresh import plan_refresh
 from tokenward.pricing.settings import RefreshSettings
 from tokenward.proxy.keys import Authenticator
 from tokenward.reports.alerts import Alert, AlertSettings, Notifier
-from tokenward.reports.budget_check import deliver, digest_alert, evaluate_and_notify, record_deliveries
+from tokenward.reports.budget_check import (
+    claim_alerts,
+    deliver,
+    digest_alert,
+    evaluate_and_notify,
+    notify_one,
+    record_deliveries,
+)
 from tokenward.reports.ledger import Ledger, LedgerError
 from tokenward.reports.ledger.spend import SpendSource
 from tokenward.reports.ledger.state import StateStore
@@ -46,7 +54,9 @@ if TYPE_CHECKING:  # imported by the refresh job only: not in every proxy's memo
     import httpx
 
 __all__ = [
+    "FIRST_CHECK_S",
     "KEY_RELOAD_S",
+    "Deliveries",
     "RECONCILE_S",
     "add_alert_jobs",
     "check_budgets",
@@ -63,6 +73,9 @@ log = logging.getLogger("tokenward.scheduler")
 
 KEY_RELOAD_S = 5
 """Seconds between reloads of stored keys and revocations (a revoked key stops working within this)."""
+
+FIRST_CHECK_S = 1.0
+"""Seconds after the scheduler starts (the books loaded) that the first budget check runs."""
 
 RECONCILE_S = 30
 """Seconds between reconciliations of shared budget books from the ledger (Postgres)."""
@@ -163,6 +176,46 @@ SpendFactory = Callable[[], SpendSource]
 """Makes the spend source a budget check reads (the proxy's books, snapshotted on the event loop)."""
 
 
+class Deliveries:
+    """Alert deliveries under way in the proxy's event loop, apart from the checks that claimed them.
+
+    A check claims its alerts and hands their delivery here, so that a mail server that hangs
+    (until its ``timeout_s``, at every retry) holds up no later check: the next threshold's mail
+    goes out while the last one's still waits (the leases keep any alert from being sent twice
+    at once). :meth:`aclose` (at shutdown) cancels what is left; each gives its lease up.
+    """
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    def start(
+        self, state: StateStore, notifier: Notifier, settings: AlertSettings, alert: Alert, at: dt.datetime
+    ) -> None:
+        """Deliver ``alert`` in the background (:func:`~tokenward.reports.budget_check.notify_one`)."""
+        task = asyncio.create_task(self._deliver(state, notifier, settings, alert, at))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    @staticmethod
+    async def _deliver(
+        state: StateStore, notifier: Notifier, settings: AlertSettings, alert: Alert, at: dt.datetime
+    ) -> None:
+        try:
+            await notify_one(state, notifier, settings, alert, at)
+        except Exception:
+            log.exception("alert delivery failed (%s, %s)", alert.budget, alert.kind)
+
+    async def aclose(self) -> None:
+        """Cancel the deliveries still under way and wait for them to give their leases up."""
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 async def check_budgets(
     spend: SpendFactory,
     state: StateStore,
@@ -172,24 +225,30 @@ async def check_budgets(
     *,
     now: dt.datetime | None = None,
     rates: SpendFactory | None = None,
+    deliveries: Deliveries | None = None,
     clock: Callable[[], dt.datetime] | None = None,
 ) -> int:
-    """Evaluate budgets and send the alerts now due (the scheduled job); returns how many were sent.
+    """Evaluate budgets and send the alerts now due (the scheduled job); returns how many were claimed.
 
     Spend comes from the proxy's books and claims go to the state store, so a reader holding
     the ledger file delays nothing. ``rates`` makes the source velocity rules read (the proxy's
-    per-minute books). ``clock`` tells the instant when ``now`` is not given (default: this host's
-    clock; the proxy on Postgres: the database server's).
+    per-minute books). With ``deliveries`` the alerts are delivered there, in the background, and
+    the check returns once they are claimed; without, it returns once they are delivered.
+    ``clock`` tells the instant when ``now`` is not given (default: this host's clock; the proxy on
+    Postgres: the database server's).
     """
     try:
         at = now or (clock() if clock is not None else dt.datetime.now(dt.UTC))
-        sent = await evaluate_and_notify(
-            spend(), state, budgets, settings, notifier, at, rates=rates() if rates is not None else None
-        )
+        velocity = rates() if rates is not None else None
+        if deliveries is None:
+            return len(await evaluate_and_notify(spend(), state, budgets, settings, notifier, at, rates=velocity))
+        alerts = await asyncio.to_thread(claim_alerts, spend(), state, budgets, settings, at, rates=velocity)
     except Exception:
         log.exception("budget check failed")
         return 0
-    return len(sent)
+    for alert in alerts:
+        deliveries.start(state, notifier, settings, alert, at)
+    return len(alerts)
 
 
 async def send_digest(
@@ -248,18 +307,23 @@ def add_alert_jobs(
     notifier: Notifier,
     auth: Authenticator,
     rates: SpendFactory | None = None,
+    deliveries: Deliveries | None = None,
     clock: Callable[[], dt.datetime] | None = None,
 ) -> None:
     """Register the budget check, the digest and the stored-key reload on ``scheduler``.
 
-    ``clock``: the budget check's instant (see :func:`check_budgets`).
+    ``deliveries``: where the checks' alerts are delivered (in the background); without, each
+    check waits for its deliveries. ``clock``: the budget check's instant (see :func:`check_budgets`).
     """
     if budgets or settings.admins:
-        check = partial(check_budgets, rates=rates, clock=clock)
+        check = partial(check_budgets, rates=rates, deliveries=deliveries, clock=clock)
         scheduler.add_job(
             on_one_replica,
             "interval",
             seconds=settings.evaluate_every_s,
+            # the first check as the proxy starts, not one interval later: what a stopped or
+            # crashed proxy left due (a crossing not mailed yet, a mail cut off) goes out at once
+            next_run_time=dt.datetime.now(dt.UTC) + dt.timedelta(seconds=FIRST_CHECK_S),
             id="budgets",
             args=[ledger, "budgets", check, spend, ledger.state, budgets, settings, notifier],
         )

@@ -24,9 +24,12 @@ import datetime as dt
 import email.policy
 import email.utils
 import hashlib
+import hmac
 import html
+import json
 import logging
 import os
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from email.message import EmailMessage
@@ -48,6 +51,8 @@ __all__ = [
     "DigestSettings",
     "Notifier",
     "REFUSED",
+    "SIGNATURE_HEADER",
+    "SIGNATURE_TIMESTAMP",
     "SmtpSettings",
     "WebhookSettings",
     "delivery_id",
@@ -55,6 +60,7 @@ __all__ = [
     "html_text",
     "message_id",
     "refused_for_good",
+    "webhook_signature",
 ]
 
 log = logging.getLogger("tokenward.alerts")
@@ -77,12 +83,16 @@ class WebhookSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     ``timeout_s`` bounds one attempt as a whole (connect, send, the whole reply), like the SMTP
     server's ``timeout_s``: a receiver that trickles its answer is given up then.
+    ``secret_env`` names the variable holding a shared secret: each post is then signed
+    (:func:`webhook_signature`), and never sent unsigned while the variable is unset. Redirects
+    are never followed (a 3xx is a failed attempt).
     """
 
     name: Annotated[str, msgspec.Meta(min_length=1)]
     url: str | None = None
     url_env: str | None = None
     timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
+    secret_env: str | None = None
 
     def __post_init__(self) -> None:
         if (self.url is None) == (self.url_env is None):
@@ -299,10 +309,7 @@ class Notifier:
         # with "[" right after "Subject:", which some parsers read back with a leading space.
         import aiosmtplib
 
-        await aiosmtplib.send(
-            message.as_bytes(policy=_SMTP_POLICY),
-            sender=smtp.sender,
-            recipients=recipients,
+        client = aiosmtplib.SMTP(
             hostname=smtp.host,
             port=smtp.port,
             use_tls=smtp.security == "ssl",
@@ -311,6 +318,22 @@ class Notifier:
             password=password,
             timeout=smtp.timeout_s,
         )
+        # Not aiosmtplib.send: its ``async with`` answers any other failure, a cancellation too (the
+        # attempt's timeout_s, a proxy stopping), with a QUIT that waits for the server, which may
+        # be the very server that hangs: the attempt outlived its bound (and its lease) by up to
+        # timeout_s more, and a stopping proxy waited for it. A failed attempt just hangs up.
+        try:
+            await client.connect()
+            await client.sendmail(smtp.sender, recipients, message.as_bytes(policy=_SMTP_POLICY))
+        except BaseException:
+            client.close()
+            raise
+        try:
+            await client.quit()
+        except aiosmtplib.SMTPException:
+            pass  # the mail was accepted: a QUIT that fails changes nothing
+        finally:
+            client.close()
 
     async def _webhook(self, alert: Alert, hook: WebhookSettings) -> None:
         url = hook.resolved_url()
@@ -318,12 +341,40 @@ class Notifier:
             raise RuntimeError(f"webhook {hook.name!r} has no URL (set {hook.url_env or 'url'})")
         key = delivery_id(alert, hook.name)
         text = f"*{_slack(printable(alert.subject))}*\n{_slack(alert.text)}"
-        body = {"text": text, "tokenward": {**alert.payload, "idempotency_key": key}}
+        figures = {"text": text, "tokenward": {**alert.payload, "idempotency_key": key}}
+        body = json.dumps(figures, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()  # as httpx's
+        headers = {"Idempotency-Key": key, "Content-Type": "application/json"}
+        if hook.secret_env is not None:
+            secret = os.environ.get(hook.secret_env)
+            if not secret:
+                raise RuntimeError(f"webhook {hook.name!r} is signed, but {hook.secret_env} is not set: not sent")
+            timestamp = str(int(time.time()))
+            headers |= {SIGNATURE_TIMESTAMP: timestamp, SIGNATURE_HEADER: webhook_signature(secret, timestamp, body)}
         import httpx
 
-        async with httpx.AsyncClient(transport=self._transport, timeout=hook.timeout_s) as client:
-            response = await client.post(url, json=body, headers={"Idempotency-Key": key})
+        # never follow a redirect: the receiver could send the alert (and its signature) to any host
+        client = httpx.AsyncClient(transport=self._transport, timeout=hook.timeout_s, follow_redirects=False)
+        async with client:
+            response = await client.post(url, content=body, headers=headers)
             response.raise_for_status()
+
+
+SIGNATURE_HEADER = "X-Tokenward-Signature"
+"""The header carrying a signed webhook's signature (``v1=`` and 64 hex digits)."""
+
+SIGNATURE_TIMESTAMP = "X-Tokenward-Timestamp"
+"""The header carrying the Unix time (whole seconds, UTC) a signed webhook was signed at."""
+
+
+def webhook_signature(secret: str, timestamp: str, body: bytes) -> str:
+    """``v1=`` + hex HMAC-SHA256, keyed with ``secret`` (UTF-8), of ``timestamp`` + ``.`` + the exact body bytes.
+
+    A receiver recomputes it over the raw body it received and the :data:`SIGNATURE_TIMESTAMP`
+    header, compares in constant time, and refuses a timestamp too far from its clock (a
+    replay). Each attempt is signed afresh; the body (and its ``idempotency_key``) is the same.
+    Source: RFC 2104 (HMAC); the scheme is the one Stripe's webhooks use (``t.body``).
+    """
+    return "v1=" + hmac.new(secret.encode(), timestamp.encode() + b"." + body, hashlib.sha256).hexdigest()
 
 
 def message_id(alert: Alert, recipient: str, sender: str) -> str:

@@ -22,6 +22,7 @@ Callers: the proxy's scheduled job and ``tokenward budgets check``.
 from __future__ import annotations
 
 import asyncio
+import calendar
 import datetime as dt
 import logging
 import sqlite3
@@ -49,6 +50,8 @@ __all__ = [
     "deliver",
     "digest_alert",
     "evaluate_and_notify",
+    "exact_usd",
+    "notify_one",
     "record_deliveries",
     "status_of",
     "usd",
@@ -72,6 +75,26 @@ def usd(amount: Decimal) -> str:
         return f"${amount:,.2f}"
     small = amount.quantize(Decimal("0.000001")).normalize()
     return f"${small:.2f}" if -small.as_tuple().exponent <= 2 else f"${small:f}"
+
+
+def exact_usd(amount: Decimal) -> str:
+    """Dollars to the last digit the ledger has (``$12.345``, ``$0.0000042``), at least cents (``$0.30``).
+
+    What a budget alert says of spend, limit and what is left: rounded to cents, a limit of
+    $12.345 read $12.34 and $99.996 spent read $100.00, under a limit not reached yet.
+    """
+    exact = amount.normalize()
+    if exact.as_tuple().exponent > -2:  # type: ignore[operator]
+        exact = exact.quantize(Decimal("0.01"))
+    return f"${exact:,f}"
+
+
+def _figure(amount: Decimal) -> str:
+    """An exact amount for a webhook's figures, the same whatever engine summed it: ``6.3000042``, ``11``.
+
+    (DuckDB's sums carry 12 decimal places, ``6.300004200000``; the proxy's books, those of their rows.)
+    """
+    return f"{amount.normalize():f}"
 
 
 def status_of(spend: SpendSource, budget: Budget, now: dt.datetime) -> BudgetStatus:
@@ -137,12 +160,12 @@ def claim_alerts(
         refused = budget.blocking and spend.refusals(budget, status.start) > 0
         if budget.period.kind == "rolling" and not dry_run:
             state.rearm(budget.name, key, status.crossed, bool(refused))
-        claimed = state.claimed(budget.name, key)
+        claimed = _claimed_in(state, status, key)
         if not dry_run and any(k == "threshold" and t not in status.crossed for k, t in claimed):
             # a threshold claimed but no longer crossed: the limit was raised since (a rolling window is re-armed above)
             _mark_rearmed(state, budget, key, status.crossed, now)
             state.rearm(budget.name, key, status.crossed, bool(refused), limit=str(budget.limit_usd))
-            claimed = state.claimed(budget.name, key)
+            claimed = _claimed_in(state, status, key)
         if any(k == REARMED for k, _ in claimed):
             rearmed = _rearmed_at(state) if rearmed is None else rearmed
             # mailed at this very limit before a newer one re-armed it: a replica not restarted yet
@@ -167,6 +190,41 @@ def claim_alerts(
         fresh = {(a.budget, a.period_start, a.kind, t) for a in alerts for t in a.thresholds}
         alerts += _pending(state, budgets, settings, exclude=fresh)
     return [a for a in alerts if a.targets]
+
+
+def _claimed_in(state: StateStore, status: BudgetStatus, key: dt.datetime) -> set[tuple[str, int]]:
+    """``(kind, threshold)`` claimed for ``status``'s budget in its period, under any time zone it had.
+
+    A calendar period's claims are keyed by its start (UTC), which moves when the budget's
+    ``timezone`` is edited mid-period (a restart with ``UTC`` -> ``Europe/Paris`` starts November
+    an hour earlier). The month is still the one whose thresholds were mailed: a claim made for
+    the same period kind starting on the same local calendar day, hour and minute in the zone it
+    was made in (claims before the zone was stored: whose window covers more than half of this
+    one and this one more than half of it) counts as this period's, so it is not mailed again.
+    """
+    claimed = state.claimed(status.budget.name, key)
+    period = status.budget.period
+    if period.kind not in ("day", "week", "month"):
+        return claimed  # an hour starts at the same instant in (almost) every zone; other kinds never move
+    span = status.end - status.start
+    local = status.start.astimezone(ZoneInfo(period.timezone)).replace(tzinfo=None)
+    for claim in state.claims(budget=status.budget.name, starting=(status.start - span, status.end)):
+        payload = claim.detail.get("payload") or {}
+        if claim.key.period_start == key or not isinstance(payload, dict):
+            continue
+        try:
+            start, end = (dt.datetime.fromisoformat(payload[k]) for k in ("period_start", "period_end"))
+            zone = ZoneInfo(payload["timezone"]) if payload.get("timezone") else None
+        except (KeyError, TypeError, ValueError):
+            continue
+        if zone is not None:
+            same = payload.get("period") == period.kind and start.astimezone(zone).replace(tzinfo=None) == local
+        else:
+            overlap = min(end, status.end) - max(start, status.start)
+            same = overlap * 2 > span and overlap * 2 > end - start
+        if same:
+            claimed.add((claim.key.kind, claim.key.threshold))
+    return claimed
 
 
 REARMED = "rearmed"
@@ -252,7 +310,7 @@ def _ended_period_alerts(
         ended = evaluate(budget, spend.spend_in(budget, before, start), last)
     except LookupError:  # a source that no longer has that period
         return []
-    claimed = state.claimed(budget.name, before)
+    claimed = _claimed_in(state, ended, before)
     new = tuple(t for t in ended.crossed if ("threshold", t) not in claimed)
     return _claimed(spend, state, ended, before, [("threshold", new, None)], now, dry_run) if new else []
 
@@ -303,16 +361,17 @@ def _budget_alert(
         "forecast": f"projected to reach {money(status.forecast or 0)} by {resets}",
         "refusing": "requests are being refused",
     }[kind]
-    subject = f"[tokenward] budget {_shown(budget.name)}: {status.percent}% of {money(budget.limit_usd)} ({headline})"
+    exact = exact_usd  # spend and limits to the last digit; a forecast is an estimate, in cents
+    subject = f"[tokenward] budget {_shown(budget.name)}: {status.percent}% of {exact(budget.limit_usd)} ({headline})"
     facts = [
         ("Budget", _shown(budget.name)),
         ("Scope", budget.describe_scope()),
-        ("Spent", f"{money(status.spent)} ({status.percent}%)"),
-        ("Limit", money(budget.limit_usd)),
-        ("Remaining", money(status.remaining)),
+        ("Spent", f"{exact(status.spent)} ({status.percent}%)"),
+        ("Limit", exact(budget.limit_usd)),
+        ("Remaining", exact(status.remaining)),
         (
             "Period",
-            f"{budget.period.kind} ({budget.period.timezone}), since {status.start.astimezone(zone).isoformat()}",
+            f"{_period_kind(budget)} ({budget.period.timezone}), since {status.start.astimezone(zone).isoformat()}",
         ),
         ("Resets", resets),
         ("Forecast for the period", money(status.forecast) if status.forecast is not None else "n/a"),
@@ -320,8 +379,8 @@ def _budget_alert(
         ("At the limit", "requests are refused (429)" if budget.blocking else "alerts only"),
     ]
     sections = [
-        ("Top models", [(_shown(m), money(c)) for m, c in models]),
-        ("Top keys", [(_shown(k), money(c)) for k, c in keys]),
+        ("Top models", [(_shown(m), exact(c)) for m, c in models]),
+        ("Top keys", [(_shown(k), exact(c)) for k, c in keys]),
     ]
     text = "\n".join([f"{subject}\n", *(f"{k}: {v}" for k, v in facts)])
     for heading, items in sections:
@@ -331,12 +390,14 @@ def _budget_alert(
         "budget": budget.name,
         "kind": kind,
         "thresholds": list(thresholds),
-        "spent_usd": str(status.spent),
-        "limit_usd": str(budget.limit_usd),
+        "spent_usd": _figure(status.spent),
+        "limit_usd": _figure(budget.limit_usd),
         "percent": str(status.percent),
+        "period": budget.period.kind,
+        "timezone": budget.period.timezone,
         "period_start": status.start.isoformat(),
         "period_end": status.end.isoformat(),
-        "forecast_usd": None if status.forecast is None else str(status.forecast),
+        "forecast_usd": None if status.forecast is None else _figure(status.forecast),
         "runs_out_at": None if runs_out is None else runs_out.isoformat(),
     }
     return Alert(
@@ -351,6 +412,14 @@ def _budget_alert(
         payload,
         thresholds=thresholds,
     )
+
+
+def _period_kind(budget: Budget) -> str:
+    """``month``, ``week`` (from Monday), ``week from Sunday``: what a mail calls the budget's period."""
+    period = budget.period
+    if period.kind == "week" and period.week_start:
+        return f"week from {calendar.day_name[period.week_start]}"
+    return period.kind
 
 
 def _velocity_alerts(
@@ -579,7 +648,8 @@ async def deliver(state: StateStore, notifier: Notifier, alert: Alert) -> tuple[
     (replicas, ``tokenward budgets check``, a restart) one only delivers them; the lease lasts one
     target's longest delivery (:meth:`AlertSettings.target_bound_s`) plus :data:`LEASE_MARGIN_S`,
     and is renewed after each target. A process killed mid-delivery leaves the claims to whoever
-    evaluates once the lease has run out: at least once, never twice at once.
+    evaluates once the lease has run out: at least once, never twice at once; a delivery
+    cancelled (a proxy stopping) gives its lease up at once.
 
     Returns:
         The alert as sent (the thresholds leased, the targets they had not reached) and its
@@ -616,7 +686,16 @@ async def deliver(state: StateStore, notifier: Notifier, alert: Alert) -> tuple[
         except _STORE_DOWN as exc:  # the lease runs out on its own; the outcome is recorded already
             log.warning("alert lease not renewed (%s)", exc)
 
-    return alert, await notifier.send(alert, on_delivery=stored)
+    try:
+        return alert, await notifier.send(alert, on_delivery=stored)
+    except asyncio.CancelledError:
+        # stopped mid-delivery (a proxy shutting down): the lease is given up, so that whoever
+        # evaluates next (the restarted proxy) sends what is left at once, not once it has run out
+        try:
+            await asyncio.to_thread(state.lease, keys, holder, 0)
+        except _STORE_DOWN as exc:
+            log.warning("alert lease not given up (%s)", exc)
+        raise
 
 
 _STORE_DOWN = (LedgerError, sqlite3.OperationalError, OSError)
@@ -669,24 +748,33 @@ async def evaluate_and_notify(
     )
     if dry_run:
         return [(alert, []) for alert in alerts]
-
-    async def one(due: Alert) -> list[tuple[Alert, list[Delivery]]]:
-        done = await deliver(state, notifier, due)
-        if done is None:  # another evaluator is delivering it (or has)
-            return []
-        alert, deliveries = done
-        failed = await asyncio.to_thread(record_deliveries, state, alert, deliveries, now)
-        out = [(alert, deliveries)]
-        if failed is not None and settings.admins:
-            reported = await deliver(state, notifier, replace(failed, targets=tuple(settings.admins)))
-            if reported is not None:
-                await asyncio.to_thread(record_deliveries, state, *reported, now)
-                out.append(reported)
-        return out
-
     # each alert on its own (its claims leased apart): a receiver that hangs until its timeout_s
     # delays no other alert's mail
-    return [item for group in await asyncio.gather(*map(one, alerts)) for item in group]
+    sends = (notify_one(state, notifier, settings, alert, now) for alert in alerts)
+    return [item for group in await asyncio.gather(*sends) for item in group]
+
+
+async def notify_one(
+    state: StateStore, notifier: Notifier, settings: AlertSettings, due: Alert, now: dt.datetime
+) -> list[tuple[Alert, list[Delivery]]]:
+    """Deliver one claimed alert (:func:`deliver`), record it, and tell the admins once if it failed.
+
+    Returns:
+        The alert as sent and its deliveries, then the ``delivery_failed`` alert and its
+        deliveries if one was sent; empty when another evaluator holds (or has delivered) it.
+    """
+    done = await deliver(state, notifier, due)
+    if done is None:  # another evaluator is delivering it (or has)
+        return []
+    alert, deliveries = done
+    failed = await asyncio.to_thread(record_deliveries, state, alert, deliveries, now)
+    out = [(alert, deliveries)]
+    if failed is not None and settings.admins:
+        reported = await deliver(state, notifier, replace(failed, targets=tuple(settings.admins)))
+        if reported is not None:
+            await asyncio.to_thread(record_deliveries, state, *reported, now)
+            out.append(reported)
+    return out
 
 
 def digest_alert(

@@ -323,18 +323,22 @@ def test_a_rolling_threshold_crossed_again_while_mail_is_down_is_not_taken_for_d
     assert run_check(path, [budget], settings_for(port), "2026-11-10T11:15:00+00:00") == []
 
 
+def engine_state(engine: str, tmp_path: Path, request):
+    """The state store of ``engine`` (``sqlite``: beside a DuckDB ledger; ``postgres``: the test cluster's)."""
+    if engine == "sqlite":
+        return DuckLedger(tmp_path / "l.duckdb").state
+    from .test_pg_ledger import pg
+
+    return pg(tmp_path, request.getfixturevalue("pg_url")).state
+
+
 @pytest.mark.parametrize("engine", ["sqlite", "postgres"])
 def test_leases_and_re_arming_in_each_state_store(engine, tmp_path, request):
     import datetime as dt
 
     from tokenward.reports.ledger.state import AlertKey, DeliveryRecord
 
-    if engine == "sqlite":
-        state = DuckLedger(tmp_path / "l.duckdb").state
-    else:
-        from .test_pg_ledger import pg
-
-        state = pg(tmp_path, request.getfixturevalue("pg_url")).state
+    state = engine_state(engine, tmp_path, request)
     at = dt.datetime(2026, 11, 10, 10, tzinfo=dt.UTC)
     key = AlertKey("team", at, "threshold", 50)
     assert state.claim([key], {"payload": {"limit_usd": "100"}}, at) == [key]

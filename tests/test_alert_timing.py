@@ -112,7 +112,7 @@ def test_the_proxys_books_still_know_the_day_that_just_ended(tmp_path, smtp):  #
         ), after)
     )
     assert [(a.kind, a.thresholds, a.payload["spent_usd"]) for a, _ in sent] == [
-        ("threshold", (50, 80, 100), "11.00")
+        ("threshold", (50, 80, 100), "11")
     ]
     (mail,) = inbox.wait_for(1)
     assert "before the reset at 2026-10-26T00:00:00+01:00" in mail["Subject"]

@@ -204,7 +204,7 @@ def test_a_limit_the_rate_reaches_only_after_the_reset_is_not_given_a_time(tmp_p
     assert "Forecast for the period: $75.75" in text
     assert "Limit reached at this rate: not before the reset" in text
     [message] = posted
-    assert message["tokenward"]["forecast_usd"] == "75.750000" and message["tokenward"]["runs_out_at"] is None
+    assert message["tokenward"]["forecast_usd"] == "75.75" and message["tokenward"]["runs_out_at"] is None
 
 
 def test_two_thresholds_crossed_by_one_request_make_one_mail_each_threshold_once(tmp_path, smtp):

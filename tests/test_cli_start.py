@@ -108,8 +108,19 @@ UP = "upstreams: [{name: a, base_url: 'http://127.0.0.1:9/v1'}]\n"
             ": alerts.webhooks[0].url_env: environment variable TW_TEST_HOOK is not set "
             "(alerts to webhook 'ops' would be lost)",
         ),
+        (
+            [],
+            f"{UP}alerts: {{webhooks: [{{name: ops, url: 'http://127.0.0.1:9/h', secret_env: TW_TEST_HOOK_SECRET}}]}}\n"
+            "budgets: [{name: b, limit_usd: 5, notify: [ops]}]",
+            {},
+            ": alerts.webhooks[0].secret_env: environment variable TW_TEST_HOOK_SECRET is not set "
+            "(alerts to webhook 'ops' would be lost)",
+        ),
     ],
-    ids=["port", "log-level", "config-port", "retries", "read-timeout", "connect-timeout", "dup-keys", "smtp", "hook"],
+    ids=[
+        "port", "log-level", "config-port", "retries", "read-timeout", "connect-timeout", "dup-keys", "smtp", "hook",
+        "hook-secret",
+    ],
 )
 def test_bad_starts_fail_with_one_line(tmp_path, args, config, env, expected):
     if config is None:

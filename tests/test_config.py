@@ -52,9 +52,10 @@ def test_the_example_configs_commented_budgets_guard_and_alerts_are_valid(tmp_pa
     assert [(t.name, t.per) for t in config.budget_templates()] == [("chat-user", "end_user")]
     assert config.budgets[1].action == "block" and config.alerts.smtp is not None
     assert (config.budgets[2].period, config.budgets[2].rolling_hours) == ("rolling", 24)
-    assert [(w.name, w.url, w.url_env) for w in config.alerts.webhooks] == [
-        ("ops-slack", None, "SLACK_WEBHOOK_URL"),
-        ("ops-hook", "https://hooks.example.com/tokenward", None),
+    assert [(w.name, w.url, w.url_env, w.secret_env) for w in config.alerts.webhooks] == [
+        ("ops-slack", None, "SLACK_WEBHOOK_URL", None),
+        ("ops-hook", "https://hooks.example.com/tokenward", None, None),
+        ("signed-hook", "https://hooks.example.com/signed", None, "TOKENWARD_HOOK_SECRET"),
     ]
     assert config.alerts.smtp.timeout_s == 30
     assert (config.guard.image_tokens, config.alerts.digest.timezone) == (3000, "Europe/Paris")

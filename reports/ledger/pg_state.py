@@ -75,9 +75,23 @@ class PgState:
         )
         return {(kind, int(threshold)) for kind, threshold in rows}
 
-    def claims(self, *, status: str | None = None, kind: str | None = None) -> list[ClaimRecord]:
+    def claims(
+        self,
+        *,
+        status: str | None = None,
+        kind: str | None = None,
+        budget: str | None = None,
+        starting: tuple[dt.datetime, dt.datetime] | None = None,
+    ) -> list[ClaimRecord]:
         """See :meth:`StateStore.claims`."""
-        clauses, params = [], []
+        clauses: list[str] = []
+        params: list[Any] = []
+        if budget is not None:
+            clauses.append("budget = %s")
+            params.append(budget)
+        if starting is not None:
+            clauses.append("period_start >= %s AND period_start < %s")
+            params += [starting[0], starting[1]]
         if status is not None:
             clauses.append("status = %s")
             params.append(status)

@@ -99,8 +99,18 @@ class StateStore(Protocol):
         """``(kind, threshold)`` of every claim for ``budget`` in the period starting at ``period_start``."""
         ...
 
-    def claims(self, *, status: str | None = None, kind: str | None = None) -> list[ClaimRecord]:
-        """Claims, oldest first, optionally only those with ``status`` / of ``kind``."""
+    def claims(
+        self,
+        *,
+        status: str | None = None,
+        kind: str | None = None,
+        budget: str | None = None,
+        starting: tuple[dt.datetime, dt.datetime] | None = None,
+    ) -> list[ClaimRecord]:
+        """Claims, oldest first, optionally only those with ``status`` / of ``kind`` / of ``budget``.
+
+        ``starting``: only claims whose period starts in ``[since, until)``.
+        """
         ...
 
     def set_status(self, key: AlertKey, status: str, error: str | None = None) -> None:
@@ -339,9 +349,23 @@ class SqliteState:
         )
         return {(kind, int(threshold)) for kind, threshold in rows}
 
-    def claims(self, *, status: str | None = None, kind: str | None = None) -> list[ClaimRecord]:
+    def claims(
+        self,
+        *,
+        status: str | None = None,
+        kind: str | None = None,
+        budget: str | None = None,
+        starting: tuple[dt.datetime, dt.datetime] | None = None,
+    ) -> list[ClaimRecord]:
         """See :meth:`StateStore.claims`."""
-        clauses, params = [], []
+        clauses: list[str] = []
+        params: list[Any] = []
+        if budget is not None:
+            clauses.append("budget = ?")
+            params.append(budget)
+        if starting is not None:
+            clauses.append("period_start >= ? AND period_start < ?")
+            params += [_iso(starting[0]), _iso(starting[1])]
         if status is not None:
             clauses.append("status = ?")
             params.append(status)
