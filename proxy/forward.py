@@ -122,7 +122,7 @@ _TAGS_HEADER = b"x-tokenward-tags"
 _SESSION_HEADER = b"x-tokenward-session"
 _USER_HEADER = b"x-tokenward-user"
 _RUN_HEADER = b"x-tokenward-run"
-_OUTPUT_LIMITS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
+_OUTPUT_LIMITS = ("max_completion_tokens", "max_tokens", "max_output_tokens", "max_tokens_to_sample")
 _GENERATING = frozenset({"chat_completions", "completions", "responses"})  # Messages requires max_tokens
 _ANTHROPIC_HEADERS = frozenset({b"anthropic-version", b"anthropic-beta"})
 # Which organization and project of the provider account a request bills: they go with the
@@ -203,6 +203,7 @@ class _RequestHead(msgspec.Struct):
     max_tokens: Any = None
     max_completion_tokens: Any = None
     max_output_tokens: Any = None
+    max_tokens_to_sample: Any = None  # Anthropic's legacy Text Completions (required there)
     service_tier: Any = None
     speed: Any = None
     inference_geo: Any = None
@@ -405,10 +406,6 @@ class Forwarder:
                         inbound.headers = _as_identity(inbound.headers, len(body))
                     await plan.check_body(body, scope["headers"])
             self._attach(ex, route, inbound)
-            if found.method == "POST" and found.tail.lower() == _TEXT_COMPLETIONS and self.guard is not None:
-                if body is None and has_body:
-                    body = await read_body(request.receive, scope["headers"], self.limits)
-                self._refuse_unmeterable(ex, body or b"")
             if plan is not None:
                 input_file = plan.batch_input(body)
                 if input_file is not None:  # the requests it runs may name objects too
@@ -429,37 +426,6 @@ class Forwarder:
         except BaseException as exc:
             # an upload that broke off over a limit: the client hears why, not what the upstream made of it
             return self._refuse(ex, content.error if content is not None and content.error is not None else exc)
-
-    def _refuse_unmeterable(self, ex: Exchange, body: bytes) -> None:
-        """Refuse Anthropic's legacy Text Completions (``POST /v1/complete``) under a blocking budget.
-
-        Its reply carries no usage (``{"type": "completion", "completion": ..., "stop_reason": ...}``,
-        https://docs.anthropic.com/en/api/complete, read 2026-12-02), so tokenward can neither
-        bound it before nor price it after: a blocking budget in its scope (the body's ``model``
-        included) refuses it with 403 ``endpoint_not_metered``, naming the Messages API, which
-        is metered. Without one it is forwarded unmetered, as any endpoint tokenward does not
-        meter in passthrough mode.
-
-        Raises:
-            ProxyError: 403 ``endpoint_not_metered`` when a blocking budget covers the request.
-        """
-        assert self.guard is not None
-        try:
-            model = msgspec.json.decode(body).get("model") if body else None
-        except (msgspec.DecodeError, AttributeError):
-            model = None
-        ex.requested_model = model if isinstance(model, str) else None
-        blocking = self.guard.in_scope(_attributes(ex), blocking_only=True)
-        if blocking:
-            names = ", ".join(b.name for b in blocking)
-            raise ProxyError(
-                403,
-                f"tokenward cannot meter POST /v1/complete (Anthropic's legacy Text Completions: its reply "
-                f"carries no usage), and budget {names} blocks requests it cannot meter: use the Messages API, "
-                "POST /v1/messages.",
-                "endpoint_not_metered",
-                "permission_error",
-            )
 
     async def _file_content(self, route: Route, file_id: str, ex: Exchange) -> UpstreamReply:
         """The upstream's reply to ``GET files/{file_id}/content``, asked with tokenward's credential alone.
@@ -1434,9 +1400,6 @@ def _settle_attribution(ex: Exchange, identity: Identity, claimed: dict[bytes, s
         ex.end_user, ex.tags, ex.session_id = attribution.settle(ex.end_user, ex.tags, ex.session_id, claimed)
 
 
-_TEXT_COMPLETIONS = "complete"
-"""Anthropic's legacy Text Completions endpoint below ``/v1``: unmetered (its reply has no usage)."""
-
 
 def _attributes(ex: Exchange) -> dict[str, Any]:
     """A request's budget-scope attributes before the reply (the requested model, the one sent, its fallbacks)."""
@@ -1478,7 +1441,9 @@ def _output_limit(head: _RequestHead, default: int) -> int:
     """
     limits = [
         v
-        for v in map(_lax_count, (head.max_completion_tokens, head.max_tokens, head.max_output_tokens))
+        for v in map(
+            _lax_count, (head.max_completion_tokens, head.max_tokens, head.max_output_tokens, head.max_tokens_to_sample)
+        )
         if v is not None and v > 0
     ]
     return max(limits) if limits else default
@@ -1530,6 +1495,8 @@ def _limit_field(endpoint: Endpoint, route: Route | None) -> str:
     """
     if endpoint.name == "responses":
         return "max_output_tokens"
+    if endpoint.name == "anthropic_complete":
+        return "max_tokens_to_sample"
     provider = route.config.catalog_provider if route is not None else ""
     if endpoint.name == "chat_completions" and provider in ("openai", "azure", "azure-openai"):
         return "max_completion_tokens"
