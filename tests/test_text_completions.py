@@ -57,7 +57,10 @@ def test_text_completions_are_metered_by_estimate(raw_proxy, raw_upstream, strea
     (row,) = proxy.rows(1)
     # before: endpoint "passthrough", price_status "not_metered", cost NULL, counted by no budget
     assert (row["endpoint"], row["upstream"], row["usage_source"], row["stream"]) == (
-        "anthropic_complete", "anthropic", "estimated", stream
+        "anthropic_complete",
+        "anthropic",
+        "estimated",
+        stream,
     )
     assert (row["input_tokens"], row["output_tokens"]) == (9, 9)
     # 9 x 3.00 + 9 x 15.00 = 162 per 1M -> $0.000162; streamed and whole alike

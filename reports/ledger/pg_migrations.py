@@ -648,3 +648,9 @@ def m015_tool_calls(conn: Any) -> None:
     """Provider-run tool calls billed outside the tokens (DuckDB's ``m010_tool_calls``; earlier rows 0)."""
     for column in ("web_fetch_requests", "file_search_calls", "code_containers"):
         conn.execute(f"ALTER TABLE requests ADD COLUMN {column} bigint NOT NULL DEFAULT 0")
+
+
+@migration
+def m016_image_generation_calls(conn: Any) -> None:
+    """Images the Responses image generation tool made (DuckDB's ``m011_image_generation_calls``; earlier rows 0)."""
+    conn.execute("ALTER TABLE requests ADD COLUMN image_generation_calls bigint NOT NULL DEFAULT 0")
