@@ -39,7 +39,7 @@ from tokenward.pricing.runs import RunRefused, parse_run_header, run_budget_name
 from tokenward.pricing.settings import GuardSettings
 from tokenward.pricing.usage import Usage, UsageSource
 from tokenward.proxy import tokenizer
-from tokenward.proxy.bounds import Unmetered, scan
+from tokenward.proxy.bounds import Unmetered, scan, tool_call_bounds
 from tokenward.proxy.budget_api import header_name, reply_headers, usd_text
 from tokenward.proxy.config import UpstreamConfig
 from tokenward.proxy.degrade import Plan, degrade
@@ -156,7 +156,7 @@ _OUTCOME_BY_CODE = {
     "invalid_request": Outcome.CLIENT_ERROR,
     "budget_exceeded": Outcome.REJECTED,
     "endpoint_not_allowed": Outcome.REJECTED,
-    "endpoint_not_metered": Outcome.REJECTED,
+    "tool_calls_unbounded": Outcome.REJECTED,
     "attribution_refused": Outcome.REJECTED,
     "isolation_refused": Outcome.REJECTED,
     "list_not_filtered": Outcome.UPSTREAM_ERROR,
@@ -653,6 +653,8 @@ class Forwarder:
                     "invalid_output_limit",
                 )
             counts: dict[Any, Any] = {}
+            if media is None:
+                body, extra = self._bound_tool_calls(body, endpoint, extra)
             if media is not None:
                 worst, unbounded = await self._media_worst_case(ex, media, now), media.remote_audio
             else:
@@ -705,6 +707,46 @@ class Forwarder:
         if not ex.stream:  # a whole reply gets them once it is recorded (Relay's final_headers)
             return extra, body
         return reply_headers(guard, attributes, now) + extra, body
+
+    def _bound_tool_calls(
+        self, body: bytes, endpoint: Endpoint, extra: list[tuple[bytes, bytes]]
+    ) -> tuple[bytes, list[tuple[bytes, bytes]]]:
+        """Bound how many billed calls the provider-run tools a request offers can make, or refuse it.
+
+        A tool billed per call (web search, web fetch, file search, image generation) is called as
+        often as the model chooses, so under a blocking budget its calls must be bounded for the
+        worst case to be one (:func:`~tokenward.proxy.bounds.tool_call_bounds`; the bound prices
+        each call at the entry's fee). A Responses request that bounds none is sent with
+        ``max_tool_calls`` = ``guard.max_tool_calls`` (the reply says so in
+        ``x-tokenward-tool-limit``); any other request with such a tool and no ``max_uses`` is refused.
+
+        Raises:
+            ProxyError: 400 ``tool_calls_unbounded``, naming the tool and the member that bounds it.
+        """
+        if b'"tools"' not in body:
+            return body, extra
+        try:
+            decoded = msgspec.json.decode(body)
+        except (msgspec.DecodeError, RecursionError):
+            return body, extra  # refused as invalid JSON where the bound counts it
+        if not isinstance(decoded, dict):
+            return body, extra
+        _, unbounded = tool_call_bounds(decoded)
+        if not unbounded:
+            return body, extra
+        limit = self.guard_settings.max_tool_calls
+        if endpoint.name in ("responses", "responses_compact") and limit > 0 and "max_tool_calls" not in decoded:
+            edited = set_member(body, "max_tool_calls", str(limit).encode())
+            if edited is not None:
+                return edited, [*extra, (b"x-tokenward-tool-limit", f"max_tool_calls={limit}".encode())]
+        member = "max_tool_calls" if endpoint.name.startswith("responses") else "max_uses"
+        raise ProxyError(
+            400,
+            f"The request offers the {unbounded[0]!r} tool, which the provider bills per call, and nothing bounds "
+            f"how often the model may call it; a budget that blocks needs a bound: set {member} (a non-negative "
+            "integer).",
+            "tool_calls_unbounded",
+        )
 
     def _assumed_limit_note(self, head: _RequestHead, endpoint: Endpoint) -> str:
         """Why a small request's bound may be large: it set no output limit, so the default was priced."""
@@ -897,6 +939,7 @@ class Forwarder:
                 price_as=ex.price_as,
                 images=extra.images,
                 image_tokens=settings.image_tokens,
+                tool_calls=extra.tool_calls,
             )
             if bound is None:
                 return None  # one model the request may reach has no price: it cannot be bounded
