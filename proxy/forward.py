@@ -39,6 +39,7 @@ from tokenward.pricing.runs import RunRefused, parse_run_header, run_budget_name
 from tokenward.pricing.settings import GuardSettings
 from tokenward.pricing.usage import Usage, UsageSource
 from tokenward.proxy import tokenizer
+from tokenward.proxy.background import finished_response_id, note_deferred, response_id_in, settle_deferred
 from tokenward.proxy.bounds import Unmetered, scan, tool_call_bounds
 from tokenward.proxy.budget_api import header_name, reply_headers, usd_text
 from tokenward.proxy.config import UpstreamConfig
@@ -422,6 +423,11 @@ class Forwarder:
                     return self._send(route, replace(listed, query=query), inbound.headers, None, ex)
 
                 reply = await plan.reply(ex, reply, resend)
+            finished = finished_response_id(found.method, found.tail) if 200 <= reply.status < 300 else None
+            if finished is not None:  # it may show a background response finished: metered on the side
+                meter = Meter("openai", header(reply.headers, b"content-encoding"))
+                settle = partial(self._settle_finished, finished)
+                return Relay(ex, reply, settle, meter=meter, drain_timeout_s=self.drain_timeout_s)
             return Relay(ex, reply, self.complete, drain_timeout_s=self.drain_timeout_s)
         except BaseException as exc:
             # an upload that broke off over a limit: the client hears why, not what the upstream made of it
@@ -1237,6 +1243,30 @@ class Forwarder:
     async def _record_refusal(self, relay: Relay) -> None:
         await self.recorder.commit(relay.ex)
 
+    async def _settle_finished(self, response_id: str, relay: Relay) -> None:
+        """Record a retrieval or cancel of a response; if it shows the response finished, settle its deferred row.
+
+        The retrieval's own row stays ``not_metered`` (it bills nothing itself); the usage it shows
+        goes to the background request's row (:func:`~tokenward.proxy.background.settle_deferred`).
+        """
+        assert relay.meter is not None
+        try:
+            result = relay.meter.finish()
+            if result.usage is not None and relay.got_reply:
+                await settle_deferred(
+                    self.recorder.ledger.state,
+                    self.recorder.catalog,
+                    self.guard,
+                    response_id,
+                    result.usage,
+                    model=result.model,
+                    service_tier=result.service_tier,
+                    raw_usage=result.raw_usage,
+                )
+        except Exception:  # the retrieval's row is never lost to a settlement that failed
+            log.exception("settling background response %s failed", response_id)
+        await self.recorder.commit(ex=relay.ex)
+
     async def complete(self, relay: Relay) -> None:
         """Meter what the reply said, classify how it ended, and record the exchange (awaited once by the relay).
 
@@ -1320,6 +1350,9 @@ class Forwarder:
             return
         if relay.deferred_usage and result.error is None:
             ex.usage_deferred = True
+            response_id = response_id_in(list(meter.kept_reply))
+            if response_id is not None:  # settled when its finished response is seen (proxy.background)
+                await note_deferred(self.recorder.ledger.state, ex, response_id)
             await self.recorder.commit(ex)
             return
         source = UsageSource.ESTIMATED if ex.outcome is Outcome.OK else UsageSource.PARTIAL

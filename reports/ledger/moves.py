@@ -14,8 +14,10 @@ from pathlib import Path
 
 import duckdb
 
+from tokenward.reports.ledger.deferred import apply_to_duck
 from tokenward.reports.ledger.duck import insert_lines, open_ledger
 from tokenward.reports.ledger.errors import LedgerBusy, LedgerError
+from tokenward.reports.ledger.state import SqliteState
 from tokenward.reports.ledger.wal import dead_writers
 
 __all__ = ["import_legacy", "migrate_file", "move_segments"]
@@ -63,6 +65,7 @@ def move_segments(
                 inserted += insert_lines(conn, [recovered], dedupe=True, quarantine=quarantine, scratch=spool_dir)
                 writer.remove()
                 log.info("recovered the log of a stopped writer (%s)", writer.writer_id)
+            apply_to_duck(conn, SqliteState(path + ".state.sqlite"))  # background responses settled since
             return inserted
         finally:
             conn.close()
