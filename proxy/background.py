@@ -29,6 +29,17 @@ from tokenward.reports.ledger.state import SqliteState
 
 __all__ = ["finished_response_id", "note_deferred", "response_id_in", "settle_deferred"]
 
+
+def _store(state: Any) -> Any:
+    """The module keeping ``state``'s background responses (SQLite beside DuckDB, or Postgres); ``None``: neither."""
+    if isinstance(state, SqliteState):
+        return deferred
+    if type(state).__name__ == "PgState":
+        from tokenward.reports.ledger import pg_deferred
+
+        return pg_deferred
+    return None
+
 log = logging.getLogger("tokenward.background")
 
 _RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(resp_[A-Za-z0-9_\-]{1,200})"')
@@ -52,8 +63,9 @@ def finished_response_id(method: str, tail: str) -> str | None:
 
 async def note_deferred(state: Any, ex: Exchange, response_id: str) -> None:
     """Record a background response before its id reaches the client (a worker thread; logged, never raised)."""
-    if not isinstance(state, SqliteState):
-        return  # the Postgres state store does not keep them yet: the row stays deferred
+    store = _store(state)
+    if store is None:
+        return
     detail = {name: getattr(ex, name, None) for name in _SCOPE}
     detail.update(
         started_at=ex.started_at,
@@ -66,7 +78,7 @@ async def note_deferred(state: Any, ex: Exchange, response_id: str) -> None:
         tags=list(ex.tags) or None,
     )
     try:
-        await asyncio.to_thread(deferred.record, state, response_id, ex.request_id, detail)
+        await asyncio.to_thread(store.record, state, response_id, ex.request_id, detail)
     except Exception:
         log.exception("background response %s of %s could not be noted; it stays deferred", response_id, ex.request_id)
 
@@ -87,9 +99,10 @@ async def settle_deferred(
     The books move by the real cost less what the row counted (its reservation); a response with
     no price keeps counting the reservation (``unpriced`` is held, as for any row).
     """
-    if not isinstance(state, SqliteState):
+    store = _store(state)
+    if store is None:
         return False
-    found = await asyncio.to_thread(deferred.deferred, state, response_id)
+    found = await asyncio.to_thread(store.deferred, state, response_id)
     if found is None:
         return False  # not a background response of this ledger, or settled already
     request_id, detail = found
@@ -122,7 +135,7 @@ async def settle_deferred(
         raw_usage=raw_usage,
         violations="; ".join(violations) or None,
     )
-    if not await asyncio.to_thread(deferred.settle, state, response_id, settlement, dt.datetime.now(dt.UTC)):
+    if not await asyncio.to_thread(store.settle, state, response_id, settlement, dt.datetime.now(dt.UTC)):
         return False  # another retrieval settled it first
     held = Decimal(detail["reserved_usd"]) if detail.get("reserved_usd") is not None else Decimal(0)
     if guard is not None and q.cost_usd is not None and q.cost_usd != held:

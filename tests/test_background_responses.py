@@ -12,6 +12,7 @@ proxy in front of :class:`~tests.raw_upstream.RawUpstream`, the real ``openai`` 
 from __future__ import annotations
 
 import json
+import time
 from decimal import Decimal
 
 import httpx
@@ -113,3 +114,49 @@ def test_concurrent_settlements_of_one_response_settle_it_once(tmp_path):
     assert deferred.deferred(state, "resp_x") is None  # settled: a later retrieval finds nothing to settle
     ((_, request_id, settlement),) = deferred.unapplied(state)
     assert request_id == "req_1" and settlement["cost_usd"] == won.index(True)
+
+
+def test_two_replicas_on_postgres_settle_a_background_response_once(tmp_path, pg_url, raw_upstream):
+    """Both replicas retrieve the finished response; one settles it, the budget's books move once."""
+    from contextlib import ExitStack
+
+    import psycopg
+
+    from tokenward.pricing.settings import GuardSettings
+    from tokenward.proxy.app import create_app
+    from tokenward.proxy.config import Config, LedgerConfig, UpstreamConfig
+    from tokenward.proxy.server import running_in_thread
+
+    raw_upstream.script = upstream
+    budgets = [BudgetSettings(name="cap", limit_usd=Decimal(5), scope={}, period="total", action="block")]
+    urls = []
+    with ExitStack() as stack:
+        for number in range(2):
+            config = Config(
+                upstreams=[UpstreamConfig(name="o", base_url=f"{raw_upstream.url}/v1", provider="openai")],
+                ledger=LedgerConfig(url=pg_url, spool_dir=str(tmp_path / f"spool{number}"), flush_interval_s=0.05),
+                budgets=budgets,
+                guard=GuardSettings(),
+            )
+            urls.append(stack.enter_context(running_in_thread(create_app(config))))
+        body = {"model": "gpt-4.1", "input": "hi", "background": True, "max_output_tokens": 1000}
+        assert httpx.post(f"{urls[0]}/v1/responses", json=body, timeout=10).json()["status"] == "queued"
+        for url in (urls[1], urls[0], urls[1]):
+            assert httpx.get(f"{url}/v1/responses/resp_bg1", timeout=10).json()["status"] == "completed"
+
+        def settled() -> list[tuple]:
+            with psycopg.connect(pg_url) as conn:
+                return conn.execute(
+                    "SELECT price_status, cost_usd, output_tokens FROM requests WHERE method = 'POST'"
+                ).fetchall()
+
+        deadline = time.monotonic() + 20
+        while settled() != [("priced", Decimal("0.0028"), 100)] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert settled() == [("priced", Decimal("0.0028"), 100)]
+        with psycopg.connect(pg_url) as conn:
+            assert conn.execute("SELECT count(*) FROM deferred_responses WHERE settled_at IS NOT NULL").fetchone() == (
+                1,
+            )
+            (spent,) = conn.execute("SELECT spent FROM budget_books WHERE book = 'cap'").fetchone()
+        assert spent == Decimal("0.0028")  # the reservation replaced by the real cost, once
