@@ -40,6 +40,7 @@ def _store(state: Any) -> Any:
         return pg_deferred
     return None
 
+
 log = logging.getLogger("tokenward.background")
 
 _RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(resp_[A-Za-z0-9_\-]{1,200})"')
@@ -88,6 +89,7 @@ async def settle_deferred(
     catalog: PriceCatalog,
     guard: BudgetGuard | None,
     response_id: str,
+    upstream: str | None,
     usage: Usage,
     *,
     model: str | None,
@@ -97,7 +99,9 @@ async def settle_deferred(
     """Price a finished background response and settle its deferred row once; whether this call settled it.
 
     The books move by the real cost less what the row counted (its reservation); a response with
-    no price keeps counting the reservation (``unpriced`` is held, as for any row).
+    no price keeps counting the reservation (``unpriced`` is held, as for any row). Only a reply of
+    the ``upstream`` the request went to settles it: a client that routes the retrieval to another
+    configured upstream (``x-tokenward-upstream``) cannot have a reply it shapes there price it.
     """
     store = _store(state)
     if store is None:
@@ -106,6 +110,14 @@ async def settle_deferred(
     if found is None:
         return False  # not a background response of this ledger, or settled already
     request_id, detail = found
+    if upstream != detail.get("upstream"):
+        log.warning(
+            "response %s retrieved through upstream %r, not %r: not settled",
+            response_id,
+            upstream,
+            detail.get("upstream"),
+        )
+        return False
     started = dt.datetime.fromtimestamp(float(detail["started_at"]), dt.UTC)
     sent = detail.get("sent_model") or detail.get("requested_model")
     q = quote(

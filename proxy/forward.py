@@ -741,7 +741,7 @@ class Forwarder:
         if not unbounded:
             return body, extra
         limit = self.guard_settings.max_tool_calls
-        if endpoint.name in ("responses", "responses_compact") and limit > 0 and "max_tool_calls" not in decoded:
+        if endpoint.name == "responses" and limit > 0 and "max_tool_calls" not in decoded:
             edited = set_member(body, "max_tool_calls", str(limit).encode())
             if edited is not None:
                 return edited, [*extra, (b"x-tokenward-tool-limit", f"max_tool_calls={limit}".encode())]
@@ -1258,6 +1258,7 @@ class Forwarder:
                     self.recorder.catalog,
                     self.guard,
                     response_id,
+                    relay.ex.upstream,
                     result.usage,
                     model=result.model,
                     service_tier=result.service_tier,

@@ -160,3 +160,18 @@ def test_two_replicas_on_postgres_settle_a_background_response_once(tmp_path, pg
             )
             (spent,) = conn.execute("SELECT spent FROM budget_books WHERE book = 'cap'").fetchone()
         assert spent == Decimal("0.0028")  # the reservation replaced by the real cost, once
+
+
+def test_a_retrieval_through_another_upstream_does_not_settle_it(raw_proxy, raw_upstream):
+    """A client choosing the upstream of its retrieval (``x-tokenward-upstream``) cannot price the response there."""
+    proxy = raw_proxy()
+    raw_upstream.script = upstream
+    body = {"model": "gpt-4.1", "input": "hi", "background": True}
+    assert httpx.post(f"{proxy.url}/v1/responses", json=body, timeout=10).json()["status"] == "queued"
+    elsewhere = {"x-tokenward-upstream": "anthropic"}  # the same server here; a relay the client shapes, in the field
+    assert httpx.get(f"{proxy.url}/v1/responses/resp_bg1", headers=elsewhere, timeout=10).status_code == 200
+    (create, _) = proxy.rows(expect=2)
+    assert (create["price_status"], create["cost_usd"]) == ("deferred", None)
+    assert httpx.get(f"{proxy.url}/v1/responses/resp_bg1", timeout=10).status_code == 200
+    create = proxy.rows(expect=3)[0]
+    assert (create["price_status"], create["cost_usd"]) == ("priced", Decimal("0.0028"))
