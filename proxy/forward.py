@@ -1305,6 +1305,8 @@ class Forwarder:
         ex.served_model = result.model or None
         ex.service_tier = result.service_tier
         ex.provider_cost = result.provider_cost
+        if result.web_search_calls == 0 and b"oogle" in request_body and _offers_google_search(request_body):
+            ex.unseen_tool = "Google Search grounding"
         if result.error is not None:
             ex.error = ex.error or result.error
             if ex.outcome is Outcome.OK:
@@ -1524,6 +1526,19 @@ def _output_limit(head: _RequestHead, default: int) -> int:
         if v is not None and v > 0
     ]
     return max(limits) if limits else default
+
+
+def _offers_google_search(body: bytes) -> bool:
+    """Whether a request offers Gemini's Google Search grounding (a ``tools`` entry ``{"google_search": {}}``)."""
+    try:
+        decoded = msgspec.json.decode(body)
+    except (msgspec.DecodeError, RecursionError):
+        return False
+    tools = decoded.get("tools") if isinstance(decoded, dict) else None
+    return any(
+        isinstance(t, dict) and "type" not in t and any(k.lower().startswith("google") for k in t)
+        for t in (tools if isinstance(tools, list) else ())
+    )
 
 
 def _choices(head: _RequestHead) -> int:

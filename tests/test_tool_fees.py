@@ -236,3 +236,29 @@ def test_gemini_google_search_grounding_is_counted_and_priced(raw_proxy, raw_ups
     # gemini-2.5-flash: 1000 x 0.30 + 100 x 2.50 = 550 per 1M -> $0.00055, plus one grounded request at
     # $0.035 = $0.03555. Before: "priced" at $0.00055, the grounding not counted
     assert (row["web_search_requests"], row["cost_usd"], row["price_status"]) == (1, Decimal("0.03555"), "priced")
+
+
+def test_gemini_grounding_offered_and_not_shown_is_never_plain_priced(raw_proxy, raw_upstream):
+    """Gemini's OpenAI-compatible replies may carry no grounding metadata: the search fee is then not known."""
+    proxy = raw_proxy(provider="google")
+    body = {"id": "g2", "object": "chat.completion", "model": "gemini-2.5-flash",
+            "usage": {"prompt_tokens": 1000, "completion_tokens": 100, "total_tokens": 1100},
+            "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "Spain."}}]}  # fmt: skip
+    raw_upstream.script = lambda head, _: [json_reply(json.dumps(body).encode())]
+    with openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="sk-test", max_retries=0) as client:
+        client.chat.completions.create(
+            model="gemini-2.5-flash",
+            messages=[{"role": "user", "content": "who won euro 2024?"}],
+            extra_body={"tools": [{"google_search": {}}]},
+        )
+    (row,) = proxy.rows(1)
+    # before: "priced" at the tokens' $0.00055 though a grounded prompt bills $0.035 more
+    assert (row["cost_usd"], row["price_status"], row["web_search_requests"]) == (
+        Decimal("0.00055"),
+        "partially_priced",
+        0,
+    )
+    notes = [line["note"] for line in json.loads(row["cost_lines"]) if "note" in line]
+    assert notes == [
+        "the request offered Google Search grounding and the reply does not say whether it ran: not billed"
+    ]
