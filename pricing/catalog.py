@@ -15,6 +15,7 @@ File format (the built-in catalog is ``pricing/catalog/default.yaml``)::
         web_fetch: 0                    # USD per web fetch call (Anthropic)
         file_search: 0.0025             # USD per file search call (OpenAI Responses)
         code_container: 0.03            # USD per code execution container a reply used
+        image_generation: 0.04          # USD per image the Responses image tool made (image_generation_call)
         per_request: 0                  # USD per request
         image_tokens_max: 1445          # input tokens one image in a request can cost at most (bounds only)
         # media units (images, audio endpoints):
@@ -94,7 +95,7 @@ _TOP_FIELDS = frozenset(
         "note",
         "effective",
         "web_search",
-        *("web_fetch", "file_search", "code_container"),
+        *("web_fetch", "file_search", "code_container", "image_generation"),
         "per_request",
         "context_tiers",
         "service_tiers",
@@ -108,7 +109,14 @@ _TOP_FIELDS = frozenset(
         *RATE_NAMES,
     }
 )
-TOOL_FEES: tuple[str, ...] = ("web_search", "per_request", "web_fetch", "file_search", "code_container")
+TOOL_FEES: tuple[str, ...] = (
+    "web_search",
+    "per_request",
+    "web_fetch",
+    "file_search",
+    "code_container",
+    "image_generation",
+)
 """The per-call (and per-request) fees an entry may give, USD each."""
 _MAX_RATE_DECIMALS = 6
 _MAX_MULTIPLIER_DECIMALS = 4
@@ -133,10 +141,11 @@ class PriceEntry:
 
     ``effective`` is when this version came into force (``None``: always); ``web_search`` and
     ``per_request`` are USD per call and per request (``None``: no such fee is known, so web
-    searches are listed unpriced rather than as $0). ``web_fetch``, ``file_search`` (USD per call)
-    and ``code_container`` (USD per code execution container a reply used) are the other
-    provider-run tools' fees; ``None``: not known, so a row with such calls is
-    ``partially_priced`` with a note, never priced as if they were free.
+    searches are listed unpriced rather than as $0). ``web_fetch``, ``file_search`` (USD per call),
+    ``code_container`` (USD per code execution container a reply used) and ``image_generation``
+    (USD per image the Responses image generation tool made) are the other provider-run tools'
+    fees; ``None``: not known, so a row with such calls is ``partially_priced`` with a note, never
+    priced as if they were free.
 
     Media units: ``image`` is USD per generated image by variant (``"<size>/<quality>"``, either
     part ``*``; see :meth:`image_price`); ``audio_minute`` USD per minute of input audio (billed per
@@ -159,6 +168,7 @@ class PriceEntry:
     web_fetch: Decimal | None = None
     file_search: Decimal | None = None
     code_container: Decimal | None = None
+    image_generation: Decimal | None = None
     context_tiers: tuple[ContextTier, ...] = ()
     service_tiers: tuple[tuple[str, Adjustment], ...] = ()
     inference_geos: tuple[tuple[str, Adjustment], ...] = ()

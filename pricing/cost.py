@@ -16,8 +16,9 @@ the WHOLE request (never only to the tokens past a threshold, field case B20):
 Each token class is then priced exactly once (field cases B09, B10): uncached input, cache hits,
 default-TTL and one-hour cache writes, output (reasoning apart only where it has its own rate),
 audio and image subsets at their rates, web searches, web fetches, file searches and request fees
-per call, code execution containers per container (a tool call with no fee in the entry is noted,
-so the row is ``partially_priced``). The media units
+per call, code execution containers per container, the images the Responses image generation
+tool made per image (a tool call with no fee in the entry is noted, so the row is
+``partially_priced``). The media units
 are priced at the entry's own rates, which no tier or window changes: generated images per
 image (by the variant they were made at), input audio per minute (billed per second) and input
 characters per 1M. A unit counted with no rate for it, and no tokens that could have priced it,
@@ -45,6 +46,7 @@ _TOOLS = (
     ("web_fetch_requests", "web_fetch", "web fetch calls"),
     ("file_search_calls", "file_search", "file search calls"),
     ("code_containers", "code_container", "code execution containers"),
+    ("image_generation_calls", "image_generation", "image generation calls"),
 )
 """Provider-run tools billed per call besides web search: (usage count, entry fee, what in a note)."""
 

@@ -8,6 +8,7 @@ proxy would have written under the same catalog.
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Mapping
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
@@ -189,6 +190,7 @@ def worst_case(
     partial_images: int = 0,
     characters: int = 0,
     audio_seconds: int = 0,
+    tool_calls: Mapping[str, int] | None = None,
 ) -> Decimal | None:
     """An upper bound (USD) on what a request can cost, for budget reservations.
 
@@ -221,6 +223,9 @@ def worst_case(
         partial_images: streamed partial images per generated image.
         characters: input characters (text to speech priced per character).
         audio_seconds: the most seconds of audio the request may hold (priced per minute).
+        tool_calls: the most calls of provider-run tools billed per call the request may make, by
+            :class:`Usage` field (``web_search_requests``, ``file_search_calls``, ...), priced at
+            the entry's fees (a fee the entry does not give is not billed, so it adds nothing).
 
     Every input token is priced at the highest input-side rate it could be billed at (plain,
     cache write, 1-hour cache write; audio for the audio part, image for the image part), every
@@ -238,6 +243,7 @@ def worst_case(
     total_in = input_tokens + image_in
     audio = min(audio_input_tokens, input_tokens)
     units: dict[str, Any] = {"input_characters": characters, "input_audio_seconds": audio_seconds}
+    units.update(tool_calls or {})
     max_out = max_output_tokens
     if output_images:
         units["output_images"] = output_images

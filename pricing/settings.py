@@ -315,6 +315,13 @@ class GuardSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     of what the tightest budget in scope has left; otherwise, and when that reservation is
     refused, the text is counted (30 to 47 us of CPU per KB, and the tokenizer's ~70 MB).
     ``0`` counts every request.
+
+    ``max_tool_calls``: a Responses request under a blocking budget that offers provider-run tools
+    billed per call (web search, file search, image generation, code interpreter) and sets no
+    ``max_tool_calls`` is sent with this one, so that its worst case (each kind of tool offered
+    making that many calls, each at the price entry's fee) is a bound; ``0`` sends none and such a
+    request is refused (400 ``tool_calls_unbounded``), as is an Anthropic server tool without
+    ``max_uses``.
     """
 
     default_max_output_tokens: Annotated[int, msgspec.Meta(gt=0)] = 16384
@@ -325,6 +332,7 @@ class GuardSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     image_tokens: Annotated[int, msgspec.Meta(ge=0)] = 3000
     unpriced_hold_usd: Decimal | None = None
     bytes_bound_share: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.01
+    max_tool_calls: Annotated[int, msgspec.Meta(ge=0)] = 8
 
     def __post_init__(self) -> None:
         if self.unpriced_hold_usd is not None and not self.unpriced_hold_usd > 0:

@@ -17,7 +17,9 @@ Every dialect module (``tokenward.proxy.dialects``) maps a provider's usage payl
   ``web_fetch_requests`` (Anthropic ``server_tool_use.web_fetch_requests``),
   ``file_search_calls`` (OpenAI Responses ``file_search_call`` items) and ``code_containers``
   (code execution containers the reply used: OpenAI ``code_interpreter_call`` items' distinct
-  ``container_id``; Anthropic code execution tool uses, its ``container``).
+  ``container_id``; Anthropic code execution tool uses, its ``container``) and
+  ``image_generation_calls`` (OpenAI Responses ``image_generation_call`` items: the image tool
+  bills the images it makes outside the reply's ``usage``).
 * Units the media endpoints bill by besides tokens: ``output_images`` (images generated, priced per
   image by ``image_variant``, ``"<size>/<quality>"`` such as ``"1024x1792/hd"``),
   ``input_audio_seconds`` (seconds of audio transcribed, priced per minute) and
@@ -86,6 +88,7 @@ class Usage:
     web_fetch_requests: int = 0
     file_search_calls: int = 0
     code_containers: int = 0
+    image_generation_calls: int = 0
     output_images: int = 0
     input_audio_seconds: int = 0
     input_characters: int = 0

@@ -48,7 +48,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["AUDIO_BYTES_PER_TOKEN", "OPAQUE_BYTES_PER_TOKEN", "Unmetered", "scan"]
+__all__ = ["AUDIO_BYTES_PER_TOKEN", "OPAQUE_BYTES_PER_TOKEN", "Unmetered", "scan", "tool_call_bounds"]
 
 AUDIO_BYTES_PER_TOKEN = 100
 """8 kbit/s is 1000 bytes a second; 10 audio tokens a second: an upper bound of 1 token per 100 bytes."""
@@ -80,7 +80,10 @@ class Unmetered:
     continues or reuses stored state (``previous_response_id``, ``conversation``,
     ``item_reference``, a ``prompt`` template, an earlier audio reply); ``audio_output``: audio
     was asked for in the reply; ``server_tools``: tools the provider runs itself (fees and found
-    tokens the body does not bound).
+    tokens the body does not bound); ``tool_calls``: the most calls billed per call (or per
+    container) the offered tools can make, by :class:`~tokenward.pricing.usage.Usage` field, as
+    the body bounds them (:func:`tool_call_bounds`); ``unbounded_tools``: the offered tools billed
+    per call whose number of calls nothing in the body bounds.
     """
 
     images: int = 0
@@ -90,6 +93,8 @@ class Unmetered:
     stateful: bool = False
     audio_output: bool = False
     server_tools: int = 0
+    tool_calls: dict[str, int] = field(default_factory=dict)
+    unbounded_tools: list[str] = field(default_factory=list)
     prediction_texts: list[str] = field(default_factory=list)
     prediction_tokens: int = 0
 
@@ -110,6 +115,7 @@ def scan(body: Any) -> Unmetered:
         modalities = body.get("modalities")
         found.audio_output = isinstance(modalities, list) and "audio" in modalities
         found.server_tools = _server_tools(body)
+        found.tool_calls, found.unbounded_tools = tool_call_bounds(body)
         _strings(body.get("prediction"), found.prediction_texts, 0)
     _walk(body, found, 0)
     return found
@@ -124,6 +130,8 @@ def _server_tools(body: dict[str, Any]) -> int:
             kind = tool.get("type") if isinstance(tool, dict) else None
             if isinstance(kind, str) and kind.startswith(_SERVER_TOOL_PREFIXES):
                 count += 1
+            elif isinstance(tool, dict) and kind is None and any(name in tool for name in _GOOGLE_SEARCH):
+                count += 1  # Gemini's Google Search grounding
     servers = body.get("mcp_servers")  # Anthropic's MCP connector: every tool of each server
     if isinstance(servers, list):
         count += len(servers)
@@ -136,6 +144,72 @@ def _server_tools(body: dict[str, Any]) -> int:
     if isinstance(model, str) and model.endswith(":online"):
         count += 1
     return count
+
+
+_FEE_FIELDS = (  # tool type prefix -> the Usage field its calls are counted (and priced) in
+    ("web_search", "web_search_requests"),
+    ("web_fetch", "web_fetch_requests"),
+    ("file_search", "file_search_calls"),
+    ("code_interpreter", "code_containers"),
+    ("code_execution", "code_containers"),
+    ("image_generation", "image_generation_calls"),
+)
+_GOOGLE_SEARCH = ("google_search", "googleSearch", "google_search_retrieval", "googleSearchRetrieval")
+
+
+def tool_call_bounds(body: dict[str, Any]) -> tuple[dict[str, int], list[str]]:
+    """The most billed calls the tools a request offers can make, by ``Usage`` field, and the tools nothing bounds.
+
+    Tools billed per call (web search, web fetch, file search, image generation) or per container
+    (code execution) can be called as often as the model chooses unless the request bounds them:
+
+    * a Responses ``max_tool_calls`` bounds every built-in tool's calls in the response
+      (https://platform.openai.com/docs/api-reference/responses/create, checked 2026-12-02), so
+      each offered kind may make that many;
+    * an Anthropic server tool's ``max_uses`` bounds that tool
+      (https://docs.anthropic.com/en/docs/agents-and-tools/tool-use/web-search-tool, checked
+      2026-12-02); code execution is billed per container, one per request;
+    * Gemini's Google Search grounding, Chat Completions ``web_search_options`` and OpenRouter's
+      ``web`` plugin are billed once per request.
+
+    Tools with no per-call fee (remote MCP) are left out: their results are billed as tokens.
+    Returns ``({field: calls}, [tool type, ...])``; the second lists the tools billed per call that
+    nothing bounds (the caller refuses them, or sends a bound).
+    """
+    calls: dict[str, int] = {}
+    unbounded: list[str] = []
+    overall = body.get("max_tool_calls")
+    overall = overall if type(overall) is int and overall >= 0 else None
+    tools = body.get("tools")
+    for tool in tools if isinstance(tools, list) else ():
+        if not isinstance(tool, dict):
+            continue
+        kind = tool.get("type")
+        if not isinstance(kind, str):
+            if any(name in tool for name in _GOOGLE_SEARCH):
+                calls["web_search_requests"] = max(calls.get("web_search_requests", 0), 1)
+            continue
+        column = next((col for prefix, col in _FEE_FIELDS if kind.startswith(prefix)), None)
+        if column is None:
+            continue
+        uses = tool.get("max_uses")
+        if column == "code_containers" and overall is None:
+            bound: int | None = 1  # billed per container: one request runs in one
+        elif overall is not None:
+            bound = overall
+        elif type(uses) is int and uses >= 0:
+            bound = uses
+        else:
+            unbounded.append(kind)
+            continue
+        calls[column] = calls.get(column, 0) + bound if overall is None else max(calls.get(column, 0), bound)
+    once = body.get("web_search_options") is not None
+    plugins = body.get("plugins")
+    once |= isinstance(plugins, list) and any(isinstance(p, dict) and p.get("id") == "web" for p in plugins)
+    once |= isinstance(body.get("model"), str) and body["model"].endswith(":online")
+    if once:
+        calls["web_search_requests"] = calls.get("web_search_requests", 0) + 1
+    return calls, unbounded
 
 
 def _strings(node: Any, into: list[str], depth: int) -> None:

@@ -79,6 +79,8 @@ METERED_ENDPOINTS: dict[str, Endpoint] = {
     # a compaction runs the model over the conversation and bills its usage (a Responses usage object)
     "responses/compact": Endpoint("responses_compact", "openai", False),
     "messages": Endpoint("anthropic_messages", "anthropic", False),
+    # Anthropic's legacy Text Completions: its reply carries no usage, so both sides are counted offline
+    "complete": Endpoint("anthropic_complete", "anthropic", False),
     "images/generations": Endpoint("images", "media", False),
     "images/edits": Endpoint("images", "media", False),
     "images/variations": Endpoint("images", "media", False),

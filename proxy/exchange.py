@@ -113,6 +113,9 @@ class Exchange:
     fallback_models: tuple[str, ...] = ()
     """Models the request names as fallbacks (OpenRouter's ``models``): the upstream may serve any of them."""
     degraded: str | None = None
+    unseen_tool: str | None = None
+    """A tool billed per call the request offered whose use the reply does not show (Gemini grounding):
+    the row is ``partially_priced`` with a note, never plain ``priced``."""
     cost_usd: Decimal | None = None
     row_kind: str = "request"
     parent_request_id: str | None = None

@@ -40,7 +40,8 @@ from tokenward.pricing.runs import RunRefused, parse_run_header, run_budget_name
 from tokenward.pricing.settings import GuardSettings
 from tokenward.pricing.usage import Usage, UsageSource
 from tokenward.proxy import tokenizer
-from tokenward.proxy.bounds import Unmetered, scan
+from tokenward.proxy.background import finished_response_id, note_deferred, response_id_in, settle_deferred
+from tokenward.proxy.bounds import Unmetered, scan, tool_call_bounds
 from tokenward.proxy.budget_api import header_name, reply_headers, usd_text
 from tokenward.proxy.config import UpstreamConfig
 from tokenward.proxy.degrade import Plan, degrade
@@ -132,7 +133,7 @@ _TAGS_HEADER = b"x-tokenward-tags"
 _SESSION_HEADER = b"x-tokenward-session"
 _USER_HEADER = b"x-tokenward-user"
 _RUN_HEADER = b"x-tokenward-run"
-_OUTPUT_LIMITS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
+_OUTPUT_LIMITS = ("max_completion_tokens", "max_tokens", "max_output_tokens", "max_tokens_to_sample")
 _GENERATING = frozenset({"chat_completions", "completions", "responses"})  # Messages requires max_tokens
 _ANTHROPIC_HEADERS = frozenset({b"anthropic-version", b"anthropic-beta"})
 # Which organization and project of the provider account a request bills: they go with the
@@ -176,7 +177,7 @@ _OUTCOME_BY_CODE = {
     "invalid_request": Outcome.CLIENT_ERROR,
     "budget_exceeded": Outcome.REJECTED,
     "endpoint_not_allowed": Outcome.REJECTED,
-    "endpoint_not_metered": Outcome.REJECTED,
+    "tool_calls_unbounded": Outcome.REJECTED,
     "attribution_refused": Outcome.REJECTED,
     "isolation_refused": Outcome.REJECTED,
     "list_not_filtered": Outcome.UPSTREAM_ERROR,
@@ -223,6 +224,7 @@ class _RequestHead(msgspec.Struct):
     max_tokens: Any = None
     max_completion_tokens: Any = None
     max_output_tokens: Any = None
+    max_tokens_to_sample: Any = None  # Anthropic's legacy Text Completions (required there)
     service_tier: Any = None
     speed: Any = None
     inference_geo: Any = None
@@ -443,10 +445,6 @@ class Forwarder:
                             "body_not_allowed",
                         )
             self._attach(ex, route, inbound)
-            if found.method == "POST" and found.tail.lower() == _TEXT_COMPLETIONS and self.guard is not None:
-                if body is None and has_body:
-                    body = await read_body(request.receive, scope["headers"], self.limits)
-                self._refuse_unmeterable(ex, body or b"")
             if plan is not None:
                 input_file = plan.batch_input(body)
                 if input_file is not None:  # the requests it runs may name objects too
@@ -463,41 +461,15 @@ class Forwarder:
                     return self._send(route, replace(listed, query=query), inbound.headers, None, ex)
 
                 reply = await plan.reply(ex, reply, resend)
+            finished = finished_response_id(found.method, found.tail) if 200 <= reply.status < 300 else None
+            if finished is not None:  # it may show a background response finished: metered on the side
+                meter = Meter("openai", header(reply.headers, b"content-encoding"))
+                settle = partial(self._settle_finished, finished)
+                return Relay(ex, reply, settle, meter=meter, drain_timeout_s=self.drain_timeout_s)
             return Relay(ex, reply, self.complete, drain_timeout_s=self.drain_timeout_s)
         except BaseException as exc:
             # an upload that broke off over a limit: the client hears why, not what the upstream made of it
             return self._refuse(ex, content.error if content is not None and content.error is not None else exc)
-
-    def _refuse_unmeterable(self, ex: Exchange, body: bytes) -> None:
-        """Refuse Anthropic's legacy Text Completions (``POST /v1/complete``) under a blocking budget.
-
-        Its reply carries no usage (``{"type": "completion", "completion": ..., "stop_reason": ...}``,
-        https://docs.anthropic.com/en/api/complete, read 2026-12-02), so tokenward can neither
-        bound it before nor price it after: a blocking budget in its scope (the body's ``model``
-        included) refuses it with 403 ``endpoint_not_metered``, naming the Messages API, which
-        is metered. Without one it is forwarded unmetered, as any endpoint tokenward does not
-        meter in passthrough mode.
-
-        Raises:
-            ProxyError: 403 ``endpoint_not_metered`` when a blocking budget covers the request.
-        """
-        assert self.guard is not None
-        try:
-            model = msgspec.json.decode(body).get("model") if body else None
-        except (msgspec.DecodeError, AttributeError):
-            model = None
-        ex.requested_model = model if isinstance(model, str) else None
-        blocking = self.guard.in_scope(_attributes(ex), blocking_only=True)
-        if blocking:
-            names = ", ".join(b.name for b in blocking)
-            raise ProxyError(
-                403,
-                f"tokenward cannot meter POST /v1/complete (Anthropic's legacy Text Completions: its reply "
-                f"carries no usage), and budget {names} blocks requests it cannot meter: use the Messages API, "
-                "POST /v1/messages.",
-                "endpoint_not_metered",
-                "permission_error",
-            )
 
     async def _file_content(self, route: Route, file_id: str, ex: Exchange, like: Target) -> UpstreamReply:
         """The upstream's reply to ``GET files/{file_id}/content``, asked with tokenward's credential alone.
@@ -739,6 +711,8 @@ class Forwarder:
                     "invalid_output_limit",
                 )
             counts: dict[Any, Any] = {}
+            if media is None:
+                body, extra = self._bound_tool_calls(body, endpoint, extra)
             if media is not None:
                 worst, unbounded = await self._media_worst_case(ex, media, now), media.remote_audio
             else:
@@ -791,6 +765,46 @@ class Forwarder:
         if not ex.stream:  # a whole reply gets them once it is recorded (Relay's final_headers)
             return extra, body
         return reply_headers(guard, attributes, now) + extra, body
+
+    def _bound_tool_calls(
+        self, body: bytes, endpoint: Endpoint, extra: list[tuple[bytes, bytes]]
+    ) -> tuple[bytes, list[tuple[bytes, bytes]]]:
+        """Bound how many billed calls the provider-run tools a request offers can make, or refuse it.
+
+        A tool billed per call (web search, web fetch, file search, image generation) is called as
+        often as the model chooses, so under a blocking budget its calls must be bounded for the
+        worst case to be one (:func:`~tokenward.proxy.bounds.tool_call_bounds`; the bound prices
+        each call at the entry's fee). A Responses request that bounds none is sent with
+        ``max_tool_calls`` = ``guard.max_tool_calls`` (the reply says so in
+        ``x-tokenward-tool-limit``); any other request with such a tool and no ``max_uses`` is refused.
+
+        Raises:
+            ProxyError: 400 ``tool_calls_unbounded``, naming the tool and the member that bounds it.
+        """
+        if b'"tools"' not in body:
+            return body, extra
+        try:
+            decoded = msgspec.json.decode(body)
+        except (msgspec.DecodeError, RecursionError):
+            return body, extra  # refused as invalid JSON where the bound counts it
+        if not isinstance(decoded, dict):
+            return body, extra
+        _, unbounded = tool_call_bounds(decoded)
+        if not unbounded:
+            return body, extra
+        limit = self.guard_settings.max_tool_calls
+        if endpoint.name == "responses" and limit > 0 and "max_tool_calls" not in decoded:
+            edited = set_member(body, "max_tool_calls", str(limit).encode())
+            if edited is not None:
+                return edited, [*extra, (b"x-tokenward-tool-limit", f"max_tool_calls={limit}".encode())]
+        member = "max_tool_calls" if endpoint.name.startswith("responses") else "max_uses"
+        raise ProxyError(
+            400,
+            f"The request offers the {unbounded[0]!r} tool, which the provider bills per call, and nothing bounds "
+            f"how often the model may call it; a budget that blocks needs a bound: set {member} (a non-negative "
+            "integer).",
+            "tool_calls_unbounded",
+        )
 
     def _assumed_limit_note(self, head: _RequestHead, endpoint: Endpoint) -> str:
         """Why a small request's bound may be large: it set no output limit, so the default was priced."""
@@ -983,6 +997,7 @@ class Forwarder:
                 price_as=ex.price_as,
                 images=extra.images,
                 image_tokens=settings.image_tokens,
+                tool_calls=extra.tool_calls,
             )
             if bound is None:
                 return None  # one model the request may reach has no price: it cannot be bounded
@@ -1294,6 +1309,31 @@ class Forwarder:
     async def _record_refusal(self, relay: Relay) -> None:
         await self.recorder.commit(relay.ex)
 
+    async def _settle_finished(self, response_id: str, relay: Relay) -> None:
+        """Record a retrieval or cancel of a response; if it shows the response finished, settle its deferred row.
+
+        The retrieval's own row stays ``not_metered`` (it bills nothing itself); the usage it shows
+        goes to the background request's row (:func:`~tokenward.proxy.background.settle_deferred`).
+        """
+        assert relay.meter is not None
+        try:
+            result = relay.meter.finish()
+            if result.usage is not None and relay.got_reply:
+                await settle_deferred(
+                    self.recorder.ledger.state,
+                    self.recorder.catalog,
+                    self.guard,
+                    response_id,
+                    relay.ex.upstream,
+                    result.usage,
+                    model=result.model,
+                    service_tier=result.service_tier,
+                    raw_usage=result.raw_usage,
+                )
+        except Exception:  # the retrieval's row is never lost to a settlement that failed
+            log.exception("settling background response %s failed", response_id)
+        await self.recorder.commit(ex=relay.ex)
+
     async def complete(self, relay: Relay) -> None:
         """Meter what the reply said, classify how it ended, and record the exchange (awaited once by the relay).
 
@@ -1331,6 +1371,8 @@ class Forwarder:
         ex.served_model = result.model or None
         ex.service_tier = result.service_tier
         ex.provider_cost = result.provider_cost
+        if result.web_search_calls == 0 and b"oogle" in request_body and _offers_google_search(request_body):
+            ex.unseen_tool = "Google Search grounding"
         if result.error is not None:
             ex.error = ex.error or result.error
             if ex.outcome is Outcome.OK:
@@ -1377,6 +1419,9 @@ class Forwarder:
             return
         if relay.deferred_usage and result.error is None:
             ex.usage_deferred = True
+            response_id = response_id_in(list(meter.kept_reply))
+            if response_id is not None:  # settled when its finished response is seen (proxy.background)
+                await note_deferred(self.recorder.ledger.state, ex, response_id)
             await self.recorder.commit(ex)
             return
         source = UsageSource.ESTIMATED if ex.outcome is Outcome.OK else UsageSource.PARTIAL
@@ -1500,9 +1545,6 @@ def _settle_attribution(ex: Exchange, identity: Identity, claimed: dict[bytes, s
         ex.end_user, ex.tags, ex.session_id = attribution.settle(ex.end_user, ex.tags, ex.session_id, claimed)
 
 
-_TEXT_COMPLETIONS = "complete"
-"""Anthropic's legacy Text Completions endpoint below ``/v1``: unmetered (its reply has no usage)."""
-
 
 def _attributes(ex: Exchange) -> dict[str, Any]:
     """A request's budget-scope attributes before the reply (the requested model, the one sent, its fallbacks)."""
@@ -1544,10 +1586,25 @@ def _output_limit(head: _RequestHead, default: int) -> int:
     """
     limits = [
         v
-        for v in map(_lax_count, (head.max_completion_tokens, head.max_tokens, head.max_output_tokens))
+        for v in map(
+            _lax_count, (head.max_completion_tokens, head.max_tokens, head.max_output_tokens, head.max_tokens_to_sample)
+        )
         if v is not None and v > 0
     ]
     return max(limits) if limits else default
+
+
+def _offers_google_search(body: bytes) -> bool:
+    """Whether a request offers Gemini's Google Search grounding (a ``tools`` entry ``{"google_search": {}}``)."""
+    try:
+        decoded = msgspec.json.decode(body)
+    except (msgspec.DecodeError, RecursionError):
+        return False
+    tools = decoded.get("tools") if isinstance(decoded, dict) else None
+    return any(
+        isinstance(t, dict) and "type" not in t and any(k.lower().startswith("google") for k in t)
+        for t in (tools if isinstance(tools, list) else ())
+    )
 
 
 def _choices(head: _RequestHead) -> int:
@@ -1596,6 +1653,8 @@ def _limit_field(endpoint: Endpoint, route: Route | None) -> str:
     """
     if endpoint.name == "responses":
         return "max_output_tokens"
+    if endpoint.name == "anthropic_complete":
+        return "max_tokens_to_sample"
     provider = route.config.catalog_provider if route is not None else ""
     if endpoint.name == "chat_completions" and provider in ("openai", "azure", "azure-openai"):
         return "max_completion_tokens"

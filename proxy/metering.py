@@ -348,8 +348,11 @@ def _is_interesting(block: bytes) -> bool:
         or b'"web_search_call"' in block
         or b'"file_search_call"' in block
         or b'"code_interpreter_call"' in block
+        or b'"image_generation_call"' in block
         or b'"server_tool_use"' in block
         or b'"executed_tools"' in block
+        or b'rounding_metadata"' in block
+        or b'roundingMetadata"' in block
         or (b"event:" in block and _EVENT_ERROR.search(block) is not None)
     )
 

@@ -24,6 +24,7 @@ import datetime as dt
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from decimal import Decimal
 from functools import partial
 from typing import Any
@@ -140,6 +141,11 @@ def build_row(
             price_as=ex.price_as if own else None,
         )
         status = q.status
+        if own and ex.unseen_tool and status in (PriceStatus.PRICED, PriceStatus.REPAIRED):
+            # the provider may have billed a tool the reply does not show: the cost is a lower bound
+            status = PriceStatus.PARTIALLY_PRICED
+            note = f"the request offered {ex.unseen_tool} and the reply does not say whether it ran: not billed"
+            q = replace(q, status=status, lines=[*(q.lines or []), {"note": note}])
     cost_usd: Decimal | None = q.cost_usd if q is not None else (Decimal(0) if status == "not_billed" else None)
     violations = [*usage.invalid, *usage.repairs, *usage.violations()] if metered is not None else []
     if violations:

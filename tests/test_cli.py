@@ -304,6 +304,7 @@ def test_m004_fills_output_cost_from_stored_cost_lines(tmp_path, monkeypatch):
         later += ("input_characters", "image_variant")  # columns of migrations after m003
         later += ("org", "pool", "run_id", "sent_model", "degraded")
         later += ("web_fetch_requests", "file_search_calls", "code_containers")  # m010
+        later += ("image_generation_calls",)  # m011
         values = {k: v for k, v in row.items() if k not in later}
         values.update(started_at=dt.datetime.now(dt.UTC), ended_at=dt.datetime.now(dt.UTC), cost_lines=stored)
         names = ", ".join(values)

@@ -68,6 +68,7 @@ def expected_anthropic(record: dict[str, Any]) -> tuple[dict[str, int] | None, l
         web_fetch_requests=(merged.get("server_tool_use") or {}).get("web_fetch_requests") or 0,
         file_search_calls=0,
         code_containers=int(code_execution_ran(record)),
+        image_generation_calls=0,
     )
     advisors = [(i["model"], anthropic_counts(i)) for i in iterations if i.get("type") == "advisor_message"]
     return totals, advisors
@@ -141,6 +142,7 @@ def expected_tokens(record: dict[str, Any]) -> dict[str, int] | None:
         "web_fetch_requests": 0,
         "file_search_calls": len({item["id"] for item in output_items(record, "file_search_call")}),
         "code_containers": len({item["container_id"] for item in output_items(record, "code_interpreter_call")}),
+        "image_generation_calls": len({item["id"] for item in output_items(record, "image_generation_call")}),
     }
 
 

@@ -336,7 +336,7 @@ def test_every_ledger_column_has_the_same_meaning_in_both_engines(tmp_path, pg_u
     for column in ("org", "pool", "run_id", "sent_model", "degraded", "image_variant"):
         assert (duck_types[column], pg_types[column]) == ("VARCHAR", "text")
     counts = ("output_images", "input_audio_seconds", "input_characters")
-    for column in (*counts, "web_fetch_requests", "file_search_calls", "code_containers"):
+    for column in (*counts, "web_fetch_requests", "file_search_calls", "code_containers", "image_generation_calls"):
         assert (duck_types[column], pg_types[column]) == ("BIGINT", "bigint")
 
 

@@ -198,8 +198,13 @@ def finish(seen: Observation) -> Reading:
 
 
 def request_texts(body: dict[str, Any]) -> tuple[list[str], int]:
-    """Texts the model reads (system, message contents, tool definitions) and the message count."""
+    """Texts the model reads (system, message contents, tool definitions) and the message count.
+
+    A legacy Text Completions request (``POST /v1/complete``) reads its ``prompt`` string.
+    """
     texts: list[str] = []
+    if isinstance(body.get("prompt"), str):
+        texts.append(body["prompt"])
     _collect(body.get("system"), texts)
     messages = body.get("messages") if isinstance(body.get("messages"), list) else []
     for message in messages:
@@ -215,8 +220,14 @@ def reply_texts(obj: dict[str, Any]) -> list[tuple[Any, str, bool]]:
 
     Keys are content block indexes (and the kind of text); a stream's ``content_block_delta``
     texts of one block are joined before they are counted, a whole message's blocks are whole.
+    A legacy Text Completions reply or stream event (``"type": "completion"``) holds its text in
+    ``completion``: each stream event a piece of it (the ``2023-06-01`` version streams deltas,
+    https://docs.anthropic.com/en/api/streaming, read 2026-12-02), a whole reply all of it, so
+    the pieces are joined.
     """
     found: list[tuple[Any, str, bool]] = []
+    if obj.get("type") == "completion" and isinstance(obj.get("completion"), str):
+        found.append((("completion", 0), obj["completion"], False))
     if obj.get("type") == "message" or ("content" in obj and obj.get("type") is None):
         for index, block in enumerate(obj.get("content") if isinstance(obj.get("content"), list) else ()):
             texts: list[str] = []

@@ -19,7 +19,8 @@ class Observation:
     totals, such as Anthropic's, keeps it merged); ``error`` is the text of an error the upstream
     reported inside a successful HTTP reply; ``web_search_calls`` the ids of hosted web search
     calls seen outside ``usage`` (each counted once however often it is repeated), and likewise
-    ``file_search_calls`` (ids) and ``code_containers`` (the containers code execution ran in); ``extra``
+    ``file_search_calls`` (ids), ``code_containers`` (the containers code execution ran in) and
+    ``image_generation_calls`` (ids); ``extra``
     holds what one dialect alone reads (the media dialect: images counted, their variant).
     """
 
@@ -32,6 +33,7 @@ class Observation:
     web_search_calls: set[str] = field(default_factory=set)
     file_search_calls: set[str] = field(default_factory=set)
     code_containers: set[str] = field(default_factory=set)
+    image_generation_calls: set[str] = field(default_factory=set)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -55,5 +57,6 @@ def tool_counts(seen: Observation) -> dict[str, int]:
         "web_search_requests": len(seen.web_search_calls),
         "file_search_calls": len(seen.file_search_calls),
         "code_containers": len(seen.code_containers),
+        "image_generation_calls": len(seen.image_generation_calls),
     }
     return {name: count for name, count in counts.items() if count}

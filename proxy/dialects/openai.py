@@ -25,9 +25,11 @@ provider variants of the ``usage`` object recorded in ``shared/fixtures/recorded
   output items (in ``output``, in ``response.output_item.done`` events and in the terminal
   event's ``response.output``: each distinct item id counted once, whatever its action:
   ``search``, ``open_page`` and ``find_in_page`` are each a tool call), and Groq compound's
-  ``executed_tools`` of type ``search`` (each tool ``index`` once per choice). The largest of
-  these counts is taken, never their sum.
-* Other hosted tools billed per call: Responses ``file_search_call`` items (each id once) and
+  ``executed_tools`` of type ``search`` (each tool ``index`` once per choice), and Gemini's Google
+  Search grounding (grounding metadata on a choice or candidate: one per reply, billed per grounded
+  request). The largest of these counts is taken, never their sum.
+* Other hosted tools billed per call: Responses ``file_search_call`` and ``image_generation_call``
+  items (each id once) and
   ``code_interpreter_call`` items, counted by the distinct ``container_id`` they ran in (code
   interpreter is billed per container, however many calls run in it).
 * Streams: usage may sit on an extra ``choices: []`` chunk, on the finishing chunk, in
@@ -86,7 +88,13 @@ __all__ = [
 
 _MAX_PROVIDER_COST = Decimal(1_000_000)  # USD; a provider's cost figure above this is not believed
 _SEARCH_TOOLS = frozenset({"search", "web_search", "browser_search"})
-_TOOL_ITEM_MARKERS = (b'"web_search_call"', b'"file_search_call"', b'"code_interpreter_call"')
+_GROUNDING, _GROUNDING_CAMEL = b'grounding_metadata"', b'groundingMetadata"'
+_TOOL_ITEM_MARKERS = (
+    b'"web_search_call"',
+    b'"file_search_call"',
+    b'"code_interpreter_call"',
+    b'"image_generation_call"',
+)
 _COUNTS = ("prompt_tokens", "input_tokens", "completion_tokens", "output_tokens", "total_tokens")
 _PART_FIELDS = ("input_tokens", "cached_input_tokens", "cache_write_tokens", "output_tokens", "reasoning_tokens")
 
@@ -115,6 +123,7 @@ class _Tools(msgspec.Struct):
     item: Any = None
     output_index: Any = None
     choices: Any = None
+    candidates: Any = None
 
 
 _decode_view = msgspec.json.Decoder(_View).decode
@@ -133,7 +142,7 @@ def observe_body(body: bytes, seen: Observation) -> None:
     if view.object == "response" or view.type is not None:
         if any(marker in body for marker in _TOOL_ITEM_MARKERS):
             _observe_tools(_decode_tools(body), view, seen)
-    elif b'"executed_tools"' in body:
+    elif b'"executed_tools"' in body or _GROUNDING in body or _GROUNDING_CAMEL in body:
         _observe_tools(_decode_tools(body), view, seen)
 
 
@@ -188,6 +197,8 @@ def _observe_tools(tools: _Tools, view: _View, seen: Observation) -> None:
             for index, item in enumerate(items):
                 if isinstance(item, dict):
                     _note_search_item(item, index, seen)
+    if _grounded(tools):
+        seen.web_search_calls.add("google:grounding")  # billed per grounded request, however many queries
     if isinstance(tools.choices, list):
         for position, choice in enumerate(tools.choices):
             if not isinstance(choice, dict):
@@ -203,6 +214,38 @@ def _observe_tools(tools: _Tools, view: _View, seen: Observation) -> None:
                         seen.web_search_calls.add(f"groq:{number}:{tool.get('index', slot)}")
 
 
+def _grounded(tools: _Tools) -> bool:
+    """Whether a Gemini reply says Google Search grounding ran: grounding metadata naming queries or sources.
+
+    Where it is read: a choice's ``grounding_metadata`` (or ``groundingMetadata``), the same under a
+    choice's or its message's ``extra_content.google`` (Gemini's OpenAI-compatible replies), or a
+    native ``candidates[].groundingMetadata`` passed through by a relay. Grounding is billed per
+    grounded request ($14 per 1,000 for Gemini 3.x, $35 per 1,000 for 2.5: reference 2.3 [R66][R62]),
+    priced by the entry's ``web_search`` fee.
+    """
+    holders: list[Any] = []
+    for listed in (tools.choices, tools.candidates):
+        for entry in listed if isinstance(listed, list) else ():
+            if not isinstance(entry, dict):
+                continue
+            for part in (entry, entry.get("message"), entry.get("delta")):
+                if isinstance(part, dict):
+                    holders.append(part)
+                    extra = part.get("extra_content")
+                    google = extra.get("google") if isinstance(extra, dict) else None
+                    if isinstance(google, dict):
+                        holders.append(google)
+    for holder in holders:
+        for name in ("grounding_metadata", "groundingMetadata"):
+            found = holder.get(name)
+            if isinstance(found, dict) and any(
+                isinstance(found.get(key), list) and found[key]
+                for key in ("web_search_queries", "webSearchQueries", "grounding_chunks", "groundingChunks")
+            ):
+                return True
+    return False
+
+
 def _note_search_item(item: dict[str, Any], index: Any, seen: Observation) -> None:
     kind = item.get("type")
     name = str(item["id"]) if isinstance(item.get("id"), str) else f"@{index}"
@@ -210,6 +253,8 @@ def _note_search_item(item: dict[str, Any], index: Any, seen: Observation) -> No
         seen.web_search_calls.add(name)
     elif kind == "file_search_call":
         seen.file_search_calls.add(name)
+    elif kind == "image_generation_call":
+        seen.image_generation_calls.add(name)
     elif kind == "code_interpreter_call":  # billed per container: calls in one container count once
         container = item.get("container_id")
         seen.code_containers.add(container if isinstance(container, str) and container else name)
@@ -311,6 +356,7 @@ def to_usage(
         web_search_requests=searches,
         file_search_calls=(tools or {}).get("file_search_calls", 0),
         code_containers=(tools or {}).get("code_containers", 0),
+        image_generation_calls=(tools or {}).get("image_generation_calls", 0),
         invalid=tuple(problems),
         repairs=tuple(repairs),
     )
@@ -394,6 +440,7 @@ def _minus(total: Usage, parts: list[Usage]) -> Usage:
         web_search_requests=total.web_search_requests,
         file_search_calls=total.file_search_calls,
         code_containers=total.code_containers,
+        image_generation_calls=total.image_generation_calls,
         invalid=total.invalid,
         repairs=total.repairs,
     )

@@ -316,3 +316,12 @@ def m010_tool_calls(conn: duckdb.DuckDBPyConnection) -> None:
     """
     for column in ("web_fetch_requests", "file_search_calls", "code_containers"):
         conn.execute(f"ALTER TABLE requests ADD COLUMN {column} BIGINT DEFAULT 0")
+
+
+@migration
+def m011_image_generation_calls(conn: duckdb.DuckDBPyConnection) -> None:
+    """``image_generation_calls``: images the OpenAI Responses image generation tool made (billed outside the tokens).
+
+    Earlier rows get 0: they were not counted then.
+    """
+    conn.execute("ALTER TABLE requests ADD COLUMN image_generation_calls BIGINT DEFAULT 0")

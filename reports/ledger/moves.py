@@ -15,8 +15,10 @@ from typing import TYPE_CHECKING
 
 import duckdb
 
+from tokenward.reports.ledger.deferred import apply_to_duck
 from tokenward.reports.ledger.duck import insert_lines, open_ledger
 from tokenward.reports.ledger.errors import LedgerBusy, LedgerError
+from tokenward.reports.ledger.state import SqliteState
 from tokenward.reports.ledger.wal import dead_writers
 
 if TYPE_CHECKING:
@@ -67,6 +69,7 @@ def move_segments(
                 inserted += insert_lines(conn, [recovered], dedupe=True, quarantine=quarantine, scratch=spool_dir)
                 writer.remove()
                 log.info("recovered the log of a stopped writer (%s)", writer.writer_id)
+            apply_to_duck(conn, SqliteState(path + ".state.sqlite"))  # background responses settled since
             return inserted
         finally:
             conn.close()

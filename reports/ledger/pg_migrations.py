@@ -648,3 +648,23 @@ def m015_tool_calls(conn: Any) -> None:
     """Provider-run tool calls billed outside the tokens (DuckDB's ``m010_tool_calls``; earlier rows 0)."""
     for column in ("web_fetch_requests", "file_search_calls", "code_containers"):
         conn.execute(f"ALTER TABLE requests ADD COLUMN {column} bigint NOT NULL DEFAULT 0")
+
+
+@migration
+def m016_image_generation_calls(conn: Any) -> None:
+    """Images the Responses image generation tool made (DuckDB's ``m011_image_generation_calls``; earlier rows 0)."""
+    conn.execute("ALTER TABLE requests ADD COLUMN image_generation_calls bigint NOT NULL DEFAULT 0")
+
+
+@migration
+def m017_deferred_responses(conn: Any) -> None:
+    """``deferred_responses``: background Responses billed once when seen finished (DuckDB keeps them in SQLite).
+
+    One row per response id: the request it belongs to, what prices it (``detail``), and once a
+    replica saw it finished, its ``settlement`` (claimed by the first ``UPDATE``) and whether that
+    is in the request's row yet (``applied``).
+    """
+    conn.execute(
+        "CREATE TABLE deferred_responses (response_id text PRIMARY KEY, request_id text NOT NULL, "
+        "detail jsonb NOT NULL, settlement jsonb, settled_at timestamptz, applied boolean NOT NULL DEFAULT false)"
+    )

@@ -27,7 +27,7 @@ import duckdb
 import msgspec
 import psycopg
 
-from tokenward.reports.ledger import pg_migrations, spooled
+from tokenward.reports.ledger import pg_deferred, pg_migrations, spooled
 from tokenward.reports.ledger.duck import apply_prices as duck_apply_prices
 from tokenward.reports.ledger.errors import LedgerError
 from tokenward.reports.ledger.isolate import insert_isolating
@@ -237,6 +237,7 @@ class PgLedger:
                         inserted += self._insert_files(conn, [writer.recovered_file()])
                         writer.remove()
                         log.info("recovered the log of a stopped writer (%s)", writer.writer_id)
+                    pg_deferred.apply(conn)  # background responses settled since, whose rows are in
                     return inserted
             except psycopg.Error as exc:
                 raise LedgerError(f"cannot write the ledger {self.name}: {exc}") from exc

@@ -37,6 +37,7 @@ ROW_COLUMNS: dict[str, str] = {
     "web_fetch_requests": "BIGINT",
     "file_search_calls": "BIGINT",
     "code_containers": "BIGINT",
+    "image_generation_calls": "BIGINT",
     "output_images": "BIGINT",
     "input_audio_seconds": "BIGINT",
     "input_characters": "BIGINT",
