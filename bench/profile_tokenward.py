@@ -685,7 +685,7 @@ _MOVES = r"""
 import asyncio, json, os, re, sys, time, uuid
 rows, moves, path, settings = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 import tokenward.proxy.app, tokenward.proxy.server  # the libraries a serving proxy has loaded
-import tokenward.reports.ledger as ledger_module
+import tokenward.reports.ledger.moves as ledger_module  # where DuckLedger.flush's move opens and inserts
 from tokenward.proxy.limits import return_large_buffers
 from tokenward.reports.ledger import DuckLedger, WriteAheadLog, duck
 from tokenward.reports.ledger.wal import encode_row, fill_row
