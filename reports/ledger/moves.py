@@ -11,6 +11,7 @@ import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import duckdb
 
@@ -71,17 +72,16 @@ def move_segments(
         return moved[0] + _move(path, spool_dir, left, writer_id, unsure, False, None, [0])
 
 
-def _move(
-    path: str,
-    spool_dir: Path,
-    own: Sequence[Path],
-    writer_id: str | None,
-    unsure: set[Path],
-    migrate_schema: bool,
-    memory_limit: str | None,
-    moved: list[int],
-) -> int:
-    """:func:`move_segments` once, under ``memory_limit``; ``moved[0]`` counts the rows inserted as it goes."""
+def _move(path: str, spool_dir: Path, own: Sequence[Path], writer_id: str | None, *args: Any) -> int:
+    """:func:`move_segments` once; ``args``: ``unsure``, ``migrate_schema``, ``memory_limit`` and ``moved``.
+
+    ``moved[0]`` counts the rows inserted as it goes (what a move that fails part way did).
+    """
+    unsure: set[Path]
+    migrate_schema: bool
+    memory_limit: str | None
+    moved: list[int]
+    unsure, migrate_schema, memory_limit, moved = args
     dead = dead_writers(spool_dir, own=writer_id)
     quarantine = spool_dir / "quarantine.jsonl"
     try:
