@@ -146,9 +146,11 @@ def test_a_serving_proxy_never_loads_duckdb_and_its_mover_stops_when_idle(tmp_pa
             assert not maps_duckdb(pid)
             rows = ledger_rows(tmp_path / "ledger.duckdb")
             assert len(rows) == 20 and sum(r["cost_usd"] for r in rows) == 20 * COST == Decimal("0.000084")
-            # a dashboard page load: the page, then its figures (the first read waits for the ledger)
+            # a dashboard page load: the page, then its figures, polled as the page does until the ledger's are in
+            # (the first read starts a mover: ~0.4 s, more on a loaded machine, past the 2 s the API waits)
             assert httpx.get(f"{proxy.url}/dashboard", timeout=10).status_code == 200
-            figures = httpx.get(f"{proxy.url}/dashboard/api/state?range=7d", timeout=30).json()["ledger"]
+            state = f"{proxy.url}/dashboard/api/state?range=7d"
+            figures = _wait_for(lambda: httpx.get(state, timeout=30).json()["ledger"], timeout=60)
             assert figures["error"] is None and figures["today"] == figures["range"]
             assert {k: figures["today"][k] for k in ("requests", "cost_usd", "input_tokens", "output_tokens")} == {
                 "requests": 20,
