@@ -601,7 +601,7 @@ def give_back_free_memory() -> bool:
         Whether glibc's ``malloc_trim`` was there to call (``False`` off glibc).
     """
     try:
-        trim = ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim
+        trim = ctypes.CDLL(None).malloc_trim  # the process's own symbols: no ldconfig run to find libc
     except (OSError, AttributeError, TypeError):
         return False
     trim(0)
