@@ -59,7 +59,7 @@ Decimal_one = Decimal("0.01")
 # ---------------------------------------------------------------- switching parts off (serve)
 
 PARTS = {
-    "metrics": "Metrics.observe does nothing (no prometheus counters per row)",
+    "metrics": "Metrics.observe does nothing (no counters per row)",
     "wal": "the write-ahead log's appends are dropped (no writer thread hand-off; rows still built and encoded)",
     "flush": "no periodic move of the log into DuckDB (no DuckDB session per flush_interval_s)",
     "recorder": "the recorder only marks exchanges recorded: no pricing, no row, no metrics, no log, no flush",
@@ -928,7 +928,7 @@ def micro(args: argparse.Namespace) -> None:
             lambda: quote(rec.catalog, ex.usage, model=ex.served_model, provider="openai", at=at),
         )
         step("build_rows(ex) (quote + row dict)", lambda: build_rows(ex, rec.catalog))
-        step("Metrics.observe(row) (prometheus counters)", lambda: rec.metrics.observe(rows[0]))
+        step("Metrics.observe(row) (counters per row)", lambda: rec.metrics.observe(rows[0]))
         step("row encoding for the write-ahead log (msgspec JSON line)", lambda: encode_row(rows[0]))
 
         def meter_stream() -> None:
