@@ -59,7 +59,7 @@ Decimal_one = Decimal("0.01")
 # ---------------------------------------------------------------- switching parts off (serve)
 
 PARTS = {
-    "metrics": "Metrics.observe does nothing (no prometheus counters per row)",
+    "metrics": "Metrics.observe does nothing (no counters per row)",
     "wal": "the write-ahead log's appends are dropped (no writer thread hand-off; rows still built and encoded)",
     "flush": "no periodic move of the log into DuckDB (no DuckDB session per flush_interval_s)",
     "recorder": "the recorder only marks exchanges recorded: no pricing, no row, no metrics, no log, no flush",
@@ -685,7 +685,7 @@ _MOVES = r"""
 import asyncio, json, os, re, sys, time, uuid
 rows, moves, path, settings = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 import tokenward.proxy.app, tokenward.proxy.server  # the libraries a serving proxy has loaded
-import tokenward.reports.ledger as ledger_module
+import tokenward.reports.ledger.moves as ledger_module  # where DuckLedger.flush's move opens and inserts
 from tokenward.proxy.limits import return_large_buffers
 from tokenward.reports.ledger import DuckLedger, WriteAheadLog, duck
 from tokenward.reports.ledger.wal import encode_row, fill_row
@@ -928,7 +928,7 @@ def micro(args: argparse.Namespace) -> None:
             lambda: quote(rec.catalog, ex.usage, model=ex.served_model, provider="openai", at=at),
         )
         step("build_rows(ex) (quote + row dict)", lambda: build_rows(ex, rec.catalog))
-        step("Metrics.observe(row) (prometheus counters)", lambda: rec.metrics.observe(rows[0]))
+        step("Metrics.observe(row) (counters per row)", lambda: rec.metrics.observe(rows[0]))
         step("row encoding for the write-ahead log (msgspec JSON line)", lambda: encode_row(rows[0]))
 
         def meter_stream() -> None:

@@ -7,9 +7,11 @@ Where each figure comes from:
   every budget's spend, reservations and forecast from :meth:`BudgetGuard.snapshot`, with its
   burn rate and "runs out at" from the feed (:func:`budget_views`);
 * history (the ledger): today, this hour, the breakdowns by model, key and team, the hourly and
-  daily series and the alerts sent (:func:`tokenward.reports.dashboard_queries.history`), read in
-  the proxy's short ledger sessions between flushes, in a worker thread, and cached: at most one
-  query per (zone, range) runs at a time, and a result is reused for ``cache_s`` seconds or ten
+  daily series (:func:`tokenward.reports.dashboard_queries.history`, run by :meth:`Ledger.query
+  <tokenward.reports.ledger.base.Ledger.query>`: for a DuckDB ledger in the mover child, so the
+  serving process never maps DuckDB) and the alerts sent (the state store), from a worker
+  thread, and cached: at most one query per (zone, range) runs at a time, and a result is
+  reused for ``cache_s`` seconds or ten
   times as long as it took to compute, whichever is longer, so the ledger is held at most about a
   tenth of the time however many dashboards poll. A stale result is served at once while the
   next one is computed; the request path never waits for any of this.
@@ -32,7 +34,6 @@ import time
 from collections import OrderedDict
 from dataclasses import replace
 from decimal import Decimal
-from functools import partial
 from importlib import resources
 from typing import Any
 from urllib.parse import parse_qs
@@ -49,7 +50,7 @@ from tokenward.proxy.errors import ProxyError
 from tokenward.proxy.guard import BudgetGuard
 from tokenward.proxy.limits import BodyLimits, read_body
 from tokenward.proxy.live import LiveFeed
-from tokenward.reports.dashboard_queries import RANGES, history
+from tokenward.reports.dashboard_queries import RANGES, history, sent_alerts
 from tokenward.reports.ledger import Ledger, LedgerError
 
 __all__ = ["Dashboard", "budget_views", "dashboard_routes"]
@@ -162,10 +163,6 @@ class _Cached:
         self.took_s = 0.0
 
 
-def _history(conn: Any, *, now: dt.datetime, tz: str, range_name: str, state: Any) -> dict[str, Any]:
-    return history(conn, now, tz, range_name, state=state)
-
-
 class Dashboard:
     """The data behind the dashboard and ``tokenward top``.
 
@@ -237,8 +234,7 @@ class Dashboard:
         now = dt.datetime.now(dt.UTC)
         try:
             self.queries += 1
-            read = partial(_history, now=now, tz=tz, range_name=range_name, state=self.ledger.state)
-            entry.value = await asyncio.to_thread(self.ledger.session, read, read_only=True)
+            entry.value = await asyncio.to_thread(self._read, now, tz, range_name)
             entry.as_of, entry.error = now, None
         except LedgerError as exc:  # held by another process, or unreadable: keep the last figures
             entry.error = str(exc)
@@ -249,6 +245,12 @@ class Dashboard:
             entry.took_s = time.monotonic() - started
             entry.fresh_until = time.monotonic() + max(self.cache_s, 10 * entry.took_s)
             entry.task = None
+
+    def _read(self, now: dt.datetime, tz: str, range_name: str) -> dict[str, Any]:
+        """The ledger's figures (where the ledger runs queries: a serving proxy's mover child), then the alerts sent."""
+        figures = self.ledger.query(history, now, tz, range_name)
+        figures["alerts"] = sent_alerts(self.ledger.state)  # the state store is SQLite, read here
+        return figures
 
     async def state(self, tz: str = "UTC", range_name: str = "today", recent: int = _RECENT) -> dict[str, Any]:
         """Everything the dashboard shows: ``now``, ``tz``, ``range``, ``live``, ``budgets``, ``ledger``.

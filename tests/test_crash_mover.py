@@ -122,6 +122,8 @@ def _rows_in(path) -> int | None:
 
 
 def test_a_serving_proxy_never_loads_duckdb_and_its_mover_stops_when_idle(tmp_path, monkeypatch):
+    # the dashboard's ledger figures too are read by the mover: 20 requests of 8 + 5 tokens of gpt-4o-mini
+    # at $0.15 / $0.60 per 1M are 160 input and 100 output tokens, 20 * $0.0000042 = $0.000084
     monkeypatch.setenv("TOKENWARD_MOVER_IDLE_S", "3")  # the proxy's mover stops 3 s after its last move
     port = free_port()
     with CountingUpstream(wait_s=0.0) as upstream:
@@ -143,7 +145,25 @@ def test_a_serving_proxy_never_loads_duckdb_and_its_mover_stops_when_idle(tmp_pa
             _wait_for(lambda: not children(pid), timeout=30)  # idle: the mover has stopped
             assert not maps_duckdb(pid)
             rows = ledger_rows(tmp_path / "ledger.duckdb")
-            assert len(rows) == 20 and sum(r["cost_usd"] for r in rows) == 20 * COST
+            assert len(rows) == 20 and sum(r["cost_usd"] for r in rows) == 20 * COST == Decimal("0.000084")
+            # a dashboard page load: the page, then its figures, polled as the page does until the ledger's are in
+            # (the first read starts a mover: ~0.4 s, more on a loaded machine, past the 2 s the API waits)
+            assert httpx.get(f"{proxy.url}/dashboard", timeout=10).status_code == 200
+            state = f"{proxy.url}/dashboard/api/state?range=7d"
+            figures = _wait_for(lambda: httpx.get(state, timeout=30).json()["ledger"], timeout=60)
+            assert figures["error"] is None and figures["today"] == figures["range"]
+            assert {k: figures["today"][k] for k in ("requests", "cost_usd", "input_tokens", "output_tokens")} == {
+                "requests": 20,
+                "cost_usd": "0.000084000000",
+                "input_tokens": 160,
+                "output_tokens": 100,
+            }
+            assert [(g["name"], g["requests"], g["cost_usd"]) for g in figures["by_model"]] == [
+                ("gpt-4o-mini", 20, "0.000084000000")
+            ]
+            assert sum(h["requests"] for h in figures["hourly"]) == 20 and figures["alerts"] == []
+            assert not maps_duckdb(pid)  # the mover answered it
+            _wait_for(lambda: not children(pid), timeout=30)  # and stopped again once idle
         finally:
             proxy.stop()
 

@@ -285,3 +285,38 @@ def test_an_earlier_versions_keys_claims_and_deliveries_are_moved_once_and_logge
     assert sorted((k.name, k.revoked_at is not None) for k in ledger.state.keys()) == [("ci", False), ("old", True)]
     key = AlertKey("monthly", at, "threshold", 50)
     assert sorted(d.target for d in ledger.state.deliveries(key)) == ["a@x.org", "b@x.org"]
+
+
+def test_a_move_that_runs_out_of_memory_under_its_cap_is_done_again_without_it(tmp_path, caplog):
+    # 3 segments of 300 rows, each $0.000001234567: DuckDB cannot insert one under a 1 MB cap, so the
+    # move is done again uncapped, each row once: 900 rows, $0.001111110300
+    from tokenward.reports.ledger.moves import move_segments
+
+    ledger = DuckLedger(tmp_path / "l.duckdb")
+    ledger.migrate()
+    wal = WriteAheadLog(ledger.spool_dir)
+
+    async def fill():
+        wal.open(asyncio.get_running_loop())
+        for segment in range(3):
+            rows = [make_row(f"r{segment}-{n}") for n in range(300)]
+            await wal.commit([r["request_id"] for r in rows], b"".join(encode_row(r) for r in rows))
+            wal.rotate()
+
+    asyncio.run(fill())
+    own, unsure = wal.closed_rows(), set()
+    moved = move_segments(
+        ledger.path, ledger.spool_dir, own, wal.writer_id, unsure, migrate_schema=False, memory_limit="1MB"
+    )
+    wal.close()
+    assert moved == 900 and unsure == set() and not any(p.exists() for p in own)
+    assert "needed more than 1MB of DuckDB memory; moving again without that cap" in caplog.text
+    conn = duckdb.connect(ledger.path, read_only=True)
+    try:
+        assert conn.execute("SELECT count(*), count(DISTINCT request_id), sum(cost_usd) FROM requests").fetchone() == (
+            900,
+            900,
+            Decimal("0.001111110300"),
+        )
+    finally:
+        conn.close()

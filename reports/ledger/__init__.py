@@ -219,6 +219,23 @@ class DuckLedger:
             finally:
                 conn.close()
 
+    def query(self, work: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+        """See :meth:`Ledger.query`: with a mover child (a serving proxy), run there on its own read-only connection.
+
+        So a serving proxy never maps DuckDB for a report (the dashboard's): ``work`` is sent by
+        reference (a module-level function), its arguments and result pickled (``Decimal``,
+        ``datetime`` exactly). Without a mover, :meth:`session` in this process.
+
+        Raises:
+            LedgerBusy: another process holds the file.
+            LedgerError: the file cannot be read, or ``work`` raised (its message kept).
+        """
+        if self.mover is None:
+            return self.session(lambda conn: work(conn, *args, **kwargs), read_only=True)
+        with self._lock:  # after a move or a spend session in hand, as sessions in this process are
+            request = {"op": "query", "path": self.path, "work": work, "args": args, "kwargs": kwargs}
+            return self._in_child(request)  # type: ignore[no-any-return]
+
     def flush(self, wal: WriteAheadLog | None = None) -> int:
         """Move rows from the log into the file: ``wal``'s closed segments, then what dead writers left.
 

@@ -63,6 +63,18 @@ class Ledger(Protocol):
         """
         ...
 
+    def query(self, work: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+        """``work(conn, *args, **kwargs)`` on a read-only connection like :meth:`session`'s (blocking).
+
+        Where it runs is the engine's choice: a serving proxy's DuckDB ledger runs it in its mover
+        child, so ``work`` must be a module-level function and its arguments and result picklable.
+
+        Raises:
+            LedgerBusy: as :meth:`session`.
+            LedgerError: the ledger cannot be read (or ``work`` failed in the mover child).
+        """
+        ...
+
     def connect(self, *, read_only: bool, wait_s: float = 0.0) -> duckdb.DuckDBPyConnection:
         """A DuckDB connection like :meth:`session`'s, for the caller to close (the CLI's reports).
 

@@ -3,7 +3,8 @@
 Design note. ``import duckdb`` maps ~20 MB of library code and the first connection ~32 MB more,
 and neither goes away when the connection closes; a move's appends and checkpoint peak at +25
 to +117 MB (``bench/PROFILE.md`` sections 5 and 8). So a serving proxy hands the migration, the
-one-time state import and every move of its write-ahead log (:mod:`~tokenward.reports.ledger.moves`)
+one-time state import, every move of its write-ahead log (:mod:`~tokenward.reports.ledger.moves`)
+and its report queries (the dashboard's: :meth:`DuckLedger.query <tokenward.reports.ledger.DuckLedger.query>`)
 to one child, ``python -m tokenward.reports.ledger.mover``, over a socket pair (pickled requests,
 one at a time). The child holds the DuckDB file only inside a request, as the proxy did, and is
 stopped after :data:`IDLE_S` seconds without work (the next move starts another).
@@ -282,6 +283,19 @@ def _die_with(parent: int) -> None:
         os._exit(0)
 
 
+def _give_back_free_memory() -> None:
+    """Return what DuckDB freed to the OS (glibc's ``malloc_trim``; DuckDB's Linux wheel allocates with glibc).
+
+    A move's appends and checkpoint free tens of MB when its connection closes, and glibc kept
+    them, in the main heap and in the arenas of DuckDB's threads, until the child stopped.
+    """
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None).malloc_trim(0)
+
+
 _reading: list[Any] = []  # the child's read-only connection of a RemoteSpend session (one at most)
 
 
@@ -305,6 +319,14 @@ def _run(request: dict[str, Any], unsure: set[Path]) -> Any:
         _close_reading()
         return None
     _close_reading()  # a session its caller never closed must not keep the file from being written
+    if op == "query":
+        from tokenward.reports.ledger.duck import open_ledger
+
+        conn = open_ledger(request["path"], read_only=True)
+        try:
+            return request["work"](conn, *request["args"], **request["kwargs"])
+        finally:
+            conn.close()
     if op == "move":
         return moves.move_segments(
             request["path"],
@@ -362,6 +384,7 @@ def main(argv: list[str]) -> int:
                 conn.send((*reply, sorted(str(p) for p in unsure), notes.notes))
         except OSError:
             return 0
+        _give_back_free_memory()
 
 
 def _tick(conn: Connection, sending: threading.Lock, done: threading.Event) -> None:

@@ -164,6 +164,10 @@ class PgLedger:
             finally:
                 conn.close()
 
+    def query(self, work: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+        """See :meth:`Ledger.query`: in this process, on the local report copy (:meth:`session`)."""
+        return self.session(lambda conn: work(conn, *args, **kwargs), read_only=True)
+
     def read_spend(self, work: Callable[[Any], T]) -> T:
         """See :meth:`Ledger.read_spend`: :class:`~tokenward.reports.ledger.pg_spend.PgSpend` on the server."""
         self._check()

@@ -25,7 +25,6 @@ insert and the cleanup, never makes a second row.
 
 from __future__ import annotations
 
-import asyncio
 import fcntl
 import logging
 import os
@@ -36,11 +35,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from decimal import Decimal
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from tokenward.reports.ledger.schema import ROW_COLUMNS
+
+if TYPE_CHECKING:
+    import asyncio  # annotations only: the mover child, which reads logs, never imports asyncio
 
 __all__ = [
     "SEGMENT_BYTES",
