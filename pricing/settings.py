@@ -318,10 +318,10 @@ class GuardSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     ``max_tool_calls``: a Responses request under a blocking budget that offers provider-run tools
     billed per call (web search, file search, image generation, code interpreter) and sets no
-    ``max_tool_calls`` is sent with this one, so that its worst case (each kind of tool offered
+    ``max_tool_calls`` is sent with this one, and an Anthropic server tool billed per use without
+    ``max_uses`` with ``max_uses`` of this, so that its worst case (each kind of tool offered
     making that many calls, each at the price entry's fee) is a bound; ``0`` sends none and such a
-    request is refused (400 ``tool_calls_unbounded``), as is an Anthropic server tool without
-    ``max_uses``.
+    request is refused (400 ``tool_calls_unbounded``).
     """
 
     default_max_output_tokens: Annotated[int, msgspec.Meta(gt=0)] = 16384

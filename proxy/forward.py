@@ -775,8 +775,10 @@ class Forwarder:
         often as the model chooses, so under a blocking budget its calls must be bounded for the
         worst case to be one (:func:`~tokenward.proxy.bounds.tool_call_bounds`; the bound prices
         each call at the entry's fee). A Responses request that bounds none is sent with
-        ``max_tool_calls`` = ``guard.max_tool_calls`` (the reply says so in
-        ``x-tokenward-tool-limit``); any other request with such a tool and no ``max_uses`` is refused.
+        ``max_tool_calls`` = ``guard.max_tool_calls``, an Anthropic server tool without ``max_uses``
+        with ``max_uses`` = ``guard.max_tool_calls`` (the reply says so in ``x-tokenward-tool-limit``;
+        the body is then re-encoded); any other request with such a tool and no bound (or a bound
+        that is not a non-negative integer) is refused.
 
         Raises:
             ProxyError: 400 ``tool_calls_unbounded``, naming the tool and the member that bounds it.
@@ -797,6 +799,13 @@ class Forwarder:
             edited = set_member(body, "max_tool_calls", str(limit).encode())
             if edited is not None:
                 return edited, [*extra, (b"x-tokenward-tool-limit", f"max_tool_calls={limit}".encode())]
+        if endpoint.dialect == "anthropic" and limit > 0:  # each unbounded server tool gets its own max_uses
+            tools = [t for t in decoded["tools"] if isinstance(t, dict) and t.get("type") in unbounded]
+            if tools and all("max_uses" not in t for t in tools):  # a max_uses that is not a count stays refused
+                for tool in tools:
+                    tool["max_uses"] = limit
+                header = (b"x-tokenward-tool-limit", f"max_uses={limit}".encode())
+                return msgspec.json.encode(decoded), [*extra, header]
         member = "max_tool_calls" if endpoint.name.startswith("responses") else "max_uses"
         raise ProxyError(
             400,

@@ -80,7 +80,8 @@ def test_a_key_with_little_left_cannot_search_past_its_limit(searching_proxy, ra
     assert [r["outcome"] for r in rows] == ["rejected", "rejected", "ok"]
 
 
-def test_an_anthropic_server_tool_needs_max_uses_under_a_blocking_budget(raw_proxy, raw_upstream):
+def test_an_anthropic_server_tool_is_sent_with_max_uses_under_a_blocking_budget(raw_proxy, raw_upstream):
+    """Claude Code's web search without ``max_uses`` runs, bounded: ``max_uses`` = guard.max_tool_calls (8) is sent."""
     budgets = [BudgetSettings(name="cap", limit_usd=Decimal(10), scope={}, period="total", action="block")]
     proxy = raw_proxy(budgets=budgets)
     usage = {"input_tokens": 1000, "output_tokens": 100, "server_tool_use": {"web_search_requests": 2}}
@@ -90,16 +91,22 @@ def test_an_anthropic_server_tool_needs_max_uses_under_a_blocking_budget(raw_pro
     tool = {"type": "web_search_20250305", "name": "web_search"}
     request = {"model": "claude-sonnet-4-5", "max_tokens": 100, "messages": [{"role": "user", "content": "news?"}]}
     with anthropic.Anthropic(base_url=proxy.url, api_key="sk-ant", max_retries=0) as client:
-        with pytest.raises(anthropic.BadRequestError) as refused:
-            client.messages.create(**request, tools=[tool])
+        sent = client.messages.with_raw_response.create(**request, tools=[tool])
+        assert sent.headers["x-tokenward-tool-limit"] == "max_uses=8"
+        client.messages.create(**request, tools=[{**tool, "max_uses": 2}])
+        with pytest.raises(anthropic.BadRequestError) as refused:  # a bound that is not a count is no bound
+            client.messages.create(**request, tools=[{**tool, "max_uses": "many"}])
         assert refused.value.body["error"]["code"] == "tool_calls_unbounded"
         assert "max_uses" in refused.value.body["error"]["message"]
-        client.messages.create(**request, tools=[{**tool, "max_uses": 2}])
-    rows = proxy.rows(expect=2)
-    assert [(r["outcome"], r["http_status"]) for r in rows] == [("rejected", 400), ("ok", 200)]
-    # 1000 x 3 + 100 x 15 = 4500 per 1M + 2 x $0.01 = $0.0245; the reservation held the 2 searches' fees too
-    assert rows[1]["cost_usd"] == Decimal("0.0245") and rows[1]["reserved_usd"] >= Decimal("0.02")
-    assert len(raw_upstream.requests) == 1
+    first, second = (json.loads(body) for _, body in raw_upstream.requests)
+    assert first["tools"] == [{**tool, "max_uses": 8}]
+    assert second["tools"] == [{**tool, "max_uses": 2}]  # the client's own bound, untouched
+    rows = proxy.rows(expect=3)
+    assert [(r["outcome"], r["http_status"]) for r in rows] == [("ok", 200), ("ok", 200), ("rejected", 400)]
+    # 1000 x 3 + 100 x 15 = 4500 per 1M + 2 x $0.01 = $0.0245; the reservations held 8 and 2 searches' fees
+    assert [r["cost_usd"] for r in rows[:2]] == [Decimal("0.0245"), Decimal("0.0245")]
+    assert rows[0]["reserved_usd"] >= Decimal("0.08") and rows[1]["reserved_usd"] >= Decimal("0.02")
+    assert len(raw_upstream.requests) == 2
 
 
 def test_tool_call_bounds_read_what_each_api_bounds():
