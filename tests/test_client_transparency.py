@@ -338,3 +338,25 @@ def test_parallel_tool_calls_streamed_without_usage_asked_are_the_providers_byte
     assert [(r["outcome"], r["usage_source"], r["cost_usd"]) for r in rows] == [
         ("ok", "reported", Decimal("0.0000255"))
     ] * 2
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        b"x-trace: " + b"t" * 12_000 + b"\r\n",  # one header of 12 KB (the SDKs' own limit: a 16 KiB head)
+        b"".join(b"x-h%d: %d\r\n" % (i, i) for i in range(200)),  # 200 headers (a relay copying its upstream's)
+    ],
+    ids=["long-header", "many-headers"],
+)
+def test_a_reply_head_the_sdk_reads_directly_is_read_through_tokenward_too(proxy, raw_upstream, extra):
+    # aiohttp's defaults (8,190 bytes a header, 128 headers) made tokenward answer 502 "upstream
+    # connection failed" to a reply the SDK reads directly, and the row said the provider was unreachable
+    raw_upstream.script = lambda head, body: [reply(b"200 OK", extra, CHAT_REPLY)]
+    seen = {}
+    for via, base in (("direct", raw_upstream.url), ("tokenward", proxy.url)):
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="sk-test", max_retries=0)
+        raw = client.chat.completions.with_raw_response.create(model="gpt-4o-mini", messages=HELLO)
+        seen[via] = (raw.status_code, provider_headers(raw.http_response), raw.parse().model_dump())
+    assert seen["tokenward"] == seen["direct"]
+    (row,) = proxy.rows(1)
+    assert (row["outcome"], row["http_status"], row["cost_usd"]) == ("ok", 200, Decimal("0.0000018"))
