@@ -360,3 +360,46 @@ def test_a_reply_head_the_sdk_reads_directly_is_read_through_tokenward_too(proxy
     assert seen["tokenward"] == seen["direct"]
     (row,) = proxy.rows(1)
     assert (row["outcome"], row["http_status"], row["cost_usd"]) == ("ok", 200, Decimal("0.0000018"))
+
+
+def test_a_client_that_closes_a_thinking_stream_early_gets_a_row_with_the_usage_the_upstream_went_on_to_report(
+    proxy, raw_upstream
+):
+    # the provider bills the whole reply: tokenward reads on, without sending, for its usage report
+    frames = thinking_stream()
+    raw_upstream.script = lambda head, body: [
+        sse_head(),
+        *[step for frame in frames for step in (chunk(frame), 0.05)],
+        LAST_CHUNK,
+    ]
+    client = anthropic.Anthropic(base_url=proxy.url, api_key="sk-ant-test", max_retries=0)
+    with client.messages.stream(**THINKING_REQUEST) as stream:
+        for event in stream:
+            if event.type == "content_block_delta":
+                break  # the with block closes the response: the client hangs up
+    (row,) = proxy.rows(1)
+    assert (row["outcome"], row["usage_source"], row["price_status"]) == ("client_disconnected", "reported", "priced")
+    assert (row["input_tokens"], row["cache_write_1h_tokens"], row["output_tokens"]) == (4012, 2000, 150)
+    assert row["cost_usd"] == Decimal("0.018336")
+
+
+def test_an_upstream_that_drops_mid_stream_breaks_the_sdks_stream_as_directly_and_bills_what_was_seen(
+    proxy, raw_upstream
+):
+    frames = [("data: " + CHUNK % (delta, "") + "\n\n").encode() for delta in TOOL_DELTAS[:2]]
+    raw_upstream.script = lambda head, body: [sse_head(), chunk(frames[0]), 0.05, chunk(frames[1]), 0.05, "close"]
+    request = {"model": "gpt-4o-mini", "messages": HELLO, "tools": [{"type": "function", "function": {"name": "w"}}]}
+    seen = {}
+    for via, base in (("direct", raw_upstream.url), ("tokenward", proxy.url)):
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="sk-test", max_retries=0)
+        calls = []
+        with pytest.raises(Exception) as broke:  # noqa: B017, PT011 - whatever the SDK raises directly
+            for event in client.chat.completions.create(**request, stream=True):
+                calls += [c.function.arguments for c in event.choices[0].delta.tool_calls or []]
+        seen[via] = (calls, type(broke.value))
+    assert seen["tokenward"] == seen["direct"] == (["", '{"city": "Paris"}'], seen["direct"][1])
+    (row,) = proxy.rows(1)
+    assert (row["outcome"], row["usage_source"], row["price_status"]) == ("upstream_failed", "partial", "priced")
+    # o200k_base: the request is 9 tokens (test_billing_faults) plus 13 for the tools' JSON; the output
+    # seen is the call's name "w" (1) and its arguments {"city": "Paris"} (6): 22 x 0.15 + 7 x 0.60 per 1M
+    assert (row["input_tokens"], row["output_tokens"], row["cost_usd"]) == (22, 7, Decimal("0.0000075"))
