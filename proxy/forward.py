@@ -1628,12 +1628,17 @@ def _budget_headers(budget: Budget, remaining: Decimal) -> list[tuple[bytes, byt
 
 
 def _retry_after(reply: UpstreamReply) -> float | None:
-    """Seconds from a reply's ``Retry-After`` header (the seconds form only)."""
+    """Seconds from a reply's ``Retry-After`` header (the seconds form only; ``None`` when it is not a finite number).
+
+    ``float`` also reads ``nan`` and ``inf`` (and ``1e400`` as ``inf``): a NaN made uvloop's sleep raise
+    (the client got a 500) and an infinity waited the whole 30 s cap.
+    """
     value = header(reply.headers, b"retry-after")
     try:
-        return max(float(value), 0.0) if value is not None else None
+        seconds = float(value) if value is not None else None
     except ValueError:
         return None
+    return max(seconds, 0.0) if seconds is not None and math.isfinite(seconds) else None
 
 
 def _asks_usage(options: Any) -> bool:

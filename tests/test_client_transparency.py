@@ -22,6 +22,7 @@ import pytest
 import websockets
 
 from tokenward.pricing.catalog import load_catalog
+from tokenward.proxy.config import UpstreamConfig
 
 from .raw_upstream import LAST_CHUNK, chunk, json_reply, sse_head
 
@@ -403,3 +404,23 @@ def test_an_upstream_that_drops_mid_stream_breaks_the_sdks_stream_as_directly_an
     # o200k_base: the request is 9 tokens (test_billing_faults) plus 13 for the tools' JSON; the output
     # seen is the call's name "w" (1) and its arguments {"city": "Paris"} (6): 22 x 0.15 + 7 x 0.60 per 1M
     assert (row["input_tokens"], row["output_tokens"], row["cost_usd"]) == (22, 7, Decimal("0.0000075"))
+
+
+@pytest.mark.parametrize("after", ["nan", "inf", "-5", "1e400", "soon"])
+def test_tokenwards_own_retry_survives_any_retry_after_an_upstream_sends(start_proxy, raw_upstream, after):
+    # with `retries` set, tokenward waits as a 429's Retry-After says (at most 30 s): "nan" made
+    # uvloop's sleep raise (the client got a 500 proxy_error, and asyncio's would never have woken)
+    upstream = UpstreamConfig(
+        name="test", base_url=f"{raw_upstream.url}/v1", provider="test", default=True, retries=1, retry_backoff_s=0.01
+    )
+    proxy = start_proxy(upstreams=[upstream], catalog=load_catalog([PRICES], builtin=False))
+    refusal = reply(b"429 Too Many Requests", f"retry-after: {after}\r\n".encode(), RATE_LIMITED)
+    answers = [refusal, reply(b"200 OK", b"", CHAT_REPLY)]
+    raw_upstream.script = lambda head, body: [answers.pop(0)]
+    client = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="sk-test", max_retries=0, timeout=5)
+    start = time.monotonic()
+    assert client.chat.completions.create(model="gpt-4o-mini", messages=HELLO).usage.prompt_tokens == 8
+    assert time.monotonic() - start < 2  # "inf" and "1e400" wait the backoff, not 30 s
+    (row,) = proxy.rows(1)
+    assert (row["outcome"], row["http_status"], row["cost_usd"]) == ("ok", 200, Decimal("0.0000018"))
+    assert row["error"] == "succeeded after 1 retries: upstream answered 429"
