@@ -30,6 +30,27 @@ PRICES = Path(__file__).parent / "fixtures" / "field_case_prices.yaml"
 HELLO = [{"role": "user", "content": "hello world"}]
 
 
+_CLIENTS: list[Any] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_clients():
+    """Close every SDK client a test made (their sockets would be left to the garbage collector)."""
+    yield
+    while _CLIENTS:
+        _CLIENTS.pop().close()
+
+
+def openai_client(**options: Any) -> openai.OpenAI:
+    _CLIENTS.append(client := openai.OpenAI(**options))
+    return client
+
+
+def anthropic_client(**options: Any) -> anthropic.Anthropic:
+    _CLIENTS.append(client := anthropic.Anthropic(**options))
+    return client
+
+
 @pytest.fixture
 def proxy(raw_proxy):
     return raw_proxy("test", "test", catalog=load_catalog([PRICES], builtin=False), drain_s=2.0)
@@ -61,7 +82,7 @@ def test_a_websocket_session_is_refused_by_tokenward_with_its_row_not_sent_upstr
     raw_upstream.script = lambda head, body: [
         json_reply(b'{"error":{"message":"no","type":"x","code":null}}', b"400 Bad Request")
     ]
-    client = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="sk-test", max_retries=0)
+    client = openai_client(base_url=f"{proxy.url}/v1", api_key="sk-test", max_retries=0)
     with pytest.raises(websockets.InvalidStatus) as refused:
         if connect == "realtime":
             with client.realtime.connect(model="gpt-realtime"):
@@ -130,9 +151,9 @@ def test_every_provider_header_reaches_with_raw_response_as_sent(proxy, raw_upst
     raw_upstream.script = lambda head, body: [script[head.split(b" ")[1].decode()]]
     seen = {}
     for via, base in (("direct", raw_upstream.url), ("tokenward", proxy.url)):
-        oai = openai.OpenAI(base_url=f"{base}/v1", api_key="sk-test", max_retries=0)
+        oai = openai_client(base_url=f"{base}/v1", api_key="sk-test", max_retries=0)
         chat = oai.chat.completions.with_raw_response.create(model="gpt-4o-mini", messages=HELLO)
-        claude = anthropic.Anthropic(base_url=base, api_key="sk-ant-test", max_retries=0)
+        claude = anthropic_client(base_url=base, api_key="sk-ant-test", max_retries=0)
         message = claude.messages.with_raw_response.create(model="claude-sonnet-4", max_tokens=10, messages=HELLO)
         seen[via] = (
             (chat.status_code, chat.request_id, provider_headers(chat.http_response), chat.parse().model_dump()),
@@ -171,10 +192,10 @@ def test_a_429_or_529_with_retry_after_is_retried_by_the_sdk_after_it_as_directl
     for via, base in (("direct", raw_upstream.url), ("tokenward", proxy.url)):
         start = time.monotonic()
         if sdk == "openai":
-            client = openai.OpenAI(base_url=f"{base}/v1", api_key="sk-test", max_retries=2)
+            client = openai_client(base_url=f"{base}/v1", api_key="sk-test", max_retries=2)
             raw = client.chat.completions.with_raw_response.create(model="gpt-4o-mini", messages=HELLO)
         else:
-            claude = anthropic.Anthropic(base_url=base, api_key="sk-ant-test", max_retries=2)
+            claude = anthropic_client(base_url=base, api_key="sk-ant-test", max_retries=2)
             raw = claude.messages.with_raw_response.create(model="claude-sonnet-4", max_tokens=10, messages=HELLO)
         taken[via] = (raw.retries_taken, raw.status_code, raw.request_id, time.monotonic() - start >= 1.0)
     assert taken["tokenward"] == taken["direct"] == (1, 200, "req_2", True)
@@ -191,7 +212,7 @@ def test_x_should_retry_false_stops_the_sdk_as_directly(proxy, raw_upstream):
         reply(b"429 Too Many Requests", b"x-should-retry: false\r\n", RATE_LIMITED)
     ]
     for base in (raw_upstream.url, proxy.url):
-        client = openai.OpenAI(base_url=f"{base}/v1", api_key="sk-test", max_retries=2)
+        client = openai_client(base_url=f"{base}/v1", api_key="sk-test", max_retries=2)
         with pytest.raises(openai.RateLimitError) as refused:
             client.chat.completions.create(model="gpt-4o-mini", messages=HELLO)
         assert refused.value.code == "rate_limit_exceeded"
@@ -270,7 +291,7 @@ def test_a_thinking_stream_with_its_signature_and_both_cache_ttls_is_relayed_and
     ]
     seen = {}
     for via, base in (("direct", raw_upstream.url), ("tokenward", proxy.url)):
-        client = anthropic.Anthropic(base_url=base, api_key="sk-ant-test", max_retries=0)
+        client = anthropic_client(base_url=base, api_key="sk-ant-test", max_retries=0)
         with client.messages.stream(**THINKING_REQUEST) as stream:
             events = [event.type for event in stream]
             seen[via] = (events, stream.get_final_message().model_dump())
@@ -322,7 +343,7 @@ def test_parallel_tool_calls_streamed_without_usage_asked_are_the_providers_byte
     request = {"model": "gpt-4o-mini", "messages": HELLO, "tools": [{"type": "function", "function": {"name": "w"}}]}
     seen = {}
     for via, base in (("direct", raw_upstream.url), ("tokenward", proxy.url)):
-        client = openai.OpenAI(base_url=f"{base}/v1", api_key="sk-test", max_retries=0)
+        client = openai_client(base_url=f"{base}/v1", api_key="sk-test", max_retries=0)
         with client.chat.completions.with_streaming_response.create(**request, stream=True) as response:
             body = b"".join(response.iter_bytes())
         with client.beta.chat.completions.stream(**request) as stream:
@@ -355,7 +376,7 @@ def test_a_reply_head_the_sdk_reads_directly_is_read_through_tokenward_too(proxy
     raw_upstream.script = lambda head, body: [reply(b"200 OK", extra, CHAT_REPLY)]
     seen = {}
     for via, base in (("direct", raw_upstream.url), ("tokenward", proxy.url)):
-        client = openai.OpenAI(base_url=f"{base}/v1", api_key="sk-test", max_retries=0)
+        client = openai_client(base_url=f"{base}/v1", api_key="sk-test", max_retries=0)
         raw = client.chat.completions.with_raw_response.create(model="gpt-4o-mini", messages=HELLO)
         seen[via] = (raw.status_code, provider_headers(raw.http_response), raw.parse().model_dump())
     assert seen["tokenward"] == seen["direct"]
@@ -373,7 +394,7 @@ def test_a_client_that_closes_a_thinking_stream_early_gets_a_row_with_the_usage_
         *[step for frame in frames for step in (chunk(frame), 0.05)],
         LAST_CHUNK,
     ]
-    client = anthropic.Anthropic(base_url=proxy.url, api_key="sk-ant-test", max_retries=0)
+    client = anthropic_client(base_url=proxy.url, api_key="sk-ant-test", max_retries=0)
     with client.messages.stream(**THINKING_REQUEST) as stream:
         for event in stream:
             if event.type == "content_block_delta":
@@ -392,7 +413,7 @@ def test_an_upstream_that_drops_mid_stream_breaks_the_sdks_stream_as_directly_an
     request = {"model": "gpt-4o-mini", "messages": HELLO, "tools": [{"type": "function", "function": {"name": "w"}}]}
     seen = {}
     for via, base in (("direct", raw_upstream.url), ("tokenward", proxy.url)):
-        client = openai.OpenAI(base_url=f"{base}/v1", api_key="sk-test", max_retries=0)
+        client = openai_client(base_url=f"{base}/v1", api_key="sk-test", max_retries=0)
         calls = []
         with pytest.raises(Exception) as broke:  # noqa: B017, PT011 - whatever the SDK raises directly
             for event in client.chat.completions.create(**request, stream=True):
@@ -417,7 +438,7 @@ def test_tokenwards_own_retry_survives_any_retry_after_an_upstream_sends(start_p
     refusal = reply(b"429 Too Many Requests", f"retry-after: {after}\r\n".encode(), RATE_LIMITED)
     answers = [refusal, reply(b"200 OK", b"", CHAT_REPLY)]
     raw_upstream.script = lambda head, body: [answers.pop(0)]
-    client = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="sk-test", max_retries=0, timeout=5)
+    client = openai_client(base_url=f"{proxy.url}/v1", api_key="sk-test", max_retries=0, timeout=5)
     start = time.monotonic()
     assert client.chat.completions.create(model="gpt-4o-mini", messages=HELLO).usage.prompt_tokens == 8
     assert time.monotonic() - start < 2  # "inf" and "1e400" wait the backoff, not 30 s
