@@ -331,7 +331,7 @@ class UpstreamConfig(_Section):
     member it made the upstream add, also from a chunk that carries choices.
     ``retries``: how many times tokenward itself retries a request whose body it holds, before any
     reply byte reached the client, when the connection fails or the upstream answers one of
-    ``retry_statuses`` (backoff ``retry_backoff_s`` doubling, or the reply's ``Retry-After`` up to
+    ``retry_statuses`` (backoff ``retry_backoff_s`` doubling, or the reply's ``Retry-After`` in seconds up to
     30 s). Off by default: client SDKs retry on their own. ``unpriced`` overrides the pricing
     section's policy for requests to a model with no price. ``dialect``: the API the upstream
     speaks, ``openai`` or ``anthropic`` (default: ``anthropic`` when the name, the provider or the

@@ -178,6 +178,7 @@ _OUTCOME_BY_CODE = {
     "budget_exceeded": Outcome.REJECTED,
     "endpoint_not_allowed": Outcome.REJECTED,
     "tool_calls_unbounded": Outcome.REJECTED,
+    "websocket_not_supported": Outcome.REJECTED,
     "attribution_refused": Outcome.REJECTED,
     "isolation_refused": Outcome.REJECTED,
     "list_not_filtered": Outcome.UPSTREAM_ERROR,
@@ -305,6 +306,28 @@ def _framing_refused(scope: Scope) -> ProxyError | None:
     return None
 
 
+def _websocket_refused(scope: Scope) -> ProxyError | None:
+    """The refusal for a WebSocket handshake (``Upgrade: websocket``), or ``None``.
+
+    tokenward relays no WebSocket (OpenAI's Realtime API, the Responses API's WebSocket mode): the
+    server answers an upgrade as plain HTTP, and forwarded so (``Upgrade`` and ``Connection`` are
+    hop-by-hop) the handshake reached the provider as a GET it answered with some 4xx, which the SDK
+    reported as ``server rejected WebSocket connection: HTTP 400``, naming nothing. A session's
+    usage would not be metered either. Refused here with 501, before anything goes upstream.
+    """
+    for name, value in scope["headers"]:
+        if name == b"upgrade" and any(
+            token.split(b"/")[0].strip().lower() == b"websocket" for token in value.split(b",")
+        ):
+            message = (
+                "tokenward does not relay WebSocket connections (the Realtime API, the Responses API's "
+                "WebSocket mode): their usage could not be metered. Use the HTTP endpoints (for example "
+                "POST /v1/responses with stream: true), or connect to the provider directly."
+            )
+            return ProxyError(501, message, "websocket_not_supported")
+    return None
+
+
 def _as_identity(headers: list[tuple[bytes, bytes]], length: int) -> list[tuple[bytes, bytes]]:
     """``headers`` for a body sent decoded: no ``Content-Encoding``, a ``Content-Length`` of ``length`` bytes."""
     kept = [h for h in headers if h[0] not in (b"content-encoding", b"content-length", b"transfer-encoding")]
@@ -379,7 +402,7 @@ class Forwarder:
             return self._refuse(ex, ProxyError(exc.status, exc.message, exc.code))
         if found is None:
             return self.not_found(request)
-        framing = _framing_refused(scope)
+        framing = _framing_refused(scope) or _websocket_refused(scope)
         if framing is not None:
             ex = Exchange(endpoint="unknown", method=scope["method"], path=found.path, started_at=self.clock())
             return self._refuse(ex, framing)
@@ -1739,12 +1762,17 @@ def _budget_headers(budget: Budget, remaining: Decimal) -> list[tuple[bytes, byt
 
 
 def _retry_after(reply: UpstreamReply) -> float | None:
-    """Seconds from a reply's ``Retry-After`` header (the seconds form only)."""
+    """Seconds from a reply's ``Retry-After`` header (the seconds form only; ``None`` when it is not a finite number).
+
+    ``float`` also reads ``nan`` and ``inf`` (and ``1e400`` as ``inf``): a NaN made uvloop's sleep raise
+    (the client got a 500) and an infinity waited the whole 30 s cap.
+    """
     value = header(reply.headers, b"retry-after")
     try:
-        return max(float(value), 0.0) if value is not None else None
+        seconds = float(value) if value is not None else None
     except ValueError:
         return None
+    return max(seconds, 0.0) if seconds is not None and math.isfinite(seconds) else None
 
 
 def _asks_usage(options: Any) -> bool:

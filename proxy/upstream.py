@@ -227,6 +227,15 @@ class _AiohttpReply:
             self._response.close()
 
 
+MAX_REPLY_HEADER_BYTES = 32 * 1024
+"""The longest reply header (and status line) read from an upstream, in bytes. aiohttp's default,
+8,190, refused (502) heads the SDKs read directly: httpx's h11 and Node's undici take any head up
+to 16 KiB in all, however it is split."""
+MAX_REPLY_HEADERS = 1024
+"""The most reply headers read from an upstream (aiohttp's default, 128, refused a relay that copies
+its own upstream's headers); with :data:`MAX_REPLY_HEADER_BYTES`, a head holds at most 32 MiB."""
+
+
 class AiohttpUpstream:
     """:class:`UpstreamClient` on aiohttp (the default).
 
@@ -247,6 +256,9 @@ class AiohttpUpstream:
             auto_decompress=False,
             skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
             trust_env=False,
+            max_line_size=MAX_REPLY_HEADER_BYTES,
+            max_field_size=MAX_REPLY_HEADER_BYTES,
+            max_headers=MAX_REPLY_HEADERS,
         )
 
     async def send(
