@@ -8,7 +8,8 @@ them, 1 % unpriced and 1 % retried attempts. Each report runs the queries ``toke
 runs (the grouped rows and their total), on ``--threads`` DuckDB threads (default: every core),
 and its figures are the median wall time and process CPU time (every DuckDB thread) of ``--runs``
 runs after one warm-up. A terminal table shows at most ``report_cli.TABLE_ROWS`` groups (the dearest);
-CSV, JSON and Parquet get every group, so the 200,000 sessions are timed both ways. Every size is
+CSV, JSON and Parquet get every group, written by DuckDB (``reports.columnar``), so the 200,000
+sessions are timed both ways. Every size is
 generated and measured in a fresh process, whose peak RSS is printed. The ledgers go to a
 temporary directory under /tmp (about 40 MB per million rows) and are deleted afterwards
 unless ``--keep DIR`` names a directory to keep (and reuse) them in.
@@ -32,7 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tokenward.pricing.catalog import load_catalog  # noqa: E402
-from tokenward.reports import queries, views, whatif  # noqa: E402
+from tokenward.reports import columnar, queries, render, views, whatif  # noqa: E402
 from tokenward.reports.ledger import open_ledger  # noqa: E402
 from tokenward.reports.report_cli import TABLE_ROWS  # noqa: E402
 
@@ -133,6 +134,7 @@ def reports(conn, tz: str = "Europe/Paris") -> list[tuple[str, object]]:
         views.add_change(rows, previous, ["key"])
 
     team = queries.Selection(None, None, {"team": ["team-3"]}, tz)
+    every = render.columns_for(["session"])  # --format csv|json: every column, written by DuckDB
     return [
         ("by model", grouped(["model"])),
         ("by day (Europe/Paris)", grouped(["day"])),
@@ -143,7 +145,8 @@ def reports(conn, tz: str = "Europe/Paris") -> list[tuple[str, object]]:
         ("by end user (5000 groups)", grouped(["end_user"])),
         ("by session, top 20", grouped(["session"], top=20)),
         (f"by session, table ({TABLE_ROWS} shown)", grouped(["session"], shown=TABLE_ROWS)),
-        ("by session, all groups (csv)", grouped(["session"])),
+        ("by session, all groups (csv)", lambda: columnar.report_text(conn, ["session"], everything, every, "csv")),
+        ("by session, all groups (json)", lambda: columnar.report_text(conn, ["session"], everything, every, "json")),
         ("by tag", grouped(["tag"])),
         ("by model, team=team-3", grouped(["model"], team)),
         ("last 15 days vs the 15 before, by key", compare),

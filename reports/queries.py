@@ -40,6 +40,7 @@ __all__ = [
     "derive",
     "export_rows",
     "group_costs",
+    "groups_sql",
     "model_condition",
     "plain_models",
     "spend",
@@ -410,19 +411,8 @@ def _grouped_once(
     narrow: bool,
     shown: int | None,
 ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
-    measures = {**_GROUP_MEASURES, **(_DRIFT_MEASURES if drift else {})}
-    if narrow:
-        measures = {n: f"{sql}::BIGINT" if n in _TOKEN_SUMS else sql for n, sql in measures.items()}
-    keys = selection.group_keys(conn, dims)
-    if "tag" in dims:
-        ctes, params, extras = _tagged_sql(selection, dims, keys, measures, narrow=narrow, total=total)
-    else:
-        source, params = selection.rows(dims)
-        grouped = f"SELECT {''.join(f'{sql} AS {d}, ' for sql, d in zip(keys, dims, strict=True))}"
-        grouped += f"{', '.join(f'{sql} AS {n}' for n, sql in measures.items())} FROM {source}"
-        if dims:
-            grouped += f" GROUP BY {', '.join(str(i + 1) for i in range(len(dims)))}"
-        ctes, extras = f"g AS MATERIALIZED ({grouped})", {}
+    measures = _measures(drift, narrow)
+    ctes, params, extras = _group_ctes(conn, selection, dims, measures, narrow=narrow, total=total)
     limit = top or (shown if total else None)
     order = ", ".join(["cost_usd DESC NULLS LAST"] * bool(limit) + dims)
     # _total comes last, so that zipping a row with the measure names leaves it out
@@ -464,6 +454,67 @@ def _grouped_once(
             summed = {n: _money(v) if n.endswith("_usd") else v for n, v in pairs if n not in dims}
         rows += map(build, chunk)
     return rows, summed
+
+
+def _measures(drift: bool, narrow: bool) -> dict[str, str]:
+    """A group's measures (name -> SQL); ``narrow``: token sums cast to BIGINT."""
+    measures = {**_GROUP_MEASURES, **(_DRIFT_MEASURES if drift else {})}
+    if narrow:
+        measures = {n: f"{sql}::BIGINT" if n in _TOKEN_SUMS else sql for n, sql in measures.items()}
+    return measures
+
+
+def _group_ctes(
+    conn: duckdb.DuckDBPyConnection,
+    selection: Selection,
+    dims: list[str],
+    measures: dict[str, str],
+    *,
+    narrow: bool,
+    total: bool,
+) -> tuple[str, dict[str, Any], dict[str, str]]:
+    """``WITH`` clauses defining ``g`` (one row per group: ``dims``, then ``measures``), and their parameters.
+
+    Also the measures only the total has (with ``total`` and ``tag``: ``_whole`` too, see :func:`_tagged_sql`).
+    """
+    keys = selection.group_keys(conn, dims)
+    if "tag" in dims:
+        return _tagged_sql(selection, dims, keys, measures, narrow=narrow, total=total)
+    source, params = selection.rows(dims)
+    grouped = f"SELECT {''.join(f'{sql} AS {d}, ' for sql, d in zip(keys, dims, strict=True))}"
+    grouped += f"{', '.join(f'{sql} AS {n}' for n, sql in measures.items())} FROM {source}"
+    if dims:
+        grouped += f" GROUP BY {', '.join(str(i + 1) for i in range(len(dims)))}"
+    return f"g AS MATERIALIZED ({grouped})", params, {}
+
+
+def groups_sql(
+    conn: duckdb.DuckDBPyConnection,
+    by: Sequence[str],
+    selection: Selection,
+    *,
+    top: int | None = None,
+    drift: bool = False,
+    narrow: bool = True,
+) -> tuple[str, dict[str, Any], list[str], str]:
+    """The groups of :func:`spend` as one SQL query, for DuckDB to write out without Python rows.
+
+    Returns the query, its parameters, its measures' names (in :func:`spend`'s order; the
+    ratios of :func:`derive` are not in it) and its ``ORDER BY`` terms (empty for one group).
+    Its columns are the dimensions of ``by`` as grouped (an ``hour`` as the epoch microseconds it
+    began, not its label), then the measures (money as ``DECIMAL``, token sums ``BIGINT`` with
+    ``narrow``, else ``HUGEINT``), ordered as :func:`spend`'s rows (by cost with ``top``, then the
+    keys). Reading it raises ``duckdb.ConversionException`` when a ``narrow`` token sum is past 2^63.
+
+    Raises:
+        ValueError: unknown grouping or filter.
+    """
+    dims = [canonical(name) for name in by]
+    measures = _measures(drift, narrow)
+    ctes, params, _ = _group_ctes(conn, selection, dims, measures, narrow=narrow, total=False)
+    order = ", ".join(["cost_usd DESC NULLS LAST"] * bool(top) + dims)
+    limit = f" LIMIT {int(top)}" if top else ""
+    return f"WITH {ctes} SELECT * FROM g{' ORDER BY ' + order if order else ''}{limit}", params, list(measures), order
 
 
 def _row_builder(
