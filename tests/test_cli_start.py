@@ -342,7 +342,7 @@ SIM = "upstreams: [{name: openai, base_url: 'http://127.0.0.1:9/v1', provider: o
             f"{SIM}virtual_keys: [{{name: a, key: tw-a, max_budget: 5}}]",
             None,
             "Object contains unknown field `max_budget` - at `$.virtual_keys[0]`; this section takes name, key, "
-            "key_sha256, team, project, org, pool, allow_unmetered, attribution, runs, role",
+            "key_sha256, team, project, org, pool, allow_unmetered, attribution, runs, role, expires",
         ),
         (  # before: accepted, and a blocking budget that matched no request refused nothing
             f"{SIM}budgets: [{{name: b, limit_usd: 5, scope: {{upstream: opneai}}, action: block}}]",
