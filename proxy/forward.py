@@ -1289,7 +1289,7 @@ class Forwarder:
                     self._record_attempt(ex, attempt + 1, failure.status, failure.message)
                 delay = policy.retry_backoff_s * 2**attempt
             else:
-                if last or reply.status not in policy.retry_statuses:
+                if last or reply.status not in policy.retry_statuses or _retry_refused(reply):
                     if notes:
                         ex.error = f"succeeded after {len(notes)} retries: " + "; ".join(notes)
                     return reply
@@ -1759,6 +1759,16 @@ def _budget_headers(budget: Budget, remaining: Decimal) -> list[tuple[bytes, byt
         (b"x-tokenward-budget", header_name(budget.name)),
         (b"x-tokenward-budget-remaining-usd", usd_text(remaining).encode()),
     ]
+
+
+def _retry_refused(reply: UpstreamReply) -> bool:
+    """Whether the upstream said not to retry (``x-should-retry: false``, which OpenAI and Anthropic send).
+
+    The openai and anthropic SDKs honour it before the status (``_should_retry`` in their
+    ``_base_client.py``, read 2026-12-02); tokenward's own retries do the same.
+    """
+    value = header(reply.headers, b"x-should-retry")
+    return value is not None and value.strip().lower() == "false"
 
 
 def _retry_after(reply: UpstreamReply) -> float | None:

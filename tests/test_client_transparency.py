@@ -445,3 +445,20 @@ def test_tokenwards_own_retry_survives_any_retry_after_an_upstream_sends(start_p
     (row,) = proxy.rows(1)
     assert (row["outcome"], row["http_status"], row["cost_usd"]) == ("ok", 200, Decimal("0.0000018"))
     assert row["error"] == "succeeded after 1 retries: upstream answered 429"
+
+
+def test_tokenwards_own_retry_honours_x_should_retry_false(start_proxy, raw_upstream):
+    """A 429 that says ``x-should-retry: false`` reaches the client at once, as the SDKs treat it: one attempt."""
+    upstream = UpstreamConfig(
+        name="test", base_url=f"{raw_upstream.url}/v1", provider="test", default=True, retries=2, retry_backoff_s=0.01
+    )
+    proxy = start_proxy(upstreams=[upstream], catalog=load_catalog([PRICES], builtin=False))
+    refusal = reply(b"429 Too Many Requests", b"x-should-retry: false\r\n", RATE_LIMITED)
+    answers = [refusal, reply(b"200 OK", b"", CHAT_REPLY)]
+    raw_upstream.script = lambda head, body: [answers.pop(0)]
+    client = openai_client(base_url=f"{proxy.url}/v1", api_key="sk-test", max_retries=0, timeout=5)
+    with pytest.raises(openai.RateLimitError):
+        client.chat.completions.create(model="gpt-4o-mini", messages=HELLO)
+    assert len(raw_upstream.requests) == 1 and len(answers) == 1  # before: retried, and the client got the 200
+    (row,) = proxy.rows(1)
+    assert (row["http_status"], row["cost_usd"]) == (429, Decimal("0"))
