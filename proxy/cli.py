@@ -235,9 +235,14 @@ def config_check(config_path: str) -> None:
     for note in provider_notes(config, {entry.provider for entry in catalog.entries.values()}):
         click.echo(f"note: {note}", err=True)
     click.echo(
-        f"{config_path}: ok ({len(config.upstreams)} upstreams, {len(config.budgets)} budgets, "
+        f"{config_path}: ok ({_count(len(config.upstreams), 'upstream')}, {_count(len(config.budgets), 'budget')}, "
         f"auth {config.auth.mode}, ledger {config.open_ledger().name})"
     )
+
+
+def _count(n: int, noun: str) -> str:
+    """``1 budget``, ``2 budgets``."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 @config_group.command("reference")

@@ -265,7 +265,7 @@ def test_every_command_answers_dash_h_and_the_version_is_shown():
 
 def test_config_check_validates_like_serve(tmp_path):
     good = tokenward("config", "check", "--config", str(ROOT / "config.example.yaml"))
-    assert good.returncode == 0 and "config.example.yaml: ok (5 upstreams, 1 budgets, auth passthrough" in good.stdout
+    assert good.returncode == 0 and "config.example.yaml: ok (5 upstreams, 1 budget, auth passthrough"  # before: "1 budgets" in good.stdout
     bad = tmp_path / "bad.yaml"
     bad.write_text("upstreams: [{name: a, base_url: 'http://x', retries: -3}]\n")
     assert one_line_error(tokenward("config", "check", "--config", str(bad))).endswith("$.upstreams[0].retries`")
