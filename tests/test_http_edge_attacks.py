@@ -39,17 +39,22 @@ def provider_key(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("EDGE_KEY", PROVIDER_KEY)
 
 
+SHARED_FT = "ft:gpt-4o-mini:acme::a1"
+
+
 @contextmanager
 def proxy(upstream_url: str, ledger: Path, allow: tuple[str, ...] | None = None, **upstream: Any) -> Iterator[str]:
     """A proxy holding ``EDGE_KEY`` for the virtual key ``KEY``, under a $0.01 blocking budget.
 
     ``allow``: ``auth.allow_unmetered`` (default: the defaults); ``upstream``: more ``UpstreamConfig`` fields.
+    :data:`SHARED_FT` is a fine-tune the operator shares with every key (``auth.shared_models``).
     """
     config = Config(
         upstreams=[UpstreamConfig(name="go", base_url=f"{upstream_url}/v1", provider="openai", api_key_env="EDGE_KEY",
                                   **upstream)],
         ledger=LedgerConfig(path=str(ledger), flush_interval_s=0.05),
-        auth=AuthConfig(mode="virtual_keys") if allow is None else AuthConfig(mode="virtual_keys", allow_unmetered=allow),
+        auth=AuthConfig(mode="virtual_keys", shared_models=[SHARED_FT]) if allow is None
+        else AuthConfig(mode="virtual_keys", allow_unmetered=allow, shared_models=[SHARED_FT]),
         virtual_keys=[VirtualKeyConfig(name="agent", key=KEY)],
         budgets=[BudgetSettings(name="cap", limit_usd=Decimal("0.01"), period="total", action="block")],
     )  # fmt: skip
@@ -268,7 +273,7 @@ class OverridingUpstream:
 )
 def test_a_method_override_cannot_turn_an_allowed_get_into_a_delete(tmp_path, target, header):
     # The default allow_unmetered lets GET models/* pass and not DELETE models/* (deleting a fine-tuned
-    # model); an upstream that honours the override deleted the operator's fine-tune (before: 200
+    # model, here one shared with every key so that it can be looked up); an upstream that honours the override deleted the operator's fine-tune (before: 200
     # {"deleted": true}, and the row said GET)
     upstream = OverridingUpstream()
     extra = f"{header}\r\n".encode() if header else b""
