@@ -19,7 +19,7 @@ import psycopg
 
 from tokenward.reports.ledger.errors import LedgerError
 from tokenward.reports.ledger.pg_pool import SyncPool
-from tokenward.reports.ledger.state import AlertKey, ClaimRecord, DeliveryRecord, StoredKey
+from tokenward.reports.ledger.state import AlertKey, ClaimRecord, DeliveryRecord, StoredKey, claims_filter
 
 __all__ = ["PgState"]
 
@@ -84,21 +84,7 @@ class PgState:
         starting: tuple[dt.datetime, dt.datetime] | None = None,
     ) -> list[ClaimRecord]:
         """See :meth:`StateStore.claims`."""
-        clauses: list[str] = []
-        params: list[Any] = []
-        if budget is not None:
-            clauses.append("budget = %s")
-            params.append(budget)
-        if starting is not None:
-            clauses.append("period_start >= %s AND period_start < %s")
-            params += [starting[0], starting[1]]
-        if status is not None:
-            clauses.append("status = %s")
-            params.append(status)
-        if kind is not None:
-            clauses.append("kind = %s")
-            params.append(kind)
-        where = (" WHERE " + " AND ".join(clauses)) if clauses else ""
+        where, params = claims_filter("%s", status=status, kind=kind, budget=budget, starting=starting)
         rows = self._run(
             "SELECT budget, period_start, kind, threshold, status, detail, attempts, created_at, last_error "
             f"FROM alert_claims{where} ORDER BY claim_no",

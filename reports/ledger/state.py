@@ -33,6 +33,7 @@ __all__ = [
     "SqliteState",
     "StateStore",
     "StoredKey",
+    "claims_filter",
 ]
 
 T = TypeVar("T")
@@ -86,6 +87,28 @@ class StoredKey:
     revoked_at: dt.datetime | None
     expires_at: dt.datetime | None = None
     """When the key stops working (UTC; ``None``: never); a proxy refuses it from then on with 401 ``key_expired``."""
+
+
+def claims_filter(
+    mark: str, *, status: str | None, kind: str | None, budget: str | None, starting: tuple[Any, Any] | None
+) -> tuple[str, list[Any]]:
+    """The ``WHERE`` clause (``""`` for none) and its parameters of :meth:`StateStore.claims`, either engine.
+
+    ``mark`` is the driver's placeholder (``?`` for sqlite3, ``%s`` for psycopg); ``starting``
+    is ``(since, until)`` already in the engine's form of a time.
+    """
+    clauses: list[str] = []
+    params: list[Any] = []
+    for clause, values in (
+        ("budget = {m}", [budget] if budget is not None else None),
+        ("period_start >= {m} AND period_start < {m}", list(starting) if starting is not None else None),
+        ("status = {m}", [status] if status is not None else None),
+        ("kind = {m}", [kind] if kind is not None else None),
+    ):
+        if values is not None:
+            clauses.append(clause.format(m=mark))
+            params += values
+    return (" WHERE " + " AND ".join(clauses)) if clauses else "", params
 
 
 class StateStore(Protocol):
@@ -358,21 +381,8 @@ class SqliteState:
         starting: tuple[dt.datetime, dt.datetime] | None = None,
     ) -> list[ClaimRecord]:
         """See :meth:`StateStore.claims`."""
-        clauses: list[str] = []
-        params: list[Any] = []
-        if budget is not None:
-            clauses.append("budget = ?")
-            params.append(budget)
-        if starting is not None:
-            clauses.append("period_start >= ? AND period_start < ?")
-            params += [_iso(starting[0]), _iso(starting[1])]
-        if status is not None:
-            clauses.append("status = ?")
-            params.append(status)
-        if kind is not None:
-            clauses.append("kind = ?")
-            params.append(kind)
-        where = (" WHERE " + " AND ".join(clauses)) if clauses else ""
+        window = (_iso(starting[0]), _iso(starting[1])) if starting is not None else None
+        where, params = claims_filter("?", status=status, kind=kind, budget=budget, starting=window)
         rows = self._run(
             "SELECT budget, period_start, kind, threshold, status, detail, attempts, created_at, last_error "
             f"FROM alert_claims{where} ORDER BY rowid",
