@@ -281,6 +281,13 @@ def _keep_reply_shape(found: Target, headers: list[tuple[bytes, bytes]]) -> None
         raise ProxyError(400, message, "parameter_refused")
 
 
+_WEBSOCKET_REFUSED = (
+    "tokenward does not relay WebSocket connections (the Realtime API, the Responses API's WebSocket mode): "
+    "their usage could not be metered. Use the HTTP endpoints (for example POST /v1/responses with "
+    "stream: true), or connect to the provider directly."
+)
+
+
 def _framing_refused(scope: Scope) -> ProxyError | None:
     """The refusal for a request framed by a transfer coding tokenward does not apply, or ``None``.
 
@@ -289,8 +296,19 @@ def _framing_refused(scope: Scope) -> ProxyError | None:
     coded bytes as if they were the content. RFC 9112 6.1: a server receiving a transfer coding it
     does not understand should answer 501; an HTTP/1.0 message with ``Transfer-Encoding`` has faulty
     framing (400).
+
+    A WebSocket handshake (``Upgrade: websocket``) is refused in the same pass over the headers, with
+    501 ``websocket_not_supported``. tokenward relays no WebSocket (OpenAI's Realtime API, the
+    Responses API's WebSocket mode). The server answers an upgrade as plain HTTP, and when it was
+    forwarded so (``Upgrade`` and ``Connection`` are hop-by-hop), the handshake reached the provider
+    as a GET it answered with some 4xx. The SDK then reported ``server rejected WebSocket
+    connection: HTTP 400``, naming nothing. A session's usage would not be metered either.
     """
     for name, value in scope["headers"]:
+        if name == b"upgrade" and any(
+            token.split(b"/")[0].strip().lower() == b"websocket" for token in value.split(b",")
+        ):
+            return ProxyError(501, _WEBSOCKET_REFUSED, "websocket_not_supported")
         if name != b"transfer-encoding":
             continue
         if scope.get("http_version") == "1.0":
@@ -303,28 +321,6 @@ def _framing_refused(scope: Scope) -> ProxyError | None:
                 "chunked or with a Content-Length (compress it with Content-Encoding instead)."
             )
             return ProxyError(501, message, "unsupported_transfer_coding")
-    return None
-
-
-def _websocket_refused(scope: Scope) -> ProxyError | None:
-    """The refusal for a WebSocket handshake (``Upgrade: websocket``), or ``None``.
-
-    tokenward relays no WebSocket (OpenAI's Realtime API, the Responses API's WebSocket mode): the
-    server answers an upgrade as plain HTTP, and forwarded so (``Upgrade`` and ``Connection`` are
-    hop-by-hop) the handshake reached the provider as a GET it answered with some 4xx, which the SDK
-    reported as ``server rejected WebSocket connection: HTTP 400``, naming nothing. A session's
-    usage would not be metered either. Refused here with 501, before anything goes upstream.
-    """
-    for name, value in scope["headers"]:
-        if name == b"upgrade" and any(
-            token.split(b"/")[0].strip().lower() == b"websocket" for token in value.split(b",")
-        ):
-            message = (
-                "tokenward does not relay WebSocket connections (the Realtime API, the Responses API's "
-                "WebSocket mode): their usage could not be metered. Use the HTTP endpoints (for example "
-                "POST /v1/responses with stream: true), or connect to the provider directly."
-            )
-            return ProxyError(501, message, "websocket_not_supported")
     return None
 
 
@@ -402,7 +398,7 @@ class Forwarder:
             return self._refuse(ex, ProxyError(exc.status, exc.message, exc.code))
         if found is None:
             return self.not_found(request)
-        framing = _framing_refused(scope) or _websocket_refused(scope)
+        framing = _framing_refused(scope)
         if framing is not None:
             ex = Exchange(endpoint="unknown", method=scope["method"], path=found.path, started_at=self.clock())
             return self._refuse(ex, framing)
